@@ -1,0 +1,45 @@
+"""The small collectives interface communicators are written against.
+
+``grace_dl.torch.collectives`` and ``grace_dl.tensorflow.collectives`` implement it on Horovod
+(``horovod.torch``'s async handles; ``horovod.tensorflow``'s ops, which TF schedules itself).
+Every call takes an explicit ``name``: Horovod matches collectives across ranks by name, so
+names derived from tensor names keep ranks independent of hook or trace order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class Collectives(ABC):
+    @abstractmethod
+    def size(self) -> int:
+        """Number of ranks taking part."""
+
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's rank within them."""
+
+    @abstractmethod
+    def allreduce_async(self, tensor, name: str):
+        """Start an element-wise **sum** of ``tensor`` over ranks; returns a handle."""
+
+    @abstractmethod
+    def allgather_async(self, tensor, name: str):
+        """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
+
+    @abstractmethod
+    def broadcast_async(self, tensor, root: int, name: str):
+        """Start sending ``root``'s ``tensor`` to every rank."""
+
+    @abstractmethod
+    def alltoall_async(self, tensor, splits, name: str):
+        """Start an all-to-all: rows ``splits[j]`` of ``tensor`` go to rank j. The handle
+        resolves to ``(received, received_splits)``."""
+
+    @abstractmethod
+    def synchronize(self, handle):
+        """Wait for a handle; returns its result tensor (a tuple for ``alltoall``)."""
+
+    def barrier(self) -> None:
+        """Block until every rank gets here (used by tests and set-up checks)."""

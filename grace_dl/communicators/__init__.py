@@ -1,0 +1,1 @@
+"""Communicators, one module each, written on grace_dl.collectives."""

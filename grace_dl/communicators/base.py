@@ -1,0 +1,156 @@
+"""The ``Communicator`` abstraction: one compressor, one memory, one way of moving payloads.
+
+``send(tensor, name)`` compensates with the memory, compresses, updates the memory and *starts*
+the collectives (it returns at once with a handle, so communication overlaps the rest of the
+backward pass); ``receive(handle)`` waits, decompresses, aggregates and averages. The object
+returned by ``grace_from_params`` is a communicator: it is what ``grace=`` takes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from grace_dl.backend import collectives_for, ops_for
+
+AVERAGE = "average"
+SUM = "sum"
+OPS = (AVERAGE, SUM)
+
+
+@dataclass
+class Handle:
+    """What ``send`` gives back; pass it to ``receive``."""
+
+    name: str
+    op: str
+    ctx: Any
+    pending: Any          # the subclass's in-flight collectives
+    coll: Any             # the Collectives the tensor travels on
+    extra: dict = field(default_factory=dict)
+
+
+class ByteCounter:
+    """Bytes a communicator really moved for this rank: per tensor name and per step.
+
+    ``sent`` counts what this rank puts on the wire, ``received`` what it gets back from
+    the others (its own contribution excluded). ``end_step`` closes a step."""
+
+    def __init__(self):
+        self.sent = defaultdict(int)
+        self.received = defaultdict(int)
+        self.steps: list[dict] = []
+
+    def add(self, name: str, sent: int = 0, received: int = 0) -> None:
+        self.sent[name] += int(sent)
+        self.received[name] += int(received)
+
+    def end_step(self) -> dict:
+        summary = {"sent": sum(self.sent.values()), "received": sum(self.received.values()),
+                   "per_tensor": {k: (self.sent[k], self.received[k]) for k in self.sent}}
+        self.steps.append(summary)
+        self.sent.clear()
+        self.received.clear()
+        return summary
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+        self.steps.clear()
+
+
+class Communicator(ABC):
+    """Base of every communicator. Subclasses implement ``_start`` and ``_finish`` and may
+    restrict the compressors they carry by overriding ``check_compressor``."""
+
+    #: registry name, set by ``register_communicator``
+    name: str = ""
+
+    def __init__(self, compressor, memory, process_set=None):
+        self.check_compressor(compressor)
+        self.compressor = compressor
+        self.memory = memory
+        self.process_set = process_set
+        self.bytes = ByteCounter()
+
+    # ------------------------------------------------------------------ compatibility
+    @classmethod
+    def check_compressor(cls, compressor) -> None:
+        """Raise ``ValueError`` if this communicator cannot carry ``compressor`` correctly."""
+
+    def check_op(self, op: str) -> str:
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        return op
+
+    # ------------------------------------------------------------------ the async pair
+    def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
+        op = self.check_op(op)
+        coll = collectives_for(tensor, self.process_set)
+        compensated = self.memory.compensate(tensor, name)
+        payload, ctx = self.compressor.compress(compensated, name)
+        if self.compressor.rounds == 1:
+            self.memory.update(compensated, name, self.compressor, payload, ctx)
+        handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=coll,
+                        extra={"compensated": compensated})
+        handle.pending = self._start(payload, handle)
+        return handle
+
+    def receive(self, handle: Handle):
+        out = self._finish(handle)
+        if handle.op == AVERAGE and self.compressor.average:
+            out = out / handle.coll.size()
+        return out
+
+    def synchronize(self, tensor, name: str, op: str = AVERAGE):
+        """``receive(send(...))``: the blocking form."""
+        return self.receive(self.send(tensor, name, op))
+
+    @abstractmethod
+    def _start(self, payload, handle: Handle):
+        """Start the collectives for ``payload``; return what ``_finish`` needs."""
+
+    @abstractmethod
+    def _finish(self, handle: Handle):
+        """Wait for the collectives and return the aggregated (summed) tensor."""
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def wire_name(name: str, part: str) -> str:
+        """Collective name for one piece of one tensor's traffic."""
+        return f"grace.{name}.{part}"
+
+    def count(self, name: str, tensors, sent: bool = True, received_from: int = 0) -> None:
+        """Add ``tensors``' bytes to the counters: as sent, and/or as received from
+        ``received_from`` other ranks."""
+        n = sum(int(ops_for(t).nbytes(t)) for t in tensors) if tensors else 0
+        self.bytes.add(name, sent=n if sent else 0, received=n * received_from)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.memory.load_state_dict(state.get("memory", {}))
+
+    def config(self) -> dict:
+        """Everything that must agree across ranks (see ``fingerprint``)."""
+        return {"communicator": self.name or type(self).__name__,
+                "compressor": type(self.compressor).__name__, **{
+                    f"compressor.{k}": v for k, v in self.compressor.config().items()},
+                "memory": type(self.memory).__name__, **{
+                    f"memory.{k}": v for k, v in self.memory.config().items()}}
+
+    def fingerprint(self) -> str:
+        """A short digest of ``config()``; ranks compare it before the first step."""
+        import hashlib
+        import json
+
+        text = json.dumps(self.config(), sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.compressor!r}, {self.memory!r})"

@@ -1,0 +1,106 @@
+"""The ``Compressor`` abstraction (GRACE, Xu et al. 2021, "GRACE: A Compressed Communication
+Framework for Distributed Machine Learning").
+
+A compressor turns one gradient into a *payload* (a list of tensors: the only thing that crosses
+the wire) plus a *ctx* that stays on the local rank, and back. It is written once against
+``grace_dl.backend.ops_for(tensor)`` and serves torch and TensorFlow tensors alike.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from grace_dl.backend import ops_for
+from grace_dl.state import State
+
+
+class Compressor(ABC):
+    """Base class of every compression method.
+
+    Subclasses implement ``compress`` and ``decompress`` and declare what the wire may do with
+    their payloads:
+
+    ``allreduce_safe``
+        Payloads from different ranks may be summed element-wise on the wire and the sum
+        decompressed once (fp16, randomk with shared indices, PowerSGD's P and Q). Otherwise
+        payloads must be gathered and decompressed one by one (topk, signs, qsgd with
+        per-rank norms, ...).
+    ``equal_sizes``
+        Every rank's payload has the same shapes (False for threshold or DGC, whose number of
+        kept elements varies).
+    ``average``
+        After aggregation, ``op=Average`` divides by the number of ranks. False for methods
+        whose aggregate is already a normalised quantity (majority-vote signs).
+    ``two_phase_safe``
+        The method may be carried by the two-phase (scatter-reduce / gather) communicator: it
+        compresses any 1-D chunk of a tensor independently (quantizers, signs).
+    ``rounds``
+        Collective rounds a compression takes (1, or 2 for PowerSGD). A multi-round compressor
+        implements ``next_round``.
+
+    Training state (step counters, momenta, warm-start matrices) lives in ``self.state`` so
+    that ``state_dict``/``load_state_dict`` carry it through checkpoints.
+    """
+
+    allreduce_safe: bool = False
+    equal_sizes: bool = True
+    average: bool = True
+    two_phase_safe: bool = False
+    rounds: int = 1
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+        self.state = State()
+
+    # ------------------------------------------------------------------ the contract
+    @abstractmethod
+    def compress(self, tensor, name: str):
+        """Compress ``tensor`` (identified across ranks and steps by ``name``).
+
+        Returns ``(payload, ctx)``: ``payload`` is a list of tensors to communicate, ``ctx``
+        anything the local rank needs to decompress (never communicated).
+        """
+
+    @abstractmethod
+    def decompress(self, payload, ctx):
+        """Rebuild a tensor with the original shape and dtype from ``payload`` and ``ctx``."""
+
+    def aggregate(self, tensors):
+        """Combine the decompressed tensors of all ranks (default: their sum; the communicator
+        divides by the number of ranks for ``op=Average`` when ``average`` is True)."""
+        total = tensors[0]
+        for t in tensors[1:]:
+            total = total + t
+        return total
+
+    def next_round(self, reduced, ctx):
+        """For multi-round compressors: given the reduced payload of the last round, return
+        ``(payload, ctx)`` for another round, or ``None`` when ``reduced`` is final."""
+        return None
+
+    def payload_nbytes(self, numel: int, dtype: str = "float32") -> int | None:
+        """Bytes the payload of an ``numel``-element tensor has on the wire, from the method's
+        formula; ``None`` where it depends on the data (threshold). Used by tests to check the
+        honest-bytes promise and by the strategy cost model."""
+        return None
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def next_step(self, name: str, tensor):
+        """Count one more compression of ``name``; returns the step (1, 2, ...). Used to key
+        seeded randomness so ranks agree without sharing an RNG."""
+        return self.state.next_step(f"step/{name}", ops_for(tensor))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
+    def config(self) -> dict:
+        """The constructor arguments that define this compressor (for fingerprints/strategies)."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,1 @@
+"""Error-feedback memories, one module each."""

@@ -1,0 +1,38 @@
+"""The ``Memory`` abstraction: error feedback (Seide et al. 2014; Karimireddy et al. 2019).
+
+Before compression the memory *compensates* a gradient with what earlier compressions lost;
+after compression it *updates* what was lost this time. Its per-tensor state is training state
+and travels through ``state_dict``/``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from grace_dl.state import State
+
+
+class Memory(ABC):
+    def __init__(self):
+        self.state = State()
+
+    @abstractmethod
+    def compensate(self, tensor, name: str):
+        """Return the tensor to compress: ``tensor`` corrected by the stored error for ``name``."""
+
+    @abstractmethod
+    def update(self, tensor, name: str, compressor, payload, ctx) -> None:
+        """Record what compressing ``tensor`` (the compensated one) into ``payload`` lost."""
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
+    def config(self) -> dict:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
+        return f"{type(self).__name__}({args})"

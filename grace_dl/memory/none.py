@@ -1,0 +1,15 @@
+"""``none``: no error feedback; what compression loses is lost."""
+
+from __future__ import annotations
+
+from grace_dl.memory.base import Memory
+from grace_dl.registry import register_memory
+
+
+@register_memory("none")
+class NoneMemory(Memory):
+    def compensate(self, tensor, name):
+        return tensor
+
+    def update(self, tensor, name, compressor, payload, ctx):
+        pass

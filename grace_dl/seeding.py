@@ -1,0 +1,45 @@
+"""Deterministic randomness for compressors.
+
+Every random draw is keyed by ``(seed, tensor name, step)``: the same key gives the same numbers
+on every rank, in torch and in TensorFlow, whatever order tensors are compressed in. Nothing here
+touches a global RNG. Draws are made with NumPy's counter-based Philox generator and handed to the
+framework backend, so torch and TF see bit-identical random streams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def stable_hash(name: str) -> int:
+    """A 64-bit hash of ``name`` that is the same in every process (unlike ``hash()``)."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def generator(seed: int, name: str, step: int) -> np.random.Generator:
+    """A fresh generator for one (seed, name, step) draw."""
+    h = stable_hash(name)
+    key = np.array([h & 0xFFFFFFFFFFFFFFFF, (int(seed) << 32) ^ (int(step) & 0xFFFFFFFF)],
+                   dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(key=key))
+
+
+def uniform(seed: int, name: str, step: int, n: int) -> np.ndarray:
+    """``n`` float32 draws from U[0, 1)."""
+    return generator(seed, name, step).random(int(n), dtype=np.float32)
+
+
+def normal(seed: int, name: str, step: int, shape) -> np.ndarray:
+    """Standard normal float32 draws of ``shape``."""
+    return generator(seed, name, step).standard_normal(tuple(shape), dtype=np.float32)
+
+
+def choice(seed: int, name: str, step: int, n: int, k: int) -> np.ndarray:
+    """``k`` distinct indices in ``[0, n)``, drawn without replacement (int64, unsorted).
+
+    NumPy's ``Generator.choice(replace=False, shuffle=False)`` uses Floyd's algorithm with a set
+    when ``k`` is small against ``n``, so the cost is O(k), not O(n).
+    """
+    return generator(seed, name, step).choice(int(n), size=int(k), replace=False, shuffle=False)

@@ -1,0 +1,95 @@
+"""Per-tensor training state: residuals, momenta, PowerSGD's Q, step counters.
+
+Compressors and memories keep everything that must survive a checkpoint in a ``State``. Slots are
+created lazily the first time a tensor name is seen (as backend variables: a torch tensor updated
+in place, or a ``tf.Variable``), and ``load_state_dict`` may be called before any slot exists:
+its values are then used when the slot is created, so a fresh process restored from a
+checkpoint continues exactly where the saved one stopped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class State:
+    def __init__(self):
+        self._slots: dict = {}
+        self._pending: dict[str, np.ndarray] = {}
+
+    def slot(self, key: str, ops, init, dt: str, like=None):
+        """The variable for ``key``; on first use it starts from ``init`` (a NumPy array, or a
+        callable returning one), unless a loaded state dict supplied a value."""
+        var = self._slots.get(key)
+        if var is None:
+            value = self._pending.pop(key, None)
+            if value is None:
+                value = init() if callable(init) else init
+            var = ops.variable(value, dt, like=like, name=key)
+            self._slots[key] = var
+        return var
+
+    def zeros(self, key: str, ops, like):
+        """A slot shaped and typed like the tensor ``like``, starting at zero."""
+        shape = ops.shape(like)
+        return self.slot(key, ops, lambda: np.zeros(shape, np.float32), ops.dtype(like), like)
+
+    def next_step(self, key: str, ops):
+        """Increment the counter ``key`` and return its new value (1 on the first call)."""
+        var = self._slots.get(key)
+        if var is None:
+            start = self._pending.pop(key, None)
+            var = ops.variable(np.asarray(0 if start is None else start, np.int64), "int64",
+                               name=key)
+            self._slots[key] = var
+        return ops.increment(var)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._slots or key in self._pending
+
+    def keys(self):
+        return list(self._slots) + [k for k in self._pending if k not in self._slots]
+
+    def variables(self) -> dict:
+        """The live backend variables by key (TensorFlow code tracks these for checkpoints)."""
+        return dict(self._slots)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        out = {k: np.asarray(v) for k, v in self._pending.items()}
+        for key, var in self._slots.items():
+            out[key] = _to_numpy(var)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            value = np.asarray(value)
+            var = self._slots.get(key)
+            if var is None:
+                self._pending[key] = value
+            else:
+                _assign_numpy(var, value)
+
+
+def _to_numpy(var) -> np.ndarray:
+    if hasattr(var, "detach"):  # torch
+        t = var.detach()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return t.cpu().numpy().copy()
+    value = var.read_value() if hasattr(var, "read_value") else var
+    if value.dtype.name == "bfloat16":
+        import tensorflow as tf
+
+        value = tf.cast(value, tf.float32)
+    return value.numpy().copy()
+
+
+def _assign_numpy(var, value: np.ndarray) -> None:
+    if hasattr(var, "copy_"):  # torch
+        import torch
+
+        var.copy_(torch.from_numpy(np.ascontiguousarray(value)).to(var.dtype))
+    else:
+        import tensorflow as tf
+
+        var.assign(tf.cast(value, var.dtype))

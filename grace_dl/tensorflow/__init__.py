@@ -1,0 +1,1 @@
+"""TensorFlow side: tensor ops backend, Horovod TF collectives, tape and Keras glue."""

@@ -1,0 +1,325 @@
+"""Tensor-ops backend for TensorFlow tensors (eager and inside ``tf.function``).
+
+Same functions, same meaning as ``grace_dl.torch.ops`` (see its docstring for conventions).
+Shapes are static Python ints where TF knows them; a dimension only known at run time (the
+variable-length payloads of threshold/DGC) comes back as a scalar tensor.
+Seeded draws go through ``tf.numpy_function`` when the step is a graph tensor, so they give the
+same numbers as the torch backend for the same (seed, name, step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from grace_dl import seeding
+
+NAME = "tensorflow"
+
+_DTYPES = {
+    "float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
+    "float64": tf.float64, "uint8": tf.uint8, "int8": tf.int8, "int16": tf.int16,
+    "int32": tf.int32, "int64": tf.int64, "bool": tf.bool,
+}
+
+
+def is_tensor(x) -> bool:
+    return tf.is_tensor(x) or isinstance(x, tf.Variable)
+
+
+# ------------------------------------------------------------------ dtype, shape
+def dtype(x) -> str:
+    return x.dtype.name
+
+
+def cast(x, dt: str):
+    return tf.cast(x, _DTYPES[dt])
+
+
+def is_floating(x) -> bool:
+    return x.dtype.is_floating
+
+
+def shape(x) -> tuple:
+    static = x.shape.as_list() if x.shape.rank is not None else None
+    if static is not None and all(d is not None for d in static):
+        return tuple(static)
+    dyn = tf.shape(x)
+    return tuple(d if d is not None else dyn[i] for i, d in enumerate(static or []))
+
+
+def numel(x):
+    n = x.shape.num_elements()
+    return n if n is not None else tf.size(x)
+
+
+def nbytes(x):
+    return numel(x) * x.dtype.size
+
+
+def reshape(x, shp):
+    return tf.reshape(x, shp)
+
+
+def flatten(x):
+    return tf.reshape(x, [-1])
+
+
+def transpose(x):
+    return tf.transpose(x)
+
+
+# ------------------------------------------------------------------ creation
+def zeros(shp, dt: str = "float32", like=None):
+    return tf.zeros(shp, dtype=_DTYPES[dt])
+
+
+def zeros_like(x):
+    return tf.zeros_like(x)
+
+
+def ones_like(x):
+    return tf.ones_like(x)
+
+
+def full(shp, value, dt: str = "float32", like=None):
+    return tf.fill(shp if not isinstance(shp, int) else [shp], tf.constant(value, _DTYPES[dt]))
+
+
+def arange(n, dt: str = "int64", like=None):
+    return tf.range(n, dtype=_DTYPES[dt])
+
+
+def from_numpy(arr, like=None):
+    return tf.convert_to_tensor(arr)
+
+
+def to_numpy(x) -> np.ndarray:
+    if x.dtype == tf.bfloat16:
+        x = tf.cast(x, tf.float32)
+    return x.numpy()
+
+
+def scalar(x) -> float:
+    return x.numpy().item()
+
+
+def copy(x):
+    return tf.identity(x)
+
+
+# ------------------------------------------------------------------ math
+abs = tf.math.abs  # noqa: A001
+sign = tf.math.sign
+sqrt = tf.math.sqrt
+floor = tf.math.floor
+ceil = tf.math.ceil
+round = tf.math.round  # noqa: A001  (half to even, as torch)
+maximum = tf.math.maximum
+minimum = tf.math.minimum
+isfinite = tf.math.is_finite
+
+
+def log2(x):
+    return tf.math.log(x) / tf.cast(math.log(2.0), x.dtype)
+
+
+def exp2(x):
+    return tf.math.pow(tf.cast(2.0, x.dtype), x)
+
+
+def clamp(x, lo=None, hi=None):
+    if lo is not None:
+        x = tf.math.maximum(x, tf.cast(lo, x.dtype))
+    if hi is not None:
+        x = tf.math.minimum(x, tf.cast(hi, x.dtype))
+    return x
+
+
+def where(cond, a, b):
+    return tf.where(cond, a, b)
+
+
+def logical_and(a, b):
+    return tf.math.logical_and(a, b)
+
+
+def sum(x, axis=None):  # noqa: A001
+    return tf.reduce_sum(x, axis=axis)
+
+
+def mean(x, axis=None):
+    return tf.reduce_mean(x, axis=axis)
+
+
+def max(x, axis=None):  # noqa: A001
+    return tf.reduce_max(x, axis=axis)
+
+
+def min(x, axis=None):  # noqa: A001
+    return tf.reduce_min(x, axis=axis)
+
+
+def norm(x, axis=None):
+    """L2 norm (of everything, or along ``axis``)."""
+    return tf.norm(x, axis=axis) if axis is not None else tf.norm(tf.reshape(x, [-1]))
+
+
+def matmul(a, b):
+    return tf.linalg.matmul(a, b)
+
+
+# ------------------------------------------------------------------ joining, slicing, indexing
+def cat(xs, axis=0):
+    return tf.concat(list(xs), axis=axis)
+
+
+def stack(xs, axis=0):
+    return tf.stack(list(xs), axis=axis)
+
+
+def split(x, sizes):
+    return tf.split(x, list(sizes))
+
+
+def slice(x, start, stop):  # noqa: A001
+    return x[start:stop]
+
+
+def pad(x, n):
+    """Append ``n`` zeros to a 1-D tensor."""
+    if isinstance(n, int) and n == 0:
+        return x
+    return tf.pad(x, [[0, n]])
+
+
+def topk(x, k: int):
+    """The ``k`` largest entries of a 1-D tensor: (values, int64 indices)."""
+    values, idx = tf.math.top_k(x, k=k, sorted=False)
+    return values, tf.cast(idx, tf.int64)
+
+
+def gather(x, idx):
+    return tf.gather(x, idx)
+
+
+def scatter(idx, values, n):
+    """A dense 1-D tensor of length ``n``: zeros, with ``values`` at ``idx`` (idx distinct)."""
+    return tf.scatter_nd(tf.reshape(tf.cast(idx, tf.int64), [-1, 1]), values,
+                         tf.cast(tf.reshape(n, [1]), tf.int64))
+
+
+def scatter_add(idx, values, n):
+    """Like ``scatter`` but duplicate indices add up (``tf.scatter_nd`` sums duplicates)."""
+    return scatter(idx, values, n)
+
+
+def nonzero(mask):
+    """int64 indices where a 1-D bool tensor is true."""
+    return tf.reshape(tf.where(mask), [-1])
+
+
+# ------------------------------------------------------------------ seeded randomness
+def _draw(fn, out_dtype, out_shape, seed, name, step):
+    if isinstance(step, (int, np.integer)) or (tf.executing_eagerly() and tf.is_tensor(step)):
+        return tf.convert_to_tensor(fn(int(step)))
+    result = tf.numpy_function(lambda s: fn(int(s)), [step], out_dtype, stateful=False)
+    return tf.ensure_shape(result, out_shape)
+
+
+def uniform(seed: int, name: str, step, n: int, like=None):
+    return _draw(lambda s: seeding.uniform(seed, name, s, n), tf.float32, [n], seed, name, step)
+
+
+def normal(seed: int, name: str, step, shp, like=None):
+    return _draw(lambda s: seeding.normal(seed, name, s, shp), tf.float32, list(shp),
+                 seed, name, step)
+
+
+def choice(seed: int, name: str, step, n: int, k: int, like=None):
+    return _draw(lambda s: seeding.choice(seed, name, s, n, k).astype(np.int64), tf.int64, [k],
+                 seed, name, step)
+
+
+# ------------------------------------------------------------------ bit packing
+def pack_bits(codes, bits: int):
+    """Pack unsigned codes (< 2**bits) into uint8, ``bits`` each (same layout as torch's)."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    codes = tf.cast(tf.reshape(codes, [-1]), tf.int32)
+    n = tf.size(codes)
+    if bits == 8:
+        return tf.cast(codes, tf.uint8)
+    if 8 % bits == 0:
+        per = 8 // bits
+        codes = tf.reshape(tf.pad(codes, [[0, (-n) % per]]), [-1, per])
+        shifts = tf.range(0, 8, bits, dtype=tf.int32)
+        return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(codes, shifts), axis=1), tf.uint8)
+    shifts = tf.range(bits, dtype=tf.int32)
+    stream = tf.reshape(tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(codes[:, None], shifts), 1), [-1])
+    stream = tf.reshape(tf.pad(stream, [[0, (-tf.size(stream)) % 8]]), [-1, 8])
+    weights = tf.range(8, dtype=tf.int32)
+    return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(stream, weights), axis=1), tf.uint8)
+
+
+def unpack_bits(packed, bits: int, n):
+    """Inverse of ``pack_bits``: the first ``n`` codes, as uint8."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    packed = tf.cast(tf.reshape(packed, [-1]), tf.int32)
+    if bits == 8:
+        return tf.cast(packed[:n], tf.uint8)
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = tf.range(0, 8, bits, dtype=tf.int32)
+        codes = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], shifts), mask)
+        return tf.cast(tf.reshape(codes, [-1])[:n], tf.uint8)
+    weights = tf.range(8, dtype=tf.int32)
+    stream = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], weights), 1)
+    stream = tf.reshape(tf.reshape(stream, [-1])[: n * bits], [-1, bits])
+    shifts = tf.range(bits, dtype=tf.int32)
+    return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(stream, shifts), axis=1), tf.uint8)
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes that ``pack_bits`` produces for ``n`` codes."""
+    return math.ceil(n * bits / 8)
+
+
+# ------------------------------------------------------------------ state (training state slots)
+def variable(value, dt: str, like=None, name: str | None = None):
+    """A ``tf.Variable`` slot initialised from the NumPy array ``value``. It is created outside
+    any ``tf.function`` graph, so it may be created lazily during the first trace."""
+    with tf.init_scope():
+        init = tf.cast(tf.constant(np.asarray(value)), _DTYPES[dt])
+        return tf.Variable(init, trainable=False, name=_var_name(name))
+
+
+def read(var):
+    return var.read_value() if isinstance(var, tf.Variable) else var
+
+
+def assign(var, value):
+    var.assign(value)
+    return var
+
+
+def counter(name: str | None = None):
+    """A step counter slot (int64 variable), starting at 0."""
+    with tf.init_scope():
+        return tf.Variable(tf.constant(0, tf.int64), trainable=False, name=_var_name(name))
+
+
+def increment(counter_var):
+    """Add one to a counter slot; returns the new value (a tensor; an int in eager mode)."""
+    new = counter_var.assign_add(1)
+    return int(new.numpy()) if tf.executing_eagerly() else new
+
+
+def _var_name(name):
+    if name is None:
+        return None
+    return "".join(c if c.isalnum() or c in "_." else "_" for c in name) or None

@@ -1,0 +1,1 @@
+"""PyTorch side: tensor ops backend, Horovod torch collectives, DistributedOptimizer."""

@@ -1,0 +1,308 @@
+"""Tensor-ops backend for PyTorch tensors.
+
+``grace_dl.tensorflow.ops`` has the same functions with the same meaning; algorithms in
+``grace_dl.compressors`` / ``grace_dl.memory`` / ``grace_dl.communicators`` call them through
+``grace_dl.backend.ops_for(tensor)`` and never import a framework themselves. Python operators
+(``+ - * / < >= &``) work on tensors of both frameworks and are used directly.
+
+Conventions: dtypes are named by strings ("float32", "float16", "bfloat16", "float64", "uint8",
+"int8", "int32", "int64", "bool"); ``like`` arguments give the device of newly created tensors;
+index tensors returned here are int64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from grace_dl import seeding
+
+NAME = "torch"
+
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+# ------------------------------------------------------------------ dtype, shape
+def dtype(x) -> str:
+    return _NAMES[x.dtype]
+
+
+def cast(x, dt: str):
+    return x.to(_DTYPES[dt])
+
+
+def is_floating(x) -> bool:
+    return x.is_floating_point()
+
+
+def shape(x) -> tuple:
+    return tuple(x.shape)
+
+
+def numel(x) -> int:
+    return x.numel()
+
+
+def nbytes(x) -> int:
+    return x.numel() * x.element_size()
+
+
+def reshape(x, shp):
+    return x.reshape(tuple(shp))
+
+
+def flatten(x):
+    return x.reshape(-1)
+
+
+def transpose(x):
+    return x.t()
+
+
+# ------------------------------------------------------------------ creation
+def zeros(shp, dt: str = "float32", like=None):
+    shp = (shp,) if isinstance(shp, int) else tuple(shp)
+    return torch.zeros(shp, dtype=_DTYPES[dt], device=None if like is None else like.device)
+
+
+def zeros_like(x):
+    return torch.zeros_like(x)
+
+
+def ones_like(x):
+    return torch.ones_like(x)
+
+
+def full(shp, value, dt: str = "float32", like=None):
+    shp = (shp,) if isinstance(shp, int) else tuple(shp)
+    return torch.full(shp, value, dtype=_DTYPES[dt], device=None if like is None else like.device)
+
+
+def arange(n: int, dt: str = "int64", like=None):
+    return torch.arange(n, dtype=_DTYPES[dt], device=None if like is None else like.device)
+
+
+def from_numpy(arr, like=None):
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t if like is None or like.device.type == "cpu" else t.to(like.device)
+
+
+def to_numpy(x) -> np.ndarray:
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.cpu().numpy()
+
+
+def scalar(x) -> float:
+    return x.item()
+
+
+def copy(x):
+    return x.clone()
+
+
+# ------------------------------------------------------------------ math
+abs = torch.abs  # noqa: A001
+sign = torch.sign
+sqrt = torch.sqrt
+floor = torch.floor
+ceil = torch.ceil
+round = torch.round  # noqa: A001  (half to even, as TF)
+log2 = torch.log2
+exp2 = torch.exp2
+maximum = torch.maximum
+minimum = torch.minimum
+isfinite = torch.isfinite
+
+
+def clamp(x, lo=None, hi=None):
+    return torch.clamp(x, lo, hi)
+
+
+def where(cond, a, b):
+    return torch.where(cond, a, b)
+
+
+def logical_and(a, b):
+    return a & b
+
+
+def _reduce(fn, x, axis):
+    return fn(x) if axis is None else fn(x, dim=axis)
+
+
+def sum(x, axis=None):  # noqa: A001
+    return _reduce(torch.sum, x, axis)
+
+
+def mean(x, axis=None):
+    return _reduce(torch.mean, x, axis)
+
+
+def max(x, axis=None):  # noqa: A001
+    return torch.amax(x) if axis is None else torch.amax(x, dim=axis)
+
+
+def min(x, axis=None):  # noqa: A001
+    return torch.amin(x) if axis is None else torch.amin(x, dim=axis)
+
+
+def norm(x, axis=None):
+    """L2 norm (of everything, or along ``axis``)."""
+    return torch.linalg.vector_norm(x) if axis is None else torch.linalg.vector_norm(x, dim=axis)
+
+
+def matmul(a, b):
+    return a @ b
+
+
+# ------------------------------------------------------------------ joining, slicing, indexing
+def cat(xs, axis=0):
+    return torch.cat(list(xs), dim=axis)
+
+
+def stack(xs, axis=0):
+    return torch.stack(list(xs), dim=axis)
+
+
+def split(x, sizes):
+    return list(torch.split(x, list(sizes)))
+
+
+def slice(x, start: int, stop: int):  # noqa: A001
+    return x[start:stop]
+
+
+def pad(x, n: int):
+    """Append ``n`` zeros to a 1-D tensor."""
+    if n == 0:
+        return x
+    return torch.cat([x, x.new_zeros(n)])
+
+
+def topk(x, k: int):
+    """The ``k`` largest entries of a 1-D tensor: (values, int64 indices)."""
+    return torch.topk(x, k, sorted=False)
+
+
+def gather(x, idx):
+    return x[idx]
+
+
+def scatter(idx, values, n: int):
+    """A dense 1-D tensor of length ``n``: zeros, with ``values`` at ``idx`` (idx distinct)."""
+    out = values.new_zeros(n)
+    out[idx] = values
+    return out
+
+
+def scatter_add(idx, values, n: int):
+    """Like ``scatter`` but duplicate indices add up."""
+    out = values.new_zeros(n)
+    out.index_add_(0, idx, values)
+    return out
+
+
+def nonzero(mask):
+    """int64 indices where a 1-D bool tensor is true."""
+    return torch.nonzero(mask, as_tuple=False).reshape(-1)
+
+
+# ------------------------------------------------------------------ seeded randomness
+def uniform(seed: int, name: str, step, n: int, like=None):
+    return from_numpy(seeding.uniform(seed, name, int(step), n), like)
+
+
+def normal(seed: int, name: str, step, shp, like=None):
+    return from_numpy(seeding.normal(seed, name, int(step), shp), like)
+
+
+def choice(seed: int, name: str, step, n: int, k: int, like=None):
+    return from_numpy(seeding.choice(seed, name, int(step), n, k), like)
+
+
+# ------------------------------------------------------------------ bit packing
+def pack_bits(codes, bits: int):
+    """Pack unsigned codes (< 2**bits, any int dtype) into a uint8 tensor, ``bits`` each.
+
+    Codes are laid out little-endian within each byte; the result has ceil(n*bits/8) bytes.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    codes = codes.reshape(-1).to(torch.uint8)
+    n = codes.numel()
+    if bits == 8:
+        return codes.clone()
+    if 8 % bits == 0:
+        per = 8 // bits
+        codes = pad(codes, (-n) % per).reshape(-1, per)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        return (codes << shifts).sum(dim=1, dtype=torch.uint8)
+    # Widths that do not divide 8: expand to a bit stream, regroup by 8.
+    shifts = torch.arange(bits, dtype=torch.uint8, device=codes.device)
+    stream = ((codes.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    stream = pad(stream, (-stream.numel()) % 8).reshape(-1, 8)
+    weights = torch.arange(8, dtype=torch.uint8, device=codes.device)
+    return (stream << weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed, bits: int, n: int):
+    """Inverse of ``pack_bits``: the first ``n`` codes, as uint8."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    packed = packed.reshape(-1)
+    if bits == 8:
+        return packed[:n].clone()
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:n]
+    weights = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    stream = ((packed.unsqueeze(1) >> weights) & 1).reshape(-1)[: n * bits].reshape(n, bits)
+    shifts = torch.arange(bits, dtype=torch.uint8, device=packed.device)
+    return (stream << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes that ``pack_bits`` produces for ``n`` codes."""
+    return math.ceil(n * bits / 8)
+
+
+# ------------------------------------------------------------------ state (training state slots)
+def variable(value, dt: str, like=None, name: str | None = None):
+    """A mutable slot initialised from the NumPy array ``value``, of dtype ``dt`` on ``like``'s
+    device. Read with ``read``, write with ``assign``."""
+    t = torch.from_numpy(np.array(value, copy=True)).to(_DTYPES[dt])
+    return t if like is None else t.to(like.device)
+
+
+def read(var):
+    return var
+
+
+def assign(var, value):
+    var.copy_(value)
+    return var
+
+
+def counter(name: str | None = None):
+    """A step counter slot, starting at 0."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def increment(counter_var):
+    """Add one to a counter slot; returns the new value (a Python int here)."""
+    counter_var.add_(1)
+    return int(counter_var.item())
