@@ -104,6 +104,11 @@ class Communicator(ABC):
             out = out / handle.coll.size()
         return out
 
+    def end_step(self) -> dict:
+        """Close a training step in the byte counters; returns that step's summary. The
+        framework glue calls it once per optimizer step."""
+        return self.bytes.end_step()
+
     def synchronize(self, tensor, name: str, op: str = AVERAGE):
         """``receive(send(...))``: the blocking form."""
         return self.receive(self.send(tensor, name, op))

@@ -36,7 +36,9 @@ class Compressor(ABC):
         compresses any 1-D chunk of a tensor independently (quantizers, signs).
     ``rounds``
         Collective rounds a compression takes (1, or 2 for PowerSGD). A multi-round compressor
-        implements ``next_round``.
+        implements ``next_round``; its communicator calls ``memory.update`` after the last round.
+    ``unbiased``
+        E[decompress(compress(x))] == x over the method's randomness (tests check it).
 
     Training state (step counters, momenta, warm-start matrices) lives in ``self.state`` so
     that ``state_dict``/``load_state_dict`` carry it through checkpoints.
@@ -47,6 +49,7 @@ class Compressor(ABC):
     average: bool = True
     two_phase_safe: bool = False
     rounds: int = 1
+    unbiased: bool = False
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)

@@ -15,6 +15,7 @@ from grace_dl.registry import register_compressor
 class NoneCompressor(Compressor):
     allreduce_safe = True
     two_phase_safe = True
+    unbiased = True
 
     def __init__(self):
         super().__init__()
