@@ -1,0 +1,99 @@
+"""Registry and grace_from_params: names resolve, bad input fails with the accepted values."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+from grace_dl import Compressor, grace_from_params, lookup, names, register_compressor
+from grace_dl.backend import framework_of, ops_for
+from grace_dl.registry import BUILTIN
+from grace_dl.state import State
+
+
+def test_every_builtin_name_is_listed():
+    for kind in BUILTIN:
+        assert set(BUILTIN[kind]) <= set(names(kind))
+
+
+def test_unknown_compressor_names_the_accepted_ones():
+    with pytest.raises(ValueError) as err:
+        grace_from_params({"compressor": "tpok"})
+    msg = str(err.value)
+    assert "'tpok'" in msg and "topk" in msg and "qsgd" in msg
+
+
+def test_unknown_memory_and_communicator():
+    with pytest.raises(ValueError, match="unknown memory 'residul'.*residual"):
+        grace_from_params({"memory": "residul"})
+    with pytest.raises(ValueError, match="unknown communicator 'allreduse'.*allgather"):
+        grace_from_params({"communicator": "allreduse"})
+
+
+def test_unknown_parameter_is_named_with_the_accepted_keys():
+    with pytest.raises(ValueError) as err:
+        grace_from_params({"compressor": "none", "memory": "residual", "betta": 0.5})
+    msg = str(err.value)
+    assert "betta" in msg and "beta" in msg and "gamma" in msg
+
+
+def test_out_of_range_value_is_named():
+    with pytest.raises(ValueError, match=r"gamma must be in \(0.0, inf\], got 0"):
+        grace_from_params({"memory": "residual", "gamma": 0})
+
+
+def test_params_must_be_a_dict():
+    with pytest.raises(ValueError, match="params must be a dict"):
+        grace_from_params(["compressor", "none"])
+
+
+def test_defaults_and_exposed_parts():
+    grc = grace_from_params({"communicator": "allgather", "memory": "residual", "beta": 0.5})
+    assert type(grc.compressor).__name__ == "NoneCompressor"
+    assert grc.memory.beta == 0.5
+    assert grc.name == "allgather"
+
+
+def test_user_subclass_registers_by_name():
+    @register_compressor("test_scale_by_two")
+    class ScaleByTwo(Compressor):
+        allreduce_safe = True
+
+        def compress(self, tensor, name):
+            return [tensor * 2], None
+
+        def decompress(self, payload, ctx):
+            return payload[0] / 2
+
+    assert lookup("compressor", "test_scale_by_two") is ScaleByTwo
+    assert "test_scale_by_two" in names("compressor")
+    grc = grace_from_params({"compressor": "test_scale_by_two", "communicator": "allreduce"})
+    assert isinstance(grc.compressor, ScaleByTwo)
+    with pytest.raises(ValueError, match="already registered"):
+        register_compressor("test_scale_by_two")(type("Other", (ScaleByTwo,), {}))
+
+
+def test_backend_is_chosen_from_the_tensor_type():
+    assert framework_of(torch.zeros(1)) == "torch"
+    assert framework_of(tf.zeros(1)) == "tensorflow"
+    assert framework_of(tf.Variable(1.0)) == "tensorflow"
+    assert ops_for(torch.zeros(1)).NAME == "torch"
+    with pytest.raises(TypeError, match="supports torch.Tensor and tf.Tensor"):
+        framework_of(np.zeros(1))
+
+
+@pytest.mark.parametrize("make", [torch.ones, lambda s: tf.ones(s)], ids=["torch", "tf"])
+def test_state_loaded_before_first_use_is_applied_on_creation(make):
+    x = make((2, 3))
+    ops = ops_for(x)
+    saved = State()
+    ops.assign(saved.zeros("w", ops, x), x * 3)
+    assert saved.next_step("step/w", ops) == 1
+    assert saved.next_step("step/w", ops) == 2
+    snapshot = saved.state_dict()
+
+    fresh = State()
+    fresh.load_state_dict(snapshot)          # nothing created yet: held until first use
+    np.testing.assert_array_equal(ops.to_numpy(ops.read(fresh.zeros("w", ops, x))),
+                                  np.full((2, 3), 3.0))
+    assert fresh.next_step("step/w", ops) == 3
