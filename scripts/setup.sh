@@ -43,7 +43,15 @@ check_build() {
   echo "$out"
 }
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" ]] && check_build >/dev/null 2>&1; then
+# Fast path (no framework imports): the stamp matches and Horovod's torch and TF extensions are
+# in place. The full `horovodrun --check-build` ran when the stamp was written.
+hvd_built() {
+  local site
+  site="$(ls -d "$VENV"/lib/python3*/site-packages 2>/dev/null | head -1)"
+  [[ -n "$site" ]] && ls "$site"/horovod/torch/mpi_lib_v2*.so "$site"/horovod/tensorflow/mpi_lib*.so \
+    "$site"/horovod-${HOROVOD_VERSION}.dist-info >/dev/null 2>&1
+}
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" ]] && hvd_built; then
   log "environment up to date ($VENV); nothing to do"
   exit 0
 fi
