@@ -41,7 +41,7 @@ def grace_from_params(params: dict):
     classes = {kind: lookup(kind, name) for kind, name in chosen.items()}
 
     accepted = set(IGNORED)
-    for kind, cls in classes.items():
+    for cls in classes.values():
         accepted |= _accepted(cls) - {"compressor", "memory"}
     unknown = sorted(set(params) - accepted)
     if unknown:

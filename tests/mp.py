@@ -59,7 +59,8 @@ def run(script, np: int = 2, launcher: str = "gloo", args=(), timeout: float = 3
             proc = subprocess.run(cmd, env=_env(out_dir, env), capture_output=True, text=True,
                                   timeout=timeout, cwd=str(ROOT))
         except subprocess.TimeoutExpired as err:
-            out = (err.stdout or b"")[-6000:] if isinstance(err.stdout, bytes) else (err.stdout or "")
+            out = err.stdout or ""
+            out = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-6000:]
             raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{out}") from None
         if proc.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
