@@ -1,0 +1,85 @@
+"""End-to-end runs over emulated hosts: every (bandwidth, model, pipeline), side by side.
+
+    python -m benchmarks.e2e --mbit 100 1000 --models mlp cnn --out benchmarks/results/e2e.json
+
+For each link speed the same cluster of namespaces is re-shaped, and every pipeline runs on it
+back to back, so ratios against uncompressed Horovod are taken in one run on one machine.
+``--launcher mpi`` uses mpirun instead of horovodrun --gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.network import EmulatedCluster
+from benchmarks.pipelines import PIPELINES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_one(cluster: EmulatedCluster, launcher: str, model: str, pipeline: str, steps: int,
+            warmup: int, timeout: float) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out = tmp.name
+    argv = [sys.executable, "-m", "benchmarks.e2e_worker", "--model", model, "--pipeline",
+            pipeline, "--steps", str(steps), "--warmup", str(warmup), "--out", out]
+    cmd = cluster.horovodrun(argv) if launcher == "gloo" else cluster.mpirun(argv)
+    env = cluster.env()
+    env["PYTHONPATH"] = str(ROOT)
+    env["GRACE_BENCH_MBIT"] = str(cluster.mbit)
+    env.update({"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1"})
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=str(ROOT))
+    if proc.returncode != 0:
+        return {"model": model, "pipeline": pipeline, "error":
+                (proc.stdout[-1500:] + proc.stderr[-1500:]).strip()}
+    record = json.loads(Path(out).read_text())
+    Path(out).unlink(missing_ok=True)
+    record["wall_s"] = time.time() - t0
+    return record
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mbit", type=float, nargs="+", default=[100, 1000, 10000])
+    ap.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES))
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--launcher", choices=["gloo", "mpi"], default="gloo")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/e2e.json"))
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    runs = [(m, model, p) for m in args.mbit for model in args.models for p in args.pipelines]
+    records = []
+    with EmulatedCluster(args.hosts, mbit=args.mbit[0]) as cluster:
+        bar = tqdm(runs, desc="e2e", unit="run")
+        for mbit, model, pipeline in bar:
+            if cluster.mbit != mbit:
+                cluster.set_bandwidth(mbit)
+            bar.set_postfix_str(f"{mbit:g} Mbit/s {model} {pipeline}")
+            rec = run_one(cluster, args.launcher, model, pipeline, args.steps, args.warmup,
+                          args.timeout)
+            rec.update({"mbit": mbit, "hosts": args.hosts, "launcher": args.launcher})
+            records.append(rec)
+            if "error" in rec:
+                tqdm.write(f"FAILED {mbit:g} {model} {pipeline}: {rec['error'][-400:]}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(records, indent=1))
+    print(f"wrote {args.out} ({len(records)} runs, {sum('error' in r for r in records)} failed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The pipelines the end-to-end benchmarks compare, by name.
+
+Each entry is the ``grace_from_params`` dict, or ``None`` for Horovod's own paths (plain
+allreduce, and Horovod's built-in fp16 compression), which run with ``grace=None``.
+"""
+
+from __future__ import annotations
+
+from grace_dl import grace_from_params
+
+PIPELINES: dict[str, dict | None] = {
+    "none": None,                      # uncompressed Horovod: the baseline
+    "hvd-fp16": None,                  # Horovod's own Compression.fp16
+    "topk": {"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
+             "communicator": "allgather"},
+    "randomk": {"compressor": "randomk", "compress_ratio": 0.01, "memory": "residual",
+                "communicator": "allreduce"},
+    "qsgd-2phase": {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
+                    "communicator": "twophase"},
+    "signsgd-2phase": {"compressor": "signsgd", "memory": "residual",
+                       "communicator": "twophase"},
+    "powersgd": {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
+                 "communicator": "allreduce"},
+    "auto": "auto",                    # the strategy builder's cost-model pick
+}
+
+
+def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2):
+    """``(grace object or None, extra DistributedOptimizer kwargs)`` for ``pipeline``."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {sorted(PIPELINES)}, got {pipeline!r}")
+    spec = PIPELINES[pipeline]
+    if pipeline == "none":
+        return None, {}
+    if pipeline == "hvd-fp16":
+        import horovod.torch as hvd
+
+        return None, {"compression": hvd.Compression.fp16}
+    if spec == "auto":
+        import os
+
+        from grace_dl.strategy import builders, from_strategy
+
+        mbit = float(os.environ.get("GRACE_BENCH_MBIT", mbit or 1000))
+        resource = {"nodes": [{"address": f"host{i}", "slots": 1} for i in range(workers)],
+                    "network_bandwidth_mbit": mbit}
+        strategy = builders.Auto().build(model.named_parameters(), resource)
+        return from_strategy(strategy), {}
+    return grace_from_params(dict(spec)), {}

@@ -1,0 +1,51 @@
+"""The whole benchmark suite in one command (``make bench``), or a smoke run (``--quick``).
+
+Full: the compressor micro table, end-to-end runs at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s for
+the MLP and the CNN and every pipeline, convergence on digits, then the report; results land in
+benchmarks/results/. Quick: a tiny model, 2 hosts, one link speed, two pipelines, one epoch,
+into a directory of your choice (default: a temporary one), so committed results stay as they
+are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import convergence, e2e, report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--results", default=None)
+    args = ap.parse_args(argv)
+
+    if args.quick:
+        results = Path(args.results or tempfile.mkdtemp(prefix="grace_bench_"))
+        results.mkdir(parents=True, exist_ok=True)
+        e2e.main(["--mbit", "1000", "--models", "tiny", "--pipelines", "none", "topk",
+                  "--steps", "3", "--warmup", "1", "--out", str(results / "e2e.json")])
+        convergence.main(["--pipelines", "none", "topk", "--epochs", "1",
+                          "--out", str(results / "convergence.json")])
+    else:
+        results = Path(args.results or ROOT / "benchmarks/results")
+        results.mkdir(parents=True, exist_ok=True)
+        micro = ROOT / "benchmarks/compressors.py"
+        if micro.exists():
+            subprocess.run([sys.executable, str(micro), "--out",
+                            str(results / "compressors.md")], check=True, cwd=str(ROOT))
+        e2e.main(["--out", str(results / "e2e.json")])
+        convergence.main(["--out", str(results / "convergence.json")])
+    for path in report.write(results):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
