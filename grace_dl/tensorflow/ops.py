@@ -142,6 +142,12 @@ def where(cond, a, b):
     return tf.where(cond, a, b)
 
 
+def cond(pred, true_fn, false_fn):
+    """``true_fn()`` if the scalar ``pred`` holds, else ``false_fn()``; a ``tf.cond``, so it works
+    inside ``tf.function`` (both branches must return the same structure)."""
+    return tf.cond(pred, true_fn, false_fn)
+
+
 def logical_and(a, b):
     return tf.math.logical_and(a, b)
 

@@ -135,6 +135,12 @@ def where(cond, a, b):
     return torch.where(cond, a, b)
 
 
+def cond(pred, true_fn, false_fn):
+    """``true_fn()`` if the scalar ``pred`` holds, else ``false_fn()`` (``tf.cond`` in TF, so a
+    data-dependent branch also works inside ``tf.function``)."""
+    return true_fn() if bool(pred) else false_fn()
+
+
 def logical_and(a, b):
     return a & b
 
