@@ -1,0 +1,55 @@
+"""The benchmark machinery in quick mode: 2 emulated hosts (network namespaces), one link
+speed, a tiny model, uncompressed vs topk, one epoch of digits; the reports have every column."""
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import report, run
+from benchmarks.network import EmulatedCluster, cleanup_stale
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_cluster_links_are_shaped_and_cleaned_up():
+    with EmulatedCluster(2, mbit=50, prefix="gracetest") as cluster:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert all(ns in names for ns in cluster.namespaces)
+        qdisc = subprocess.run(["tc", "-n", cluster.namespaces[1], "qdisc", "show", "dev",
+                                "eth0"], capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "50Mbit" in qdisc
+        # host 0 reaches host 1 over the bridge: nothing listens on port 9, so the answer is
+        # a refusal from host 1 (an unreachable host would time out or say so)
+        probe = subprocess.run(cluster.in_host(0, [
+            "python3", "-c", "import socket; s=socket.create_connection(('%s', 9), 2)"
+            % cluster.addresses[1]]), capture_output=True, text=True)
+        assert "ConnectionRefusedError" in probe.stderr, probe.stderr
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "gracetest" not in names
+    assert cleanup_stale("gracetest") == []
+
+
+def test_bad_cluster_arguments_are_rejected():
+    with pytest.raises(ValueError, match="n_hosts must be >= 2, got 1"):
+        EmulatedCluster(1)
+    with pytest.raises(ValueError, match=r"mbit must be in \(0, 100000\], got 0"):
+        EmulatedCluster(2, mbit=0)
+
+
+def test_quick_suite_writes_reports_with_every_column(tmp_path):
+    assert run.main(["--quick", "--results", str(tmp_path)]) == 0
+    e2e = json.loads((tmp_path / "e2e.json").read_text())
+    assert {r["pipeline"] for r in e2e} == {"none", "topk"}
+    assert not [r for r in e2e if "error" in r], e2e
+    topk = next(r for r in e2e if r["pipeline"] == "topk")
+    none = next(r for r in e2e if r["pipeline"] == "none")
+    assert 0 < topk["sent_bytes"] < none["sent_bytes"]
+    table = (tmp_path / "e2e.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| model"))
+    assert [c.strip() for c in header.strip("|").split("|")] == report.E2E_COLUMNS
+    assert table.count("| tiny |") == 2 and "failed" not in table
+    conv = (tmp_path / "convergence.md").read_text()
+    assert all(c in conv for c in report.CONVERGENCE_COLUMNS)
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
