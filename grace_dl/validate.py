@@ -11,7 +11,8 @@ def in_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=False
         raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}") from None
     if kind is int and float(value) != v:
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    bad = (lo is not None and (v < lo or (lo_open and v == lo))) or \
+    bad = v != v or \
+          (lo is not None and (v < lo or (lo_open and v == lo))) or \
           (hi is not None and (v > hi or (hi_open and v == hi)))
     if bad:
         left = "(" if lo_open else "["
