@@ -71,6 +71,12 @@ def transpose(x):
     return tf.transpose(x)
 
 
+def permute(x, perm):
+    """Reorder the axes of ``x``: axis ``i`` of the result is axis ``perm[i]`` of ``x``
+    (``numpy.transpose(x, perm)``)."""
+    return tf.transpose(x, perm=list(perm))
+
+
 # ------------------------------------------------------------------ creation
 def zeros(shp, dt: str = "float32", like=None):
     return tf.zeros(shp, dtype=_DTYPES[dt])

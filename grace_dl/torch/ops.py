@@ -70,6 +70,12 @@ def transpose(x):
     return x.t()
 
 
+def permute(x, perm):
+    """Reorder the axes of ``x``: axis ``i`` of the result is axis ``perm[i]`` of ``x``
+    (``numpy.transpose(x, perm)``)."""
+    return x.permute(*perm)
+
+
 # ------------------------------------------------------------------ creation
 def zeros(shp, dt: str = "float32", like=None):
     shp = (shp,) if isinstance(shp, int) else tuple(shp)
