@@ -10,6 +10,7 @@ same numbers as the torch backend for the same (seed, name, step).
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -179,6 +180,16 @@ def norm(x, axis=None):
     return tf.norm(x, axis=axis) if axis is not None else tf.norm(tf.reshape(x, [-1]))
 
 
+def abs_sum(x):
+    """Sum of ``|x|`` over all elements (the L1 norm), in ``x``'s dtype."""
+    return tf.reduce_sum(tf.math.abs(x))
+
+
+def count_nonzero(x):
+    """Number of nonzero (True) elements, an int64 scalar tensor."""
+    return tf.math.count_nonzero(x, dtype=tf.int64)
+
+
 def matmul(a, b):
     return tf.linalg.matmul(a, b)
 
@@ -301,6 +312,39 @@ def packed_size(n: int, bits: int) -> int:
     return math.ceil(n * bits / 8)
 
 
+def pack_mask(mask):
+    """Pack a boolean tensor (or nonzero-ness of any tensor) into bits: the same ``ceil(n/8)``
+    uint8 as ``pack_bits(mask, 1)``, from n/8 int64 words by three shift-ors (see torch's)."""
+    m = tf.reshape(mask, [-1])
+    if m.dtype != tf.bool:
+        m = tf.not_equal(m, tf.zeros([], m.dtype))
+    if sys.byteorder != "little":
+        return pack_bits(m, 1)
+    m = tf.cast(m, tf.uint8)
+    m = tf.pad(m, [[0, (-tf.size(m)) % 8]])
+    # Byte i of a word holds bit i of the result: fold bytes 8 -> 4 -> 2 -> 1.
+    v = tf.bitcast(tf.reshape(m, [-1, 8]), tf.int64)
+    for shift in (7, 14, 28):
+        v = tf.bitwise.bitwise_or(v, tf.bitwise.right_shift(v, tf.constant(shift, tf.int64)))
+    return tf.cast(tf.bitwise.bitwise_and(v, tf.constant(0xFF, tf.int64)), tf.uint8)
+
+
+def unpack_lookup(packed, bits: int, n, table):
+    """Decode through a table: ``table[code]`` for each of the first ``n`` ``bits``-wide codes of
+    ``packed`` (``pack_bits`` layout); ``table`` is 1-D with ``2**bits`` entries and gives the
+    result's dtype. One gather of a 256-row table of decoded bytes. ``bits`` must divide 8."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be one of [1, 2, 4, 8], got {bits}")
+    size = table.shape.num_elements()
+    if size is not None and size != 1 << bits:
+        raise ValueError(f"table must have {1 << bits} entries for {bits}-bit codes, got {size}")
+    per = 8 // bits
+    codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
+    expanded = tf.gather(tf.reshape(table, [-1]), tf.constant(codes, tf.int32))
+    out = tf.gather(expanded, tf.cast(tf.reshape(packed, [-1]), tf.int32))
+    return tf.reshape(out, [-1])[:n]
+
+
 # ------------------------------------------------------------------ state (training state slots)
 def variable(value, dt: str, like=None, name: str | None = None):
     """A ``tf.Variable`` slot initialised from the NumPy array ``value``. It is created outside
@@ -316,6 +360,19 @@ def read(var):
 
 def assign(var, value):
     var.assign(value)
+    return var
+
+
+def assign_lerp(var, value, weight: float):
+    """In place: ``var <- var + weight * (value - var)`` (a momentum/EMA update); returns var.
+    For ``weight >= 0.5`` computed as ``value - (1 - weight) * (value - var)``, as torch.lerp,
+    so both backends round alike."""
+    old = var.read_value()
+    w = float(weight)
+    if w < 0.5:
+        var.assign(old + tf.cast(w, old.dtype) * (value - old))
+    else:
+        var.assign(value - (value - old) * tf.cast(1.0 - w, old.dtype))
     return var
 
 

@@ -13,6 +13,7 @@ index tensors returned here are int64.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -176,6 +177,16 @@ def norm(x, axis=None):
     return torch.linalg.vector_norm(x) if axis is None else torch.linalg.vector_norm(x, dim=axis)
 
 
+def abs_sum(x):
+    """Sum of ``|x|`` over all elements (the L1 norm), in ``x``'s dtype, without building |x|."""
+    return torch.linalg.vector_norm(x, 1)
+
+
+def count_nonzero(x):
+    """Number of nonzero (True) elements, an int64 scalar tensor."""
+    return torch.count_nonzero(x)
+
+
 def matmul(a, b):
     return a @ b
 
@@ -292,6 +303,46 @@ def packed_size(n: int, bits: int) -> int:
     return math.ceil(n * bits / 8)
 
 
+def pack_mask(mask):
+    """Pack a boolean tensor (or nonzero-ness of any tensor) into bits: the same ``ceil(n/8)``
+    uint8 as ``pack_bits(mask, 1)``, built from n/8 int64 words by three shift-ors instead of
+    ``pack_bits``' general per-code path (the 1-bit sign methods pack every element)."""
+    m = mask.reshape(-1)
+    if m.dtype != torch.bool:
+        m = m != 0
+    if sys.byteorder != "little":
+        return pack_bits(m, 1)
+    n = m.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=m.device)
+    m = m.view(torch.uint8)
+    if n % 8 or m.storage_offset() % 8 or not m.is_contiguous():
+        m = torch.cat([m, m.new_zeros((-n) % 8)])
+    # Byte i of a word holds bit i of the result: fold bytes 8 -> 4 -> 2 -> 1.
+    v = m.view(torch.int64)
+    v = v | (v >> 7)
+    v |= v >> 14
+    v |= v >> 28
+    return (v & 0xFF).to(torch.uint8)
+
+
+def unpack_lookup(packed, bits: int, n, table):
+    """Decode through a table: ``table[code]`` for each of the first ``n`` ``bits``-wide codes of
+    ``packed`` (``pack_bits`` layout). ``table`` is 1-D with ``2**bits`` entries and gives the
+    result's dtype. One gather of a 256-row table (each byte value's codes, already decoded), so
+    unpacking and decoding cost a single pass over the output. ``bits`` must divide 8."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be one of [1, 2, 4, 8], got {bits}")
+    if table.numel() != 1 << bits:
+        raise ValueError(f"table must have {1 << bits} entries for {bits}-bit codes, "
+                         f"got {table.numel()}")
+    per = 8 // bits
+    codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
+    expanded = table.reshape(-1)[torch.from_numpy(codes).to(table.device)]
+    out = torch.index_select(expanded, 0, packed.reshape(-1).to(torch.int32))
+    return out.reshape(-1)[:n]
+
+
 # ------------------------------------------------------------------ state (training state slots)
 def variable(value, dt: str, like=None, name: str | None = None):
     """A mutable slot initialised from the NumPy array ``value``, of dtype ``dt`` on ``like``'s
@@ -306,6 +357,13 @@ def read(var):
 
 def assign(var, value):
     var.copy_(value)
+    return var
+
+
+def assign_lerp(var, value, weight: float):
+    """In place: ``var <- var + weight * (value - var)`` (a momentum/EMA update); returns var.
+    For ``weight >= 0.5`` computed as ``value - (1 - weight) * (value - var)``, as torch.lerp."""
+    var.lerp_(value, float(weight))
     return var
 
 
