@@ -1,0 +1,443 @@
+"""``DistributedOptimizer`` with ``grace=``: Horovod's torch optimizer wrapper, with every
+gradient carried by a grace_dl communicator instead of Horovod's plain allreduce.
+
+Nothing in Horovod is patched. ``DistributedOptimizer(opt, ..., grace=None)`` returns
+``horovod.torch.DistributedOptimizer(opt, ...)`` itself; with ``grace=grc`` it returns an object
+of a class derived from ``type(opt)`` (as Horovod does) whose
+
+* per-parameter hooks (``register_post_accumulate_grad_hook``) call ``grc.send(grad, name, op)``
+  as soon as a gradient has been accumulated for the last of ``backward_passes_per_step`` passes,
+  so compression and communication overlap the rest of the backward pass;
+* ``synchronize()`` (called by ``step()`` unless inside ``skip_synchronize()``) sends what the
+  hooks did not (a zero gradient for parameters that got none this step, as Horovod does, so no
+  rank waits on a collective another never starts), then receives every tensor in name order,
+  writes the averaged (or summed) gradient into ``p.grad`` and closes the step in
+  ``grc.bytes``;
+* ``state_dict()`` carries the grace state (error-feedback residuals, momenta, warm-start
+  matrices, step counters) under the key ``"grace"``, and ``load_state_dict()`` restores it.
+
+What differs from Horovod, and why:
+
+* ``op``: only ``Average`` and ``Sum`` (``"average"``/``"sum"`` also accepted). Adasum, Min, Max
+  and Product have no meaning for compressed payloads and raise ``ValueError``.
+* ``gradient_predivide_factor=f`` (``op=Average`` only): the gradient is multiplied by ``1/f``
+  before it enters the grace pipeline (memory, compressor, wire) and the aggregate by ``f``
+  after ``receive`` (which already divides by the number of ranks). Error-feedback state thus
+  lives in the pre-divided scale, exactly as Horovod's prescale/postscale factors wrap its sum.
+* ``num_groups``/``groups`` are validated as Horovod validates them, but with ``grace`` every
+  tensor is its own pipeline (compressors work per tensor; a fused buffer would mix their
+  statistics); fusion of small tensors is Horovod's tensor fusion's job.
+* Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
+  a sparse gradient raises ``ValueError`` rather than silently skipping compression.
+* Collectives are named after the parameters (``named_parameters``, else Horovod's
+  ``allreduce.noname.<group>.<index>``), and those names also key the grace state, so a
+  checkpoint restores each residual into the parameter it belongs to.
+* Before the first step every rank checks (one small allgather at construction) that all
+  ranks have the same grace configuration and the same parameter names and shapes; a mismatch
+  raises ``ValueError`` on every rank instead of hanging in a collective.
+* As in Horovod, nothing is communicated when the job has one process (unless
+  ``HOROVOD_ELASTIC=1``) or this rank is outside ``process_set``.
+
+Checkpoints: grace state is per rank (each rank's residual is its own). ``state_dict()`` holds
+this rank's part; ``gathered_state_dict()`` (a collective: call it on every rank) holds every
+rank's, so a checkpoint written by rank 0 alone restores all ranks. ``load_state_dict()`` takes
+this rank's entry and raises ``ValueError`` if the checkpoint has none for it or was written by
+a job of another size. Use ``grace_dl.torch.horovod.broadcast_optimizer_state``, which runs the
+state-initialising step of Horovod's function without communicating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from grace_dl.communicators.base import AVERAGE, SUM
+
+GRACE_KEY = "grace"
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # noqa: N802
+                         backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
+                         grace=None):
+    """Wrap ``optimizer`` so gradients are averaged across Horovod ranks before ``step()``.
+
+    Takes ``horovod.torch.DistributedOptimizer``'s arguments (same defaults) plus ``grace``: a
+    communicator such as ``grace_dl.grace_from_params({...})`` or a strategy dispatcher. With
+    ``grace=None`` the result *is* Horovod's optimizer. With ``grace`` set, ``compression`` must
+    stay Horovod's ``Compression.none`` (grace does the compressing) and the behaviour is the
+    one described in this module's docstring.
+    """
+    import horovod.torch as hvd
+
+    compression = hvd.Compression.none if compression is None else compression
+    op = hvd.Average if op is None else op
+    process_set = hvd.global_process_set if process_set is None else process_set
+    if grace is None:
+        return hvd.DistributedOptimizer(
+            optimizer, named_parameters=named_parameters, compression=compression,
+            backward_passes_per_step=backward_passes_per_step, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+            groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set)
+
+    for method in ("send", "receive", "end_step", "state_dict", "load_state_dict",
+                   "fingerprint"):
+        if not callable(getattr(grace, method, None)):
+            raise ValueError(f"grace must be a grace_dl communicator (e.g. from "
+                             f"grace_from_params) with a {method}() method, got {grace!r}")
+    if compression is not hvd.Compression.none:
+        raise ValueError(f"compression={compression!r} cannot be combined with grace=; the "
+                         f"grace communicator compresses (accepted: hvd.Compression.none)")
+    grace_op = _grace_op(op, hvd)
+    if hasattr(grace, "check_op"):
+        grace.check_op(grace_op)
+    if isinstance(backward_passes_per_step, bool) or not isinstance(
+            backward_passes_per_step, int) or backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got "
+                         f"{backward_passes_per_step!r}")
+    try:
+        factor = float(gradient_predivide_factor)
+    except (TypeError, ValueError):
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got "
+                         f"{gradient_predivide_factor!r}") from None
+    if not factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got "
+                         f"{gradient_predivide_factor!r}")
+    if factor != 1.0 and grace_op != AVERAGE:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} is only "
+                         f"supported with op=Average, got op={op!r}")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` (as in Horovod).",
+                      DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    _check_groups(groups)
+    _attach_process_set(grace, process_set, hvd)
+
+    cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
+               {})
+    return cls(optimizer.param_groups, named_parameters, grace, backward_passes_per_step,
+               grace_op, factor, groups, sparse_as_dense, process_set)
+
+
+def _grace_op(op, hvd) -> str:
+    if isinstance(op, str) and op.lower() in (AVERAGE, SUM):
+        return op.lower()
+    if not isinstance(op, bool) and isinstance(op, int):
+        if op == hvd.Average:
+            return AVERAGE
+        if op == hvd.Sum:
+            return SUM
+        names = {hvd.Adasum: "Adasum", hvd.Min: "Min", hvd.Max: "Max", hvd.Product: "Product"}
+        if op in names:
+            raise ValueError(f"op=hvd.{names[op]} cannot carry compressed gradients; with grace= "
+                             f"op must be one of hvd.Average, hvd.Sum")
+    raise ValueError(f"op must be one of hvd.Average, hvd.Sum (or 'average', 'sum') with "
+                     f"grace=, got {op!r}")
+
+
+def _check_groups(groups) -> None:
+    if groups is None:
+        return
+    if isinstance(groups, list):
+        seen = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(f"groups must be a list of lists of torch.Tensor, got an "
+                                     f"element {type(p).__name__}")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+    elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(f"groups must be a positive integer or a list of lists of "
+                         f"torch.Tensor, got {groups!r}")
+
+
+def _attach_process_set(grace, process_set, hvd) -> None:
+    """The communicator runs its collectives on the optimizer's process set."""
+    current = getattr(grace, "process_set", None)
+    if process_set is hvd.global_process_set:
+        return
+    if current is not None and current is not process_set \
+            and current is not hvd.global_process_set:
+        raise ValueError(f"grace communicator already uses process_set={current}, but the "
+                         f"optimizer was given process_set={process_set}")
+    grace.process_set = process_set
+
+
+def _to_torch(tree):
+    """NumPy arrays -> CPU tensors, so ``torch.load(weights_only=True)`` reads checkpoints."""
+    if isinstance(tree, dict):
+        return {k: _to_torch(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_torch(v) for v in tree)
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.array(tree, copy=True))
+    return tree
+
+
+def _to_numpy(tree):
+    if isinstance(tree, dict):
+        return {k: _to_numpy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_numpy(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    return tree
+
+
+def _digest(obj) -> bytes:
+    text = json.dumps(obj, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16].encode()
+
+
+class _GraceDistributedOptimizer:
+    """Mixed in before the user's optimizer class by ``DistributedOptimizer``."""
+
+    def __init__(self, params, named_parameters, grace, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+        super().__init__(params)
+        import horovod.torch as hvd
+
+        self._hvd = hvd
+        self.grace = grace
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.process_set = process_set
+        self._groups = groups
+        self._parameter_names = self._name_parameters(named_parameters)
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
+        self._handles: dict = {}
+        self._hook_handles: list = []
+        self._requires_update: set = set()
+        self._synchronized = False
+        self._should_synchronize = True
+
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.dtype not in _FLOAT_DTYPES:
+                    raise ValueError(
+                        f"parameter {self._parameter_names[p]!r} has dtype {p.dtype}; grace "
+                        f"compresses {', '.join(str(d) for d in _FLOAT_DTYPES)} gradients")
+        if process_set.included() and (hvd.size() > 1
+                                       or os.environ.get("HOROVOD_ELASTIC") == "1"):
+            self._check_ranks_agree()
+            self._register_hooks()
+
+    # ------------------------------------------------------------------ set-up
+    def _name_parameters(self, named_parameters) -> dict:
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                                for i, group in enumerate(self.param_groups)
+                                for j, v in enumerate(group["params"])]
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+        names = [k for k, _ in named_parameters]
+        dups = sorted({k for k in names if names.count(k) > 1})
+        if dups:
+            raise ValueError(f"Parameter names in named_parameters must be unique. Found "
+                             f"duplicates: {', '.join(dups)}")
+        named_ids = {id(v) for _, v in named_parameters}
+        unnamed = [id(v) for g in self.param_groups for v in g["params"] if id(v) not in named_ids]
+        if unnamed:
+            raise ValueError(f"named_parameters was specified, but one or more model parameters "
+                             f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
+        optimized = {id(v) for g in self.param_groups for v in g["params"]}
+        return {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])
+                if id(v) in optimized}
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank must run the same pipelines on the same tensors, or collectives hang."""
+        layout = sorted((name, list(p.shape), str(p.dtype), bool(p.requires_grad))
+                        for p, name in self._parameter_names.items())
+        options = [self.op, self.gradient_predivide_factor, self.backward_passes_per_step,
+                   self.sparse_as_dense]
+        mine = self.grace.fingerprint().encode()[:16].ljust(16, b"-") + \
+            _digest([layout, options])
+        gathered = self._hvd.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
+                                       name="grace.optimizer.fingerprint",
+                                       process_set=self.process_set)
+        rows = [bytes(row.tolist()) for row in gathered.reshape(-1, len(mine))]
+        if len(set(rows)) > 1:
+            what = "grace configuration" if len({r[:16] for r in rows}) > 1 else \
+                "parameters (names, shapes, dtypes) or optimizer options"
+            raise ValueError(
+                f"ranks disagree on the {what}: fingerprints per rank "
+                f"{[r.decode() for r in rows]}; this rank's grace config is "
+                f"{getattr(self.grace, 'config', lambda: repr(self.grace))()} and its options "
+                f"op={self.op!r}, gradient_predivide_factor={self.gradient_predivide_factor}, "
+                f"backward_passes_per_step={self.backward_passes_per_step}")
+
+    def _register_hooks(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._requires_update.add(p)
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _make_hook(self, p):
+        def hook(*_):
+            if p in self._handles and self._handles[p] is not None \
+                    and self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+            assert not p.grad.requires_grad
+            assert self._allreduce_delay[p] > 0
+            self._allreduce_delay[p] -= 1
+            self._handles[p] = self._send(p) if self._allreduce_delay[p] == 0 else None
+        return hook
+
+    # ------------------------------------------------------------------ one tensor's pipeline
+    def _send(self, p):
+        if p.grad is None:
+            # No gradient on this rank this step; another rank may have one, so send zeros.
+            p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+        name = self._parameter_names[p]
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                raise ValueError(f"parameter {name!r} has a sparse gradient; grace compresses "
+                                 f"dense tensors: pass sparse_as_dense=True")
+            tensor = tensor.to_dense()
+        tensor = tensor.detach()
+        if self.gradient_predivide_factor != 1.0:
+            tensor = tensor * (1.0 / self.gradient_predivide_factor)
+        return self.grace.send(tensor, name, self.op)
+
+    def _write(self, p, handle) -> None:
+        out = self.grace.receive(handle)
+        if self.gradient_predivide_factor != 1.0:
+            out = out * self.gradient_predivide_factor
+        if p.grad.is_sparse:
+            p.grad.zero_().add_(out.to_sparse())
+        else:
+            p.grad.copy_(out)
+        self._allreduce_delay[p] = self.backward_passes_per_step
+
+    # ------------------------------------------------------------------ Horovod's interface
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
+            raise ValueError(f"backward_passes_per_step must be a positive integer, got "
+                             f"{passes!r}")
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def synchronize(self) -> None:
+        """Finish every parameter's compressed exchange and write the result into ``p.grad``."""
+        if not self._requires_update:
+            self._synchronized = True
+            return
+        # Name order: identical on every rank, whatever order the hooks fired in (multi-round
+        # communicators start collectives inside receive).
+        for p in sorted(self._requires_update, key=self._parameter_names.__getitem__):
+            if self._handles.get(p) is None:
+                self._handles[p] = self._send(p)
+        for p in sorted(self._handles, key=self._parameter_names.__getitem__):
+            self._write(p, self._handles[p])
+        self._handles.clear()
+        self.grace.end_step()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this context does not synchronize (use after ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): gradients are exchanged "
+                              "(and compressed) a second time.", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _grace_entry(self) -> dict:
+        return {"size": self._size(), "fingerprint": self.grace.fingerprint(),
+                "ranks": {self._rank(): _to_torch(self.grace.state_dict())}}
+
+    def _size(self) -> int:
+        size = self.process_set.size()
+        return self._hvd.size() if size is None else size
+
+    def _rank(self) -> int:
+        rank = self.process_set.rank() if self.process_set.included() else None
+        return self._hvd.rank() if rank is None else rank
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus ``"grace"``: this rank's grace state."""
+        state = super().state_dict()
+        state[GRACE_KEY] = self._grace_entry()
+        return state
+
+    def gathered_state_dict(self):
+        """Like ``state_dict`` with every rank's grace state (a collective: all ranks call it),
+        so that a checkpoint written by one rank restores every rank."""
+        state = super().state_dict()
+        entry = self._grace_entry()
+        if self._requires_update:
+            from horovod.torch.functions import allgather_object
+
+            if self.process_set is not self._hvd.global_process_set:
+                raise ValueError("gathered_state_dict() needs the global process set; save "
+                                 "state_dict() on every rank instead")
+            for other in allgather_object(entry["ranks"], name="grace.optimizer.state"):
+                entry["ranks"].update(other)
+        state[GRACE_KEY] = entry
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        """Restore the wrapped optimizer and, if the checkpoint has it, this rank's grace state."""
+        state_dict = dict(state_dict)
+        entry = state_dict.pop(GRACE_KEY, None)
+        if entry is not None:
+            rank, size = self._rank(), self._size()
+            if entry.get("size") != size:
+                raise ValueError(f"checkpoint grace state was written by a job of "
+                                 f"{entry.get('size')} ranks; this job has {size}")
+            ranks = entry.get("ranks", {})
+            if rank not in ranks:
+                raise ValueError(f"checkpoint grace state holds ranks {sorted(ranks)}, not this "
+                                 f"rank {rank}: save state_dict() on every rank, or "
+                                 f"gathered_state_dict() on all ranks and write it from one")
+            if entry.get("fingerprint") != self.grace.fingerprint():
+                raise ValueError(f"checkpoint grace state is for configuration "
+                                 f"{entry.get('fingerprint')}, this grace is "
+                                 f"{self.grace.fingerprint()} ({self.grace!r})")
+            self.grace.load_state_dict(_to_numpy(ranks[rank]))
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super().load_state_dict(state_dict)
