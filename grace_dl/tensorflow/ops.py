@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable as _ResourceVariable
 
 from grace_dl import seeding
 
@@ -348,10 +349,14 @@ def unpack_lookup(packed, bits: int, n, table):
 # ------------------------------------------------------------------ state (training state slots)
 def variable(value, dt: str, like=None, name: str | None = None):
     """A ``tf.Variable`` slot initialised from the NumPy array ``value``. It is created outside
-    any ``tf.function`` graph, so it may be created lazily during the first trace."""
+    any ``tf.function`` graph, so it may be created lazily during the first trace.
+
+    It is built as a ``ResourceVariable`` directly, which skips variable-creator scopes:
+    ``tf.function`` then does not see a variable created on its first call and does not trace
+    the function a second time (the variable is already initialised eagerly)."""
     with tf.init_scope():
         init = tf.cast(tf.constant(np.asarray(value)), _DTYPES[dt])
-        return tf.Variable(init, trainable=False, name=_var_name(name))
+        return _ResourceVariable(init, trainable=False, name=_var_name(name))
 
 
 def read(var):
@@ -379,7 +384,8 @@ def assign_lerp(var, value, weight: float):
 def counter(name: str | None = None):
     """A step counter slot (int64 variable), starting at 0."""
     with tf.init_scope():
-        return tf.Variable(tf.constant(0, tf.int64), trainable=False, name=_var_name(name))
+        return _ResourceVariable(tf.constant(0, tf.int64), trainable=False,
+                                 name=_var_name(name))
 
 
 def increment(counter_var):
