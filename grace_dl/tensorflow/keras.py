@@ -1,0 +1,184 @@
+"""A Keras 3 optimizer that really averages gradients across ranks, with or without ``grace=``.
+
+Horovod 0.28.1's ``hvd.DistributedOptimizer(keras_optimizer)`` hooks ``_compute_gradients`` /
+``_aggregate_gradients``, which Keras 3 no longer calls: under TF 2.21 / Keras 3 it trains
+each rank on its own gradients and the ranks' weights drift apart. Ours is a subclass of the
+user's optimizer class (same name, same config) whose ``apply`` reduces the gradients first;
+``apply_gradients`` and ``model.fit`` (TF backend) both go through ``apply``.
+
+    opt = grace_dl.tensorflow.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), grace=grc)
+    model.compile(optimizer=opt, loss=..., jit_compile=False)
+    model.fit(x, y, callbacks=[grace_dl.tensorflow.keras.BroadcastGlobalVariablesCallback(0)])
+
+* ``grace=None``: gradients are reduced with Horovod's own allreduce (its fusion, compression=,
+  sparse path and ``gradient_predivide_factor``), exactly what ``hvd.DistributedGradientTape``
+  does.
+* ``grace=grc``: each gradient goes through ``grc.send`` / ``grc.receive``; gradient names are
+  the variables' Keras ``path``s (see ``grace_dl.tensorflow.gradients``).
+
+Horovod ops cannot be XLA-compiled: compile with ``jit_compile=False`` (the default on CPU).
+The optimizer's own ``gradient_accumulation_steps`` accumulates the already-reduced gradients.
+The optimizer also tracks the grace state (``self.grace_state``), so ``tf.train.Checkpoint(
+optimizer=opt)`` saves residuals and counters with the optimizer's slots.
+"""
+
+from __future__ import annotations
+
+import horovod.tensorflow as hvd
+import keras
+import tensorflow as tf
+
+from grace_dl.tensorflow.checkpoint import checkpointable
+from grace_dl.tensorflow.gradients import GraceReducer
+from grace_dl.tensorflow.tape import reject_horovod_only_options
+
+
+class _Distributed:
+    """Mixed in front of the user's optimizer class."""
+
+    def apply(self, grads, trainable_variables=None):
+        variables = (list(trainable_variables) if trainable_variables is not None
+                     else list(self._trainable_variables))
+        grads = self._hvd_reduce(list(grads), variables)
+        return super().apply(grads, trainable_variables)
+
+    def register_local_var(self, var):
+        """Gradients of ``var`` are not reduced (as in Horovod)."""
+        self._hvd_local.add(id(var))
+        if self._hvd_grace is not None:
+            self._hvd_grace.register_local(var)
+
+    def _hvd_reduce(self, grads, variables):
+        if self._hvd_grace is not None:
+            return self._hvd_grace(grads, variables)
+        idx = [i for i, (g, v) in enumerate(zip(grads, variables))
+               if g is not None and id(v) not in self._hvd_local]
+        # Horovod's reduce function looks at the variables only to match fusion groups.
+        group_vars = ([_tf_variable(variables[i]) for i in idx]
+                      if isinstance(self._hvd_groups, list) else None)
+        reduced = self._hvd_allreduce([grads[i] for i in idx], group_vars)
+        out = list(grads)
+        for i, r in zip(idx, reduced):
+            out[i] = r
+        if self._hvd_scale_local and self._hvd_local:
+            n = self._hvd_process_set.size()
+            for i, (g, v) in enumerate(zip(grads, variables)):
+                if g is not None and id(v) in self._hvd_local:
+                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                              if isinstance(g, tf.IndexedSlices) else g / n)
+        return out
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _distributed_class(opt_class: type) -> type:
+    cls = _CLASSES.get(opt_class)
+    if cls is None:
+        cls = type(opt_class.__name__, (_Distributed, opt_class), {})
+        _CLASSES[opt_class] = cls
+    return cls
+
+
+def is_keras_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, keras.optimizers.Optimizer)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=hvd.Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=hvd.Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=hvd.global_process_set,
+                         scale_local_gradients=True, grace=None):
+    """Horovod's Keras ``DistributedOptimizer`` arguments plus ``grace=``; returns a new
+    optimizer of the same class built from ``optimizer.get_config()`` (a fresh, unbuilt
+    optimizer, as Horovod's). ``op`` is ``hvd.Average`` or ``hvd.Sum``.
+    ``backward_passes_per_step`` must be 1 (use the optimizer's ``gradient_accumulation_steps``);
+    ``average_aggregated_gradients`` only matters with it and is accepted for compatibility.
+    With ``grace=``, ``compression``/``groups``/``num_groups`` are rejected (the grace object
+    compresses and groups) and sparse gradients are densified."""
+    if not is_keras_optimizer(optimizer):
+        raise ValueError(f"optimizer must be a keras.optimizers.Optimizer, got "
+                         f"{type(optimizer).__name__}")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if backward_passes_per_step != 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: only 1 is "
+                         "supported with Keras 3; set gradient_accumulation_steps on the Keras "
+                         "optimizer instead")
+    if num_groups and groups is None:
+        groups = num_groups
+    if grace is not None:
+        reject_horovod_only_options(compression=compression, groups=groups)
+
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    opt = _distributed_class(type(optimizer)).from_config(config)
+    opt._hvd_local = set()
+    opt._hvd_process_set = process_set
+    opt._hvd_scale_local = bool(scale_local_gradients)
+    opt._hvd_groups = groups
+    if grace is None:
+        if isinstance(groups, list):
+            groups = [[_tf_variable(v) for v in group] for group in groups]
+        opt._hvd_grace = None
+        opt._hvd_allreduce = hvd._make_allreduce_grads_fn(
+            config["name"], device_dense, device_sparse, compression, sparse_as_dense, op,
+            gradient_predivide_factor, groups, process_set)
+    else:
+        opt._hvd_grace = GraceReducer(grace, op=op,
+                                      gradient_predivide_factor=gradient_predivide_factor,
+                                      process_set=process_set,
+                                      scale_local_gradients=scale_local_gradients,
+                                      device=device_dense)
+        opt.grace_state = checkpointable(grace)
+    return opt
+
+
+def _tf_variable(var):
+    """The ``tf.Variable`` behind a Keras 3 variable (Horovod's helpers call ``.ref()``)."""
+    return var if isinstance(var, tf.Variable) else var.value
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's and the optimizer's variables from ``root_rank`` before training
+    starts, so that every rank begins from the same weights (Horovod's callback calls
+    ``var.ref()`` and ``optimizer.variables()``, which Keras 3 variables/optimizers lack).
+
+    The optimizer is built on the model's trainable variables first if it is not built yet.
+    A model that is not built before ``fit`` (no input shape) is broadcast after its first
+    batch instead, as Horovod does."""
+
+    def __init__(self, root_rank: int = 0):
+        super().__init__()
+        self.root_rank = int(root_rank)
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self):
+        opt = self.model.optimizer
+        if opt is not None and not opt.built:
+            opt.build(self.model.trainable_variables)
+        variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
+        broadcast_keras_variables(variables, self.root_rank)
+        self.broadcast_done = True
+
+
+def broadcast_keras_variables(variables, root_rank: int = 0) -> None:
+    """Assign ``root_rank``'s values to Keras 3 (or tf) variables on every rank, eagerly.
+    Collective names are the variables' paths, made unique by position."""
+    for i, var in enumerate(variables):
+        label = getattr(var, "path", None) or getattr(var, "name", "var")
+        value = hvd.broadcast(tf.convert_to_tensor(var), root_rank,
+                              name=f"grace.bcast.{i}.{label}".replace(":", "_"))
+        var.assign(value)
