@@ -1,0 +1,256 @@
+"""grace_dl.torch.horovod.DistributedOptimizer: argument checks in this process, and real 2-rank
+horovodrun jobs (tests/workers/torch_optimizer.py, torch_resume.py) compared with
+horovod.torch's optimizer and with single-process references that apply the same
+compress/aggregate math to both ranks' gradients."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mp
+from grace_dl import grace_from_params
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+import torch_common as C  # noqa: E402
+
+N = 2
+NONE = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
+TOPK = {"compressor": "topk", "memory": "residual", "communicator": "allgather",
+        "compress_ratio": 0.1}
+NUMEL = sum(p.numel() for p in C.make_model().parameters())
+
+
+# ---------------------------------------------------------------- single-process references
+def _aggregate(grcs, grads_by_rank, name, factor=1.0):
+    """What the allgather pipeline should produce for ``name``: each rank's compensated,
+    compressed, decompressed gradient, aggregated in rank order, divided by the rank count."""
+    decompressed = []
+    for grc, grads in zip(grcs, grads_by_rank):
+        g = torch.as_tensor(grads[name])
+        if factor != 1.0:
+            g = g * (1.0 / factor)
+        comp = grc.memory.compensate(g, name)
+        payload, ctx = grc.compressor.compress(comp, name)
+        grc.memory.update(comp, name, grc.compressor, payload, ctx)
+        decompressed.append(grc.compressor.decompress(payload, ctx))
+    out = grcs[0].compressor.aggregate(decompressed) / len(grcs)
+    return out * factor if factor != 1.0 else out
+
+
+def _reference_training(params, steps=3, factor=1.0, extra=False):
+    torch.set_num_threads(1)
+    model = C.make_model(extra)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grcs = [grace_from_params(dict(params)) for _ in range(N)]
+    named = dict(model.named_parameters())
+    for step in range(steps):
+        grads = []
+        for r in range(N):
+            model.zero_grad(set_to_none=True)
+            C.loss_of(model, r, step).backward()
+            grads.append({k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                          for k, p in named.items() if p.requires_grad})
+        for name in sorted(grads[0]):
+            named[name].grad = _aggregate(grcs, grads, name, factor)
+        opt.step()
+    return C.params(model)
+
+
+def _close(a: dict, b: dict, **tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], err_msg=k, **tol)
+
+
+def _equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _differ(a: dict, b: dict):
+    assert any(not np.array_equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- in-process checks
+def _sgd():
+    return torch.optim.SGD(C.make_model().parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"op": "adasum"}, ["op", "'adasum'", "Average", "Sum"]),
+    ({"op": 2}, ["Adasum", "Average", "Sum"]),
+    ({"op": 3}, ["Min", "Average", "Sum"]),
+    ({"backward_passes_per_step": 0}, ["backward_passes_per_step", "0"]),
+    ({"gradient_predivide_factor": 2.0, "op": 1}, ["gradient_predivide_factor", "Average"]),
+    ({"gradient_predivide_factor": -1.0}, ["gradient_predivide_factor", "-1.0"]),
+    ({"groups": -2}, ["groups", "-2"]),
+    ({"groups": [[1.0]]}, ["groups", "torch.Tensor"]),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, words):
+    import grace_dl.torch.horovod as hvd
+
+    with pytest.raises(ValueError) as err:
+        hvd.DistributedOptimizer(_sgd(), grace=grace_from_params(dict(NONE)), **kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_grace_needs_a_communicator_and_no_horovod_compression():
+    import grace_dl.torch.horovod as hvd
+
+    with pytest.raises(ValueError, match="send"):
+        hvd.DistributedOptimizer(_sgd(), grace={"compressor": "topk"})
+    with pytest.raises(ValueError, match="Compression.none"):
+        hvd.DistributedOptimizer(_sgd(), grace=grace_from_params(dict(NONE)),
+                                 compression=hvd.Compression.fp16)
+
+
+def test_topk_over_allreduce_is_refused_at_construction():
+    with pytest.raises(ValueError) as err:
+        grace_from_params({**TOPK, "communicator": "allreduce"})
+    assert "allreduce" in str(err.value) and "topk" in str(err.value).lower()
+
+
+def test_dropin_module_has_every_horovod_name_and_lazy_import():
+    code = ("import sys, grace_dl.torch, grace_dl.torch.ops\n"
+            "assert 'horovod' not in sys.modules, 'ops imported horovod'\n"
+            "from grace_dl.torch import DistributedOptimizer\n"
+            "import horovod.torch as h, grace_dl.torch.horovod as g\n"
+            "from grace_dl.torch.optimizer import DistributedOptimizer as D\n"
+            "missing = [k for k in vars(h) if not k.startswith('_') and not hasattr(g, k)]\n"
+            "assert not missing, missing\n"
+            "assert g.DistributedOptimizer is D is DistributedOptimizer\n"
+            "assert g.allreduce is h.allreduce and g.Average == h.Average\n"
+            "assert g.broadcast_optimizer_state is not h.broadcast_optimizer_state\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=str(mp.ROOT))
+
+
+# ---------------------------------------------------------------- 2-rank jobs
+@pytest.fixture(scope="module")
+def ranks():
+    return mp.run("torch_optimizer.py", np=N, args=[json.dumps(TOPK)], timeout=300)
+
+
+@pytest.mark.multiproc
+def test_grace_none_is_horovods_optimizer_bit_for_bit(ranks):
+    for res in ranks:
+        assert res["grace_none_class_module"] == "horovod.torch.optimizer"
+        _equal(res["grace_None"], res["hvd"])
+
+
+@pytest.mark.multiproc
+def test_none_pipeline_equals_horovod_averaging(ranks):
+    for res in ranks:
+        _close(res["none_pipeline"], res["hvd"], rtol=1e-6, atol=1e-7)
+        assert res["none_bytes"] == [NUMEL * 4] * 3   # fp32, ring allreduce over 2 ranks
+    _equal(ranks[0]["none_pipeline"], ranks[1]["none_pipeline"])
+
+
+@pytest.mark.multiproc
+def test_topk_residual_allgather_matches_single_process_reference(ranks):
+    # Step by step: the applied gradient is the reference math on both ranks' local gradients.
+    grcs = [grace_from_params(dict(TOPK)) for _ in range(N)]
+    for step in range(3):
+        local = [res["topk_records"][step]["local"] for res in ranks]
+        for name in sorted(local[0]):
+            expected = _aggregate(grcs, local, name).numpy()
+            for res in ranks:
+                np.testing.assert_allclose(res["topk_records"][step]["synced"][name], expected,
+                                           rtol=1e-6, atol=1e-8, err_msg=f"{name} step {step}")
+    # Whole trajectory, recomputed in this process.
+    reference = _reference_training(TOPK)
+    for res in ranks:
+        _close(res["topk"], reference, rtol=1e-5, atol=1e-6)
+        _equal(res["topk_again"], res["topk"])         # step() path == synchronize() path
+        _differ(res["topk"], res["none_pipeline"])       # compression did something
+    _equal(ranks[0]["topk"], ranks[1]["topk"])
+    payload = grcs[0].compressor.payload_nbytes
+    expected_bytes = sum(payload(p.numel()) for p in C.make_model().parameters())
+    assert ranks[0]["topk_bytes"] == [expected_bytes] * 3
+    assert expected_bytes < NUMEL * 4 / 3
+
+
+@pytest.mark.multiproc
+def test_gradient_predivide_factor(ranks):
+    reference = _reference_training(TOPK, factor=4.0)
+    for res in ranks:
+        _close(res["pre_grace"], res["pre_hvd"], rtol=1e-6, atol=1e-7)
+        _close(res["pre_topk"], reference, rtol=1e-5, atol=1e-6)
+    _equal(ranks[0]["pre_topk"], ranks[1]["pre_topk"])
+
+
+@pytest.mark.multiproc
+def test_op_sum(ranks):
+    for res in ranks:
+        _close(res["sum_grace"], res["sum_hvd"], rtol=1e-6, atol=1e-7)
+        _differ(res["sum_hvd"], res["hvd"])
+
+
+@pytest.mark.multiproc
+def test_backward_passes_per_step_accumulates_then_sends_once(ranks):
+    for res in ranks:
+        _close(res["bpps_grace"], res["bpps_hvd"], rtol=1e-6, atol=1e-7)
+        _differ(res["bpps_hvd"], res["hvd"])
+        assert res["bpps_sent_after_pass1"] == 0
+        assert res["bpps_sent_after_pass2"] == NUMEL * 4
+        assert "backward_passes_per_step" in res["bpps_third_pass"]
+
+
+@pytest.mark.multiproc
+def test_synchronize_clip_skip_synchronize(ranks):
+    for res in ranks:
+        _close(res["skip_grace"], res["skip_hvd"], rtol=1e-6, atol=1e-7)
+        assert res["skip_synced_norm"] <= 0.05 + 1e-6     # clipping saw the averaged gradient
+        assert res["skip_steps_counted"] == 3              # step() inside skip: no second send
+        assert len(res["skip_warning"]) == 1 and "skip_synchronize" in res["skip_warning"][0]
+
+
+@pytest.mark.multiproc
+def test_parameter_without_gradient_and_non_float_parameter(ranks):
+    init = C.params(C.make_model(extra_branch=True))
+    for res in ranks:
+        _close(res["nograd_grace"], res["nograd_hvd"], rtol=1e-6, atol=1e-7)
+        for key in ("nograd_grace", "nograd_topk"):
+            np.testing.assert_array_equal(res[key]["counter"], np.arange(3))
+            assert not np.array_equal(res[key]["extra.weight"], init["extra.weight"])
+    for key in ("nograd_grace", "nograd_topk"):
+        _equal(ranks[0][key], ranks[1][key])
+
+
+@pytest.mark.multiproc
+def test_process_set_is_passed_to_the_communicator(ranks):
+    for res in ranks:
+        assert res["ps_attached"]
+        _close(res["ps_grace"], res["ps_hvd"], rtol=1e-6, atol=1e-7)
+    assert [res["ps_grace_steps"] for res in ranks] == [3, 0]   # rank 1 is outside the set
+
+
+@pytest.mark.multiproc
+def test_zero_grad_race_and_rank_mismatch_raise_on_every_rank(ranks):
+    for res in ranks:
+        assert "zero_grad" in res["zero_grad_race"]
+        assert "ranks disagree on the grace configuration" in res["mismatch_config"]
+        assert "compress_ratio" in res["mismatch_config"]
+        assert "ranks disagree on the parameters" in res["mismatch_model"]
+
+
+@pytest.mark.multiproc
+def test_checkpoint_resume_in_fresh_job_is_bitwise_identical(tmp_path):
+    saved = mp.run("torch_resume.py", np=N, args=["save", tmp_path, json.dumps(TOPK)],
+                   timeout=240)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gathered.pt", "rank0.pt", "rank1.pt"]
+    resumed = mp.run("torch_resume.py", np=N, args=["load", tmp_path, json.dumps(TOPK)],
+                     timeout=240)
+    for before, after in zip(saved, resumed):
+        assert before["grace_keys"] == sorted(C.params(C.make_model()))  # one residual each
+        _equal(after["from_own_file"], before["uninterrupted"])
+        _equal(after["from_gathered"], before["uninterrupted"])
+        _differ(after["without_grace_state"], before["uninterrupted"])
+    assert resumed[0]["other_rank_file"] == "no error"
+    assert "not this rank 1" in resumed[1]["other_rank_file"]

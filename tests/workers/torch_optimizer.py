@@ -1,0 +1,161 @@
+"""grace_dl.torch.horovod.DistributedOptimizer against horovod.torch's, on every rank.
+
+One launch runs several short trainings of the tiny MLP in tests/workers/torch_common.py, each
+with a fresh optimizer, and reports what tests/test_torch_optimizer.py compares. Usage:
+``torch_optimizer.py TOPK_PARAMS_JSON``.
+"""
+
+import json
+import sys
+import warnings
+
+import horovod.torch as real_hvd
+import torch
+import torch_common as C
+
+import grace_dl.torch.horovod as hvd
+import mp
+from grace_dl import grace_from_params
+
+STEPS = 3
+NONE = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
+TOPK = json.loads(sys.argv[1])
+
+torch.set_num_threads(1)
+RANK0 = hvd.ProcessSet([0])
+hvd.init(process_sets=[RANK0])
+rank = hvd.rank()
+out = {"rank": rank, "size": hvd.size()}
+
+
+def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, clip=False,
+        record=False, **kwargs):
+    """Train ``steps`` optimizer steps; returns (model, opt, grace, records)."""
+    model = C.make_model(extra)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grc = None if grace_params is None else grace_from_params(dict(grace_params))
+    wrap = real_hvd.DistributedOptimizer if horovod else hvd.DistributedOptimizer
+    extra_kw = {} if horovod else {"grace": grc}
+    opt = wrap(base, named_parameters=model.named_parameters(), backward_passes_per_step=bpps,
+               **kwargs, **extra_kw)
+    records = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(bpps):
+            C.loss_of(model, rank, step, micro).backward()
+        if record or clip:
+            local = C.grads(model)
+            opt.synchronize()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            records.append({"local": local, "synced": C.grads(model)})
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    return model, opt, grc, records
+
+
+# 1. grace=None is Horovod's optimizer, bit for bit.
+m_ref, o_ref, _, _ = run(horovod=True)
+m_none, o_none, _, _ = run(grace_params=None)
+out["grace_none_class_module"] = type(o_none).__module__
+out["hvd"] = C.params(m_ref)
+out["grace_None"] = C.params(m_none)
+
+# 2. The `none` pipeline equals Horovod's averaging.
+m, _, grc, _ = run(NONE)
+out["none_pipeline"] = C.params(m)
+out["none_bytes"] = [s["sent"] for s in grc.bytes.steps]
+
+# 3. topk + residual + allgather: what each rank had and what it applied, step by step.
+m_topk, _, grc, records = run(TOPK, record=True)
+out["topk"] = C.params(m_topk)
+out["topk_records"] = records
+out["topk_bytes"] = [s["sent"] for s in grc.bytes.steps]
+
+# 4. backward_passes_per_step=2: nothing is sent until the second pass; result as Horovod's.
+out["bpps_hvd"] = C.params(run(horovod=True, bpps=2)[0])
+out["bpps_grace"] = C.params(run(NONE, bpps=2)[0])
+model = C.make_model()
+grc = grace_from_params(dict(NONE))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), grace=grc,
+                               backward_passes_per_step=2)
+C.loss_of(model, rank, 0, 0).backward()
+out["bpps_sent_after_pass1"] = sum(grc.bytes.sent.values())
+C.loss_of(model, rank, 0, 1).backward()
+out["bpps_sent_after_pass2"] = sum(grc.bytes.sent.values())
+try:
+    C.loss_of(model, rank, 0, 2).backward()
+    out["bpps_third_pass"] = "no error"
+except AssertionError as err:
+    out["bpps_third_pass"] = str(err)
+opt.step()
+
+# 5. synchronize() + gradient clipping + skip_synchronize(), as in Horovod's docs.
+out["skip_hvd"] = C.params(run(horovod=True, clip=True)[0])
+m, opt, grc, records = run(NONE, clip=True)
+out["skip_grace"] = C.params(m)
+out["skip_steps_counted"] = len(grc.bytes.steps)
+out["skip_synced_norm"] = float(sum((torch.from_numpy(g) ** 2).sum()
+                                    for g in records[-1]["synced"].values()) ** 0.5)
+opt.zero_grad()
+C.loss_of(model, rank, 9).backward()
+opt.synchronize()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt.step()
+out["skip_warning"] = [str(w.message) for w in caught]
+
+# 6. op=Sum and gradient_predivide_factor, against Horovod's.
+out["sum_hvd"] = C.params(run(horovod=True, op=hvd.Sum)[0])
+out["sum_grace"] = C.params(run(NONE, op=hvd.Sum)[0])
+out["pre_hvd"] = C.params(run(horovod=True, gradient_predivide_factor=4.0)[0])
+out["pre_grace"] = C.params(run(NONE, gradient_predivide_factor=4.0)[0])
+out["pre_topk"] = C.params(run(TOPK, gradient_predivide_factor=4.0)[0])
+out["topk_again"] = C.params(run(TOPK)[0])
+
+# 7. A layer only rank 1 uses (rank 0 has no gradient) and a non-float parameter.
+out["nograd_hvd"] = C.params(run(horovod=True, extra=True)[0])
+out["nograd_grace"] = C.params(run(NONE, extra=True)[0])
+out["nograd_topk"] = C.params(run(TOPK, extra=True)[0])
+
+# 8. A process set holding rank 0 only: rank 1 trains alone, rank 0 "averages" with itself.
+out["ps_hvd"] = C.params(run(horovod=True, process_set=RANK0)[0])
+m, _, grc, _ = run(NONE, process_set=RANK0)
+out["ps_grace"] = C.params(m)
+out["ps_grace_steps"] = len(grc.bytes.steps)
+out["ps_attached"] = grc.process_set is RANK0
+
+# 9. zero_grad() between backward() and step() is refused, as in Horovod.
+model = C.make_model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(),
+                               grace=grace_from_params(dict(NONE)))
+C.loss_of(model, rank, 0).backward()
+try:
+    opt.zero_grad()
+    out["zero_grad_race"] = "no error"
+except AssertionError as err:
+    out["zero_grad_race"] = str(err)
+opt.step()
+
+
+# 10. Ranks that disagree raise ValueError on every rank (no hang).
+def mismatch(params, extra):
+    model = C.make_model(extra)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 grace=grace_from_params(params))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+out["mismatch_config"] = mismatch({**TOPK, "compress_ratio": TOPK["compress_ratio"] * (rank + 1)},
+                                  False)
+out["mismatch_model"] = mismatch(dict(TOPK), rank == 1)
+
+mp.report(out)
