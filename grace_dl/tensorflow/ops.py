@@ -208,6 +208,18 @@ def split(x, sizes):
     return tf.split(x, list(sizes))
 
 
+def numels(xs):
+    """A 1-D int32 tensor holding the element count of each tensor in ``xs``."""
+    return tf.stack([tf.size(x, out_type=tf.int32) for x in xs])
+
+
+def split_by(x, lengths):
+    """Split 1-D ``x`` into pieces whose lengths are the entries of the 1-D int tensor
+    ``lengths`` (known only at run time, e.g. received from other ranks; its length must be
+    static)."""
+    return tf.split(x, tf.cast(lengths, tf.int64), num=lengths.shape[0])
+
+
 def slice(x, start, stop):  # noqa: A001
     return x[start:stop]
 
@@ -392,6 +404,22 @@ def increment(counter_var):
     """Add one to a counter slot; returns the new value (a tensor; an int in eager mode)."""
     new = counter_var.assign_add(1)
     return int(new.numpy()) if tf.executing_eagerly() else new
+
+
+# ------------------------------------------------------------------ host-side bookkeeping
+def host_callback(fn, *values) -> None:
+    """Call ``fn`` with ``values`` (Python ints or integer scalar tensors) as Python ints, every
+    time this line runs: at once in eager mode; inside ``tf.function`` through a stateful
+    ``tf.numpy_function``, so it runs on each call of the traced function, not once at trace."""
+    if tf.executing_eagerly():
+        fn(*(int(v) for v in values))
+        return
+
+    def call(*args):
+        fn(*(int(a) for a in args))
+        return np.int64(0)
+
+    tf.numpy_function(call, [tf.cast(v, tf.int64) for v in values], tf.int64, stateful=True)
 
 
 def _var_name(name):

@@ -204,6 +204,17 @@ def split(x, sizes):
     return list(torch.split(x, list(sizes)))
 
 
+def numels(xs):
+    """A 1-D int32 tensor holding the element count of each tensor in ``xs``."""
+    return torch.tensor([x.numel() for x in xs], dtype=torch.int32)
+
+
+def split_by(x, lengths):
+    """Split 1-D ``x`` into pieces whose lengths are the entries of the 1-D int tensor
+    ``lengths`` (known only at run time, e.g. received from other ranks)."""
+    return list(torch.split(x, [int(n) for n in lengths.tolist()]))
+
+
 def slice(x, start: int, stop: int):  # noqa: A001
     return x[start:stop]
 
@@ -376,3 +387,10 @@ def increment(counter_var):
     """Add one to a counter slot; returns the new value (a Python int here)."""
     counter_var.add_(1)
     return int(counter_var.item())
+
+
+# ------------------------------------------------------------------ host-side bookkeeping
+def host_callback(fn, *values) -> None:
+    """Call ``fn`` with ``values`` (Python ints or integer scalar tensors) as Python ints, every
+    time this line runs (byte counters and other Python-side bookkeeping)."""
+    fn(*(int(v) for v in values))

@@ -1,0 +1,82 @@
+"""``allgather``: every rank gets every rank's payload, decompresses each with its own ctx and
+combines them with ``compressor.aggregate`` (GRACE, Xu et al. 2021, §3: the collective for
+sparsifiers, signs and quantizers with per-rank scales).
+
+Wire: one allgather per payload part, flattened to 1-D, named ``grace.<tensor>.p<i>``. A rank
+sends its payload once and receives the N-1 others' (the byte counters record exactly that).
+When payload sizes differ across ranks (``equal_sizes`` False: threshold, DGC) one more
+allgather, ``grace.<tensor>.len``, carries the int32 element count of each part (4 bytes per part
+per rank). It starts together with the payload's own allgathers and never blocks ``send``, so
+Horovod negotiates and fuses it in the same cycle: one size exchange per step, not a blocking
+call per tensor. A rank may send 0 elements.
+
+Carries every single-round compressor; the result is exact when the compressor is, and the
+aggregation (sum, or majority vote for signs) runs in rank order, so all ranks get the same bits.
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.communicators import wire
+from grace_dl.communicators.base import Communicator, Handle
+from grace_dl.registry import register_communicator
+
+
+def gather_rounds_refusal(compressor) -> str | None:
+    if getattr(compressor, "rounds", 1) > 1:
+        return (f"it needs {compressor.rounds} rounds whose later payloads depend on the "
+                f"reduced earlier ones (rounds > 1)")
+    return None
+
+
+@register_communicator("allgather")
+class Allgather(Communicator):
+    @classmethod
+    def refusal(cls, compressor) -> str | None:
+        """Why this communicator cannot carry ``compressor`` (None when it can)."""
+        return gather_rounds_refusal(compressor)
+
+    @classmethod
+    def check_compressor(cls, compressor) -> None:
+        reason = cls.refusal(compressor)
+        if reason is not None:
+            raise wire.refuse("allgather", compressor, reason)
+
+    def _start(self, payload, handle: Handle):
+        coll = handle.coll
+        ops = ops_for(payload[0])
+        flats, shapes = wire.flatten(payload)
+        sent = wire.nbytes(flats)
+        lengths = None
+        if not self.compressor.equal_sizes:
+            numels = ops.numels(flats)
+            lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
+            sent = sent + ops.nbytes(numels)
+        parts = [coll.allgather_async(f, self.wire_name(handle.name, f"p{i}"))
+                 for i, f in enumerate(flats)]
+        wire.count(self, ops, handle.name, sent=sent)
+        return {"parts": parts, "lengths": lengths, "shapes": shapes,
+                "numels": [ops.numel(f) for f in flats], "sent": sent}
+
+    def _finish(self, handle: Handle):
+        coll = handle.coll
+        pending = handle.pending
+        size = coll.size()
+        gathered = [coll.synchronize(h) for h in pending["parts"]]
+        ops = ops_for(gathered[0])
+        if pending["lengths"] is None:
+            pieces = [ops.split(g, [n] * size) for g, n in zip(gathered, pending["numels"])]
+            received = pending["sent"] * (size - 1)
+        else:
+            lengths = ops.reshape(coll.synchronize(pending["lengths"]), (size, len(gathered)))
+            by_part = ops.transpose(lengths)
+            pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
+            received = wire.nbytes(gathered) + ops.nbytes(lengths) - pending["sent"]
+        wire.count(self, ops, handle.name, received=received)
+        equal = self.compressor.equal_sizes
+        decompressed = [
+            self.compressor.decompress(
+                [wire.unflatten(p[r], s, equal) for p, s in zip(pieces, pending["shapes"])],
+                handle.ctx)
+            for r in range(size)]
+        return self.compressor.aggregate(decompressed)
