@@ -118,6 +118,36 @@ def copy(x):
     return tf.identity(x)
 
 
+# ------------------------------------------------------------------ devices
+def device_type(x) -> str:
+    """Where ``x`` lives: ``"cpu"``, ``"gpu"``, or ``""`` when not known yet (TF graph tensors
+    before placement)."""
+    device = (getattr(x, "device", "") or "").upper()
+    if "GPU" in device:
+        return "gpu"
+    if "CPU" in device:
+        return "cpu"
+    return ""
+
+
+def to_host(x):
+    """``x`` in host (CPU) memory; ``x`` itself when it is there already."""
+    if device_type(x) == "cpu":
+        return x
+    with tf.device("/CPU:0"):
+        return tf.identity(x)
+
+
+def to_device(x, like):
+    """``x`` on ``like``'s device; ``x`` itself when it is there already, or when ``like``'s
+    device is not known yet (graph tensors: TF places the op)."""
+    device = getattr(like, "device", "") or ""
+    if not device or device == (getattr(x, "device", "") or ""):
+        return x
+    with tf.device(device):
+        return tf.identity(x)
+
+
 # ------------------------------------------------------------------ math
 abs = tf.math.abs  # noqa: A001
 sign = tf.math.sign

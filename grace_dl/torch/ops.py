@@ -120,6 +120,24 @@ def copy(x):
     return x.clone()
 
 
+# ------------------------------------------------------------------ devices
+def device_type(x) -> str:
+    """Where ``x`` lives: ``"cpu"``, ``"gpu"``, or ``""`` when not known yet (TF graph tensors
+    before placement)."""
+    kind = x.device.type
+    return "gpu" if kind == "cuda" else kind
+
+
+def to_host(x):
+    """``x`` in host (CPU) memory; ``x`` itself when it is there already."""
+    return x.cpu()
+
+
+def to_device(x, like):
+    """``x`` on ``like``'s device; ``x`` itself when it is there already."""
+    return x.to(like.device)
+
+
 # ------------------------------------------------------------------ math
 abs = torch.abs  # noqa: A001
 sign = torch.sign
