@@ -1,0 +1,57 @@
+"""``randomk``: send ``k = max(1, ceil(compress_ratio * n))`` entries at random positions
+(Stich et al. 2018, "Sparsified SGD with Memory").
+
+The positions are drawn without replacement from ``(seed, name, step)`` alone, so every rank
+draws the same ones, whatever order its tensors are compressed in, and they are never sent:
+wire = k values in the input dtype, ``k * itemsize`` bytes (for fp32 and ratio r: 32 * r bits
+per element). Payloads of different ranks hold the same positions, so they can be summed on the
+wire: **allreduce-safe**. The draw costs O(k) (Floyd's algorithm, see ``grace_dl.seeding``)
+while k is under n / 50; NumPy switches to an O(n) tail shuffle above that.
+
+Biased as sent (it keeps x on k of n coordinates, E = (k/n) x; scaling by n/k would make it
+unbiased but error feedback, which this is meant for, wants the unscaled values).
+NaN/Inf are sent like any other value when drawn.
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.compressors import sparse
+from grace_dl.compressors.base import Compressor
+from grace_dl.registry import register_compressor
+from grace_dl.validate import in_range
+
+
+@register_compressor("randomk")
+class RandomKCompressor(Compressor):
+    allreduce_safe = True
+    equal_sizes = True
+    two_phase_safe = False
+    unbiased = False
+
+    def __init__(self, compress_ratio: float = 0.01, seed: int = 0):
+        super().__init__(seed=in_range("seed", seed, 0, None, kind=int))
+        self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
+
+    def compress(self, tensor, name):
+        """Payload ``[values]``; ctx ``(shape, numel, positions)`` (int64, local only)."""
+        ops = ops_for(tensor)
+        n = ops.numel(tensor)
+        flat = ops.flatten(tensor)
+        if n == 0:
+            return [flat], (ops.shape(tensor), 0, ops.cast(flat, "int64"))
+        k = sparse.count_for(self.compress_ratio, n)
+        step = self.next_step(name, tensor)
+        positions = ops.choice(self.seed, name, step, n, k, like=flat)
+        return [ops.gather(flat, positions)], (ops.shape(tensor), n, positions)
+
+    def decompress(self, payload, ctx):
+        shape, n, positions = ctx
+        ops = ops_for(payload[0])
+        return ops.reshape(ops.scatter(positions, payload[0], n), shape)
+
+    def sent_indices(self, payload, ctx):
+        return ctx[2]
+
+    def payload_nbytes(self, numel, dtype="float32"):
+        return sparse.count_for(self.compress_ratio, numel) * sparse.itemsize(dtype)

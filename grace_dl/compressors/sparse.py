@@ -1,0 +1,151 @@
+"""What the sparsifiers (topk, randomk, threshold, dgc, adaq) share: picking entries of a flat
+tensor by magnitude, and scattering sent values back into a dense tensor.
+
+Wire format of every index-carrying sparsifier: the kept values in the input dtype, and their
+positions in the flattened tensor as int32 (tensors must therefore have < 2**31 elements).
+
+Selection rules, identical in torch and TensorFlow (so both backends pick the same entries):
+
+- magnitude is ``|x|``; ``+-inf`` is the largest magnitude; NaN ranks below every number (it is
+  never kept while k numbers are available);
+- ties at the k-th magnitude go to the lowest indices.
+"""
+
+from __future__ import annotations
+
+import math
+
+from grace_dl.backend import ops_for
+from grace_dl.compressors.base import Compressor
+
+INDEX_DTYPE = "int32"
+MAX_NUMEL = 2**31 - 1
+#: Below this many elements the exact top-k is cheaper than estimating a threshold by sampling.
+APPROX_MIN_NUMEL = 65536
+SAMPLE_MIN = 8192
+SAMPLE_DIVISOR = 256
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1,
+             "int16": 2, "int32": 4, "int64": 8}
+
+
+def itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype]
+
+
+def count_for(ratio: float, n: int) -> int:
+    """Entries a ratio keeps of ``n``: ``max(1, ceil(ratio * n))`` for ``n > 0``, else 0."""
+    return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
+
+
+def ceil_count(ops, x, hi: int):
+    """``max(1, min(hi, ceil(x)))``: a Python int for a number ``x``, an int32 tensor for a
+    tensor ``x`` (a ratio that depends on a graph-mode step)."""
+    if ops.is_tensor(x):
+        return ops.clamp(ops.cast(ops.ceil(x), "int32"), 1, hi)
+    return max(1, min(hi, math.ceil(x)))
+
+
+def check_numel(n, method: str) -> None:
+    if isinstance(n, int) and n > MAX_NUMEL:
+        raise ValueError(f"{method} sends int32 indices: tensors must have at most {MAX_NUMEL} "
+                         f"elements, got {n}")
+
+
+def sample_size(n: int) -> int:
+    """Entries drawn to estimate a magnitude threshold for an ``n``-element tensor."""
+    return min(n, max(SAMPLE_MIN, n // SAMPLE_DIVISOR))
+
+
+def magnitudes(ops, flat):
+    """``|flat|`` with NaN replaced by -1, so that NaN ranks below every number."""
+    mag = ops.abs(flat)
+    return ops.where(mag == mag, mag, ops.zeros_like(mag) - 1)
+
+
+def abs_at_least(flat, thr):
+    """Boolean mask ``|flat| >= thr`` (two comparisons: no magnitude tensor is written; NaN is
+    never in it)."""
+    return (flat >= thr) | (flat <= -thr)
+
+
+def keep_top(ops, cand, cmag, k):
+    """Exactly ``k`` of the candidate positions ``cand`` (with magnitudes ``cmag``, at least
+    ``k`` of them): the largest magnitudes, ties at the k-th going to the lowest positions
+    (``cand`` is ascending). Returns int64 positions: those above the k-th magnitude, then the
+    tied ones, each group ascending."""
+    kth = ops.min(ops.topk(cmag, k)[0])
+    above = ops.gather(cand, ops.nonzero(cmag > kth))
+    ties = ops.gather(cand, ops.nonzero(cmag == kth))
+    chosen = ops.cat([above, ops.slice(ties, 0, k - ops.numel(above))])
+    return ops.reshape(chosen, [k]) if isinstance(k, int) else chosen
+
+
+def top_of(ops, mag, k):
+    """Positions of the ``k`` largest entries of ``mag`` (no NaN; ``0 < k <= numel``)."""
+    kth = ops.min(ops.topk(mag, k)[0])
+    cand = ops.nonzero(mag >= kth)
+    return keep_top(ops, cand, ops.gather(mag, cand), k)
+
+
+def exact_top(ops, flat, k):
+    """Positions of the ``k`` largest magnitudes of ``flat`` (``0 < k <= numel``)."""
+    return top_of(ops, magnitudes(ops, flat), k)
+
+
+def sampled_threshold(ops, flat, seed, name, step, above):
+    """A magnitude threshold from a seeded sample of ``flat`` (Lin et al. 2018, DGC): the
+    ``above``-th largest sampled magnitude, so about ``above / sample_size`` of the tensor lies
+    at or over it. The sample is ``sample_size(n)`` distinct positions keyed by
+    ``(seed, name, step)``, so every rank and both frameworks draw the same one."""
+    n = ops.numel(flat)
+    picks = ops.choice(seed, name, step, n, sample_size(n), like=flat)
+    smag = magnitudes(ops, ops.gather(flat, picks))
+    return ops.min(ops.topk(smag, above)[0])
+
+
+def approx_top(ops, flat, k: int, seed, name, step):
+    """The same positions as ``exact_top`` (same set, same tie rule), found faster.
+
+    A threshold estimated from a sample is set a little *below* the k-th magnitude (the sample
+    count above it is padded by 4 standard deviations), so ``|x| >= threshold`` selects a bit more
+    than k candidates; an exact top-k over those few picks the k. In the rare case the estimate
+    lands above the k-th magnitude (fewer than k candidates) the exact path runs instead, so the
+    result never depends on the draw."""
+    n = ops.numel(flat)
+    s = sample_size(n)
+    mean_above = s * k / n
+    above = min(s, math.ceil(mean_above + 4 * math.sqrt(mean_above) + 2))
+    thr = sampled_threshold(ops, flat, seed, name, step, above)
+    cand = ops.nonzero(abs_at_least(flat, thr))
+    return ops.cond(ops.numel(cand) >= k,
+                    lambda: keep_top(ops, cand, ops.abs(ops.gather(flat, cand)), k),
+                    lambda: exact_top(ops, flat, k))
+
+
+class SparseCompressor(Compressor):
+    """Base of the sparsifiers whose payload is ``[values, int32 positions]`` (topk, threshold,
+    dgc). The ctx is ``(shape, numel)``. Subclasses choose the positions."""
+
+    two_phase_safe = False
+
+    def pack(self, ops, tensor, positions):
+        """Payload and ctx for sending ``tensor``'s flat entries at ``positions``."""
+        flat = ops.flatten(tensor)
+        return ([ops.gather(flat, positions), ops.cast(positions, INDEX_DTYPE)],
+                (ops.shape(tensor), ops.numel(flat)))
+
+    def empty(self, ops, tensor):
+        """Payload and ctx of a tensor with no elements."""
+        flat = ops.flatten(tensor)
+        return [flat, ops.cast(flat, INDEX_DTYPE)], (ops.shape(tensor), 0)
+
+    def decompress(self, payload, ctx):
+        values, positions = payload
+        shape, n = ctx
+        ops = ops_for(values)
+        return ops.reshape(ops.scatter(positions, values, n), shape)
+
+    def sent_indices(self, payload, ctx):
+        """Flat positions of the entries this payload carries (the DGC memory masks them)."""
+        return payload[1]

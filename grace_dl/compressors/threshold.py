@@ -1,0 +1,45 @@
+"""``threshold``: send every entry with ``|x| > threshold`` (Strom 2015, "Scalable Distributed
+DNN Training Using Commodity GPU Cloud Computing").
+
+Wire: the kept values in the input dtype + their int32 flat positions, ``c * (itemsize + 4)``
+bytes where the count c depends on the data (``payload_nbytes`` is None, ``equal_sizes`` False:
+gather the payloads). A tensor entirely at or below the threshold sends 0 elements and
+decompresses to zeros. Biased (use it with ``residual`` memory); not allreduce-safe.
+
+GRACE compared the signed value (``x > threshold``, dropping every negative entry); this
+compares the magnitude. ``+-inf`` is always sent; NaN never is (with residual memory it stays
+in the residual).
+"""
+
+from __future__ import annotations
+
+import math
+
+from grace_dl.backend import ops_for
+from grace_dl.compressors import sparse
+from grace_dl.compressors.sparse import SparseCompressor
+from grace_dl.registry import register_compressor
+from grace_dl.validate import in_range
+
+
+@register_compressor("threshold")
+class ThresholdCompressor(SparseCompressor):
+    allreduce_safe = False
+    equal_sizes = False
+    unbiased = False
+
+    def __init__(self, threshold: float = 0.01):
+        super().__init__()
+        self.threshold = in_range("threshold", threshold, 0.0, None)
+        if math.isinf(self.threshold):
+            raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+
+    def compress(self, tensor, name):
+        ops = ops_for(tensor)
+        n = ops.numel(tensor)
+        sparse.check_numel(n, "threshold")
+        if n == 0:
+            return self.empty(ops, tensor)
+        flat = ops.flatten(tensor)
+        thr = self.threshold
+        return self.pack(ops, tensor, ops.nonzero((flat > thr) | (flat < -thr)))
