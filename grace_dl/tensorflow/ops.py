@@ -190,6 +190,21 @@ def logical_and(a, b):
     return tf.math.logical_and(a, b)
 
 
+def bitcast(x, dt: str):
+    """Reinterpret the bits of ``x`` as dtype ``dt`` of the same width (float32 <-> int32)."""
+    return tf.bitcast(x, _DTYPES[dt])
+
+
+def shift_left(x, n: int):
+    """``x << n`` for integer tensors."""
+    return tf.bitwise.left_shift(x, tf.cast(n, x.dtype))
+
+
+def shift_right(x, n: int):
+    """``x >> n`` for integer tensors (arithmetic for signed dtypes, as torch's)."""
+    return tf.bitwise.right_shift(x, tf.cast(n, x.dtype))
+
+
 def sum(x, axis=None):  # noqa: A001
     return tf.reduce_sum(x, axis=axis)
 
@@ -285,6 +300,17 @@ def scatter_add(idx, values, n):
 def nonzero(mask):
     """int64 indices where a 1-D bool tensor is true."""
     return tf.reshape(tf.where(mask), [-1])
+
+
+def sort(x):
+    """The elements of a 1-D tensor in ascending order."""
+    return tf.sort(x)
+
+
+def bucketize(x, boundaries):
+    """int32 bucket of each element of 1-D ``x`` against the sorted 1-D ``boundaries``: the number
+    of boundaries <= the element (so bucket i holds boundaries[i-1] <= x < boundaries[i])."""
+    return tf.searchsorted(tf.cast(boundaries, x.dtype), x, side="right", out_type=tf.int32)
 
 
 # ------------------------------------------------------------------ seeded randomness

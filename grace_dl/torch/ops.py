@@ -170,6 +170,21 @@ def logical_and(a, b):
     return a & b
 
 
+def bitcast(x, dt: str):
+    """Reinterpret the bits of ``x`` as dtype ``dt`` of the same width (float32 <-> int32)."""
+    return x.view(_DTYPES[dt])
+
+
+def shift_left(x, n: int):
+    """``x << n`` for integer tensors."""
+    return x << n
+
+
+def shift_right(x, n: int):
+    """``x >> n`` for integer tensors (arithmetic for signed dtypes, as TF's)."""
+    return x >> n
+
+
 def _reduce(fn, x, axis):
     return fn(x) if axis is None else fn(x, dim=axis)
 
@@ -270,6 +285,17 @@ def scatter_add(idx, values, n: int):
 def nonzero(mask):
     """int64 indices where a 1-D bool tensor is true."""
     return torch.nonzero(mask, as_tuple=False).reshape(-1)
+
+
+def sort(x):
+    """The elements of a 1-D tensor in ascending order."""
+    return torch.sort(x).values
+
+
+def bucketize(x, boundaries):
+    """int32 bucket of each element of 1-D ``x`` against the sorted 1-D ``boundaries``: the number
+    of boundaries <= the element (so bucket i holds boundaries[i-1] <= x < boundaries[i])."""
+    return torch.bucketize(x, boundaries, right=True, out_int32=True)
 
 
 # ------------------------------------------------------------------ seeded randomness
