@@ -1,0 +1,246 @@
+"""``powersgd``: rank-r gradient compression by one step of subspace (power) iteration per
+training step, warm-started from the previous step (Vogels, Karimireddy & Jaggi 2019,
+"PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization", NeurIPS).
+
+Each gradient is viewed as an n x m matrix ``M`` (n = output units, see *Matricization*) and sent
+as two dense factors in two allreduce rounds (r = min(compress_rank, n, m)):
+
+1. ``compress``:   P = M Q, with Q (m x r) this tensor's warm-start matrix, orthonormalized.
+   **Round 1 sends P: n x r elements** of the gradient's dtype; the wire **sums** the P of all
+   ranks.
+2. ``next_round``: P_hat = orthonormalize(sum of P) (Gram–Schmidt), Q_w = M^T P_hat.
+   **Round 2 sends Q_w: m x r elements**; the wire sums them.
+3. ``decompress``: P_hat (sum_w Q_w)^T, reshaped to the gradient's shape and dtype. This is the
+   *sum* of every rank's share P_hat Q_w^T, so the communicator's ``op=average`` division by the
+   number of ranks yields the paper's average P_hat Q_avg^T. The reduced Q becomes the next
+   step's warm start (kept in ``self.state``, so checkpoints carry it).
+
+Bytes: r * (n + m) * itemsize per step instead of n * m * itemsize (see
+``payload_nbytes_for_shape``). Biased (a rank-r projection), so use it with error feedback:
+memory ``powersgd`` keeps each rank's M - P_hat Q_w^T (the paper's Algorithm 1). Allreduce-safe:
+both rounds are sums, and every rank starts from the same Q, drawn from (``seed``, name) through
+``grace_dl.seeding``, so every rank projects onto the same P_hat.
+
+Uncompressed (payload ``[flat tensor]``, one round, exact): tensors with fewer than 2 axes,
+integer tensors, tensors where low rank saves less than ``min_compression_rate``
+(n*m / (r*(n+m)) < min_compression_rate), and the first ``start_step`` compressions of each
+tensor (the hook of PyTorch's DDP, ``powerSGD_hook.py``, does the same: early training is
+sensitive to compression error).
+
+Matricization: the output axis becomes the rows, the other axes the columns, in the same column
+order for both frameworks. torch layouts (Linear (out, in); conv (O, I, *spatial)) are reshaped
+as they are; Keras layouts (Dense (in, out); conv (*spatial, I, O)) are permuted to
+(O, I, *spatial) first, so the same logical kernel gives the same matrix, and the same result,
+in both frameworks.
+
+Orthonormalization is modified Gram–Schmidt (two passes) where each column is divided by
+max(norm, 1e-20), not by its norm: exact for any column that is not (numerically) zero, and an
+all-zero layer stays finite (P_hat = 0, result 0). A column of the warm-start Q that became zero
+(the layer was zero, or had lower rank than r) is refilled from the initial draw, so the
+iteration never gets stuck in a smaller subspace. 16-bit inputs are orthonormalized in float32.
+
+``tf.function``: works, with static tensor shapes; the step counter is then a graph tensor, so
+``start_step > 0`` (a per-step choice between payloads of different shapes) raises ValueError
+there: run the first ``start_step`` steps eagerly or use ``start_step=0`` in graph mode.
+"""
+
+from __future__ import annotations
+
+from grace_dl import seeding
+from grace_dl.backend import ops_for
+from grace_dl.compressors.base import Compressor
+from grace_dl.registry import register_compressor
+from grace_dl.validate import in_range, one_of
+
+EPSILON = 1e-20
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float64": 8}
+LAYOUTS = ("torch", "tensorflow")
+
+
+class _Ctx:
+    """What one tensor's compression keeps locally between rounds (never sent)."""
+
+    __slots__ = ("name", "shape", "low_rank", "matrix", "p_hat", "q_local")
+
+    def __init__(self, name, shape, low_rank, matrix=None):
+        self.name = name
+        self.shape = shape
+        self.low_rank = low_rank
+        self.matrix = matrix
+        self.p_hat = None
+        self.q_local = None
+
+
+@register_compressor("powersgd")
+class PowerSGDCompressor(Compressor):
+    """PowerSGD (see the module docstring for the wire format and its properties).
+
+    ``compress_rank``: r, the rank of the approximation (1 compresses most; the paper uses 1-4,
+    more for NLP). ``min_compression_rate``: compress a tensor only if
+    n*m / (r*(n+m)) >= this. ``start_step``: the first ``start_step`` compressions of each
+    tensor go uncompressed. ``seed``: keys the initial Q, identical on every rank.
+    """
+
+    allreduce_safe = True
+    rounds = 2
+    unbiased = False
+
+    def __init__(self, compress_rank: int = 1, min_compression_rate: float = 2.0,
+                 start_step: int = 0, seed: int = 0):
+        seed = in_range("seed", seed, 0, 2**32 - 1, kind=int)
+        super().__init__(seed)
+        self.compress_rank = in_range("compress_rank", compress_rank, 1, None, kind=int)
+        self.min_compression_rate = in_range("min_compression_rate", min_compression_rate,
+                                             0.0, None)
+        self.start_step = in_range("start_step", start_step, 0, None, kind=int)
+
+    # ------------------------------------------------------------------ planning
+    def matrix_shape(self, shape, layout: str = "torch"):
+        """(n, m, r) of the matrix a tensor of ``shape`` (in ``layout``) is compressed as, or
+        ``None`` when it goes uncompressed whatever the step."""
+        shape = tuple(shape)
+        if len(shape) < 2:
+            return None
+        n = shape[0] if layout == "torch" else shape[-1]
+        m = 1
+        for d in shape:
+            m *= d
+        m = m // n if n else 0
+        r = min(self.compress_rank, n, m)
+        if r == 0 or n * m < self.min_compression_rate * r * (n + m):
+            return None
+        return n, m, r
+
+    def payload_nbytes(self, numel, dtype="float32"):
+        """``None``: the bytes depend on the matrix shape; see ``payload_nbytes_for_shape``."""
+        return None
+
+    def payload_nbytes_for_shape(self, shape, dtype="float32", layout="torch") -> int:
+        """Bytes one rank sends for a tensor of ``shape`` over both rounds once compression has
+        started: r*(n+m)*itemsize, or n*m*itemsize for a tensor that goes uncompressed.
+        ``layout`` ("torch" or "tensorflow") says which axis is the output one."""
+        one_of("layout", layout, LAYOUTS)
+        itemsize = _ITEMSIZE.get(dtype, 4)
+        plan = self.matrix_shape(shape, layout)
+        if plan is None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            return numel * itemsize
+        n, m, r = plan
+        return r * (n + m) * itemsize
+
+    # ------------------------------------------------------------------ the three phases
+    def compress(self, tensor, name):
+        ops = ops_for(tensor)
+        shape = ops.shape(tensor)
+        if not all(isinstance(d, int) for d in shape):
+            raise ValueError(f"powersgd needs a static shape for tensor {name!r}, got {shape}")
+        plan = self.matrix_shape(shape, ops.NAME) if ops.is_floating(tensor) else None
+        if plan is not None and self.start_step > 0:
+            step = self.next_step(name, tensor)
+            if ops.is_tensor(step):
+                raise ValueError(
+                    f"powersgd start_step={self.start_step} cannot be used inside tf.function "
+                    f"(tensor {name!r}): the step is a graph tensor there; use start_step=0 or "
+                    f"run the first {self.start_step} steps eagerly")
+            if step <= self.start_step:
+                plan = None
+        if plan is None:
+            return [ops.flatten(tensor)], _Ctx(name, shape, False)
+        n, m, r = plan
+        matrix = self._to_matrix(ops, tensor, n, m)
+        q = self._warm_q(ops, name, m, r, tensor)
+        return [ops.matmul(matrix, q)], _Ctx(name, shape, True, matrix)
+
+    def next_round(self, reduced, ctx):
+        """Round 1 reduced (the summed P): orthonormalize it and return ``[Q_w]`` to reduce.
+        Round 2 reduced (the summed Q), or an uncompressed tensor: ``None``."""
+        if not ctx.low_rank or ctx.p_hat is not None:
+            return None
+        ops = ops_for(reduced[0])
+        ctx.p_hat = orthonormalize(ops, reduced[0])
+        ctx.q_local = ops.matmul(ops.transpose(ctx.matrix), ctx.p_hat)
+        return [ctx.q_local], ctx
+
+    def decompress(self, payload, ctx):
+        """P_hat (reduced Q)^T in the tensor's shape and dtype; stores the reduced Q as the
+        next step's warm start. ``payload`` is the final reduced payload."""
+        ops = ops_for(payload[0])
+        if not ctx.low_rank:
+            return ops.reshape(payload[0], ctx.shape)
+        q = payload[0]
+        ops.assign(self._q_slot(ops, ctx.name, ops.shape(q), q), q)
+        return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(q)), ctx.shape)
+
+    def local_share(self, ctx):
+        """This rank's share P_hat Q_w^T of the decompressed sum (its own contribution), shaped
+        like the tensor; for error feedback (memory ``powersgd``). ``None`` when the tensor
+        went uncompressed (nothing was lost)."""
+        if not ctx.low_rank:
+            return None
+        ops = ops_for(ctx.p_hat)
+        return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(ctx.q_local)),
+                                 ctx.shape)
+
+    # ------------------------------------------------------------------ helpers
+    def _q_slot(self, ops, name, shape, like):
+        m, r = shape
+        return self.state.slot(f"q/{name}", ops, lambda: self._initial_q(name, m, r),
+                               ops.dtype(like), like)
+
+    def _initial_q(self, name, m, r):
+        return seeding.normal(self.seed, name, 0, (m, r))
+
+    def _warm_q(self, ops, name, m, r, like):
+        """This step's Q: the stored (reduced) Q with zero columns refilled from the initial
+        draw, orthonormalized (its scale would otherwise grow with the number of ranks)."""
+        q = ops.read(self._q_slot(ops, name, (m, r), like))
+        q0 = ops.read(self.state.slot(f"q0/{name}", ops, lambda: self._initial_q(name, m, r),
+                                      ops.dtype(like), like))
+        q = ops.where(ops.norm(q, axis=0) > 0, q, q0)
+        return orthonormalize(ops, q)
+
+    @staticmethod
+    def _to_matrix(ops, tensor, n, m):
+        if ops.NAME != "torch":
+            rank = len(ops.shape(tensor))
+            tensor = ops.permute(tensor, _keras_to_torch(rank))
+        return ops.reshape(tensor, (n, m))
+
+    @staticmethod
+    def _from_matrix(ops, matrix, shape):
+        if ops.NAME == "torch":
+            return ops.reshape(matrix, shape)
+        rank = len(shape)
+        torch_shape = tuple(shape[i] for i in _keras_to_torch(rank))
+        return ops.permute(ops.reshape(matrix, torch_shape), _torch_to_keras(rank))
+
+
+def orthonormalize(ops, matrix):
+    """Modified Gram–Schmidt with re-orthogonalization on the columns of ``matrix`` (k x r):
+    orthonormal columns spanning the same space; each column is divided by max(norm, EPSILON),
+    so zero columns stay zero. Computed in float32 for 16-bit inputs."""
+    dt = ops.dtype(matrix)
+    work = ops.cast(matrix, "float32") if dt in ("float16", "bfloat16") else matrix
+    rows = ops.transpose(work)  # columns as rows, so ops.slice can take them
+    r = ops.shape(rows)[0]
+    done = []
+    for i in range(r):
+        v = ops.slice(rows, i, i + 1)
+        for _ in range(2 if done else 0):  # twice: one pass loses orthogonality in float32
+            for u in done:
+                v = v - ops.sum(v * u) * u
+        done.append(v / ops.clamp(ops.norm(v), EPSILON))
+    out = ops.transpose(done[0] if r == 1 else ops.cat(done, 0))
+    return ops.cast(out, dt) if work is not matrix else out
+
+
+def _keras_to_torch(rank):
+    """Axis order taking a Keras kernel (*spatial, I, O) to torch's (O, I, *spatial)."""
+    return (rank - 1, rank - 2, *range(rank - 2))
+
+
+def _torch_to_keras(rank):
+    """Inverse of ``_keras_to_torch``."""
+    return (*range(2, rank), 1, 0)

@@ -1,0 +1,46 @@
+"""``powersgd``: error feedback for PowerSGD (Vogels et al. 2019, "PowerSGD: Practical Low-Rank
+Gradient Compression for Distributed Optimization", Algorithm 1 / Algorithm 2).
+
+    compensate: M_w = g_w + e_w
+    update:     e_w = M_w - P_hat Q_w^T       (P_hat Q_w^T = this rank's share of the result)
+
+where Q_w = M_w^T P_hat is what this rank sent in round 2. The communicator's result is
+sum_w P_hat Q_w^T (divided by the number of ranks W for ``op=average``), so
+sum_w e_w = sum_w M_w - W * average: over all ranks, nothing sent is lost, and the residual is
+local (it does not depend on the other ranks' gradients beyond the shared P_hat). This follows
+the paper; PyTorch's DDP hook keeps M_w - average instead, which has the same sum over ranks.
+A tensor that went uncompressed leaves a zero residual.
+
+With a single-round compressor this is plain error feedback (e = x - decompress(payload)).
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.memory.base import Memory
+from grace_dl.registry import register_memory
+
+
+@register_memory("powersgd")
+class PowerSGDMemory(Memory):
+    def __init__(self):
+        super().__init__()
+
+    def compensate(self, tensor, name):
+        ops = ops_for(tensor)
+        return ops.read(self.state.zeros(name, ops, tensor)) + tensor
+
+    def update(self, tensor, name, compressor, payload, ctx):
+        ops = ops_for(tensor)
+        slot = self.state.zeros(name, ops, tensor)
+        share = getattr(compressor, "local_share", None)
+        if share is not None:
+            sent = share(ctx)
+            ops.assign(slot, ops.zeros_like(tensor) if sent is None else tensor - sent)
+        elif compressor.rounds == 1:
+            ops.assign(slot, tensor - compressor.decompress(payload, ctx))
+        else:
+            raise ValueError(
+                f"memory 'powersgd' needs a compressor with local_share() (powersgd) or a "
+                f"single-round one, got {type(compressor).__name__} with "
+                f"rounds={compressor.rounds}")
