@@ -1,0 +1,60 @@
+"""``terngrad``: stochastic ternary gradients with one scaler per tensor (Wen et al. 2017,
+"TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning").
+
+With ``m = max|v|`` over the tensor, each element becomes ``m * b_i``, ``b_i`` in {-1, 0, 1},
+``b_i = sign(v_i)`` with probability ``|v_i| / m`` and 0 otherwise: unbiased. (The paper's
+optional 2.5-sigma gradient clipping is left to the training script.)
+
+Wire (tensor of n elements): codes ``b_i + 1`` at 2 bits each, packed into ``ceil(n / 4)``
+uint8, plus the scaler ``m`` as one float32 (4 bytes). Not allreduce-safe (each rank has its
+own scaler): gathered. Any 1-D chunk compresses on its own (two-phase safe).
+
+An all-zero tensor sends m = 0 and decodes to zeros; a NaN or Inf anywhere makes m non-finite
+and the whole tensor decodes to NaN.
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.flat import flat_f32, restore
+from grace_dl.registry import register_compressor
+
+
+@register_compressor("terngrad")
+class TernGradCompressor(Compressor):
+    unbiased = True
+    two_phase_safe = True
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+
+    def compress(self, tensor, name):
+        ops, x, layout = flat_f32(tensor)
+        n = layout.numel
+        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x)
+        if n == 0:
+            scaler = ops.zeros((1,), "float32", like=x)
+        else:
+            # max|x| without building |x|; "+ 0 * sum" turns m into NaN if any x is NaN/Inf
+            # (reductions of max may skip NaN).
+            scaler = ops.maximum(ops.max(x), -ops.min(x)) + 0.0 * ops.sum(x)
+            scaler = ops.reshape(scaler, (1,))
+        inv = ops.where(scaler > 0, 1.0 / scaler, ops.zeros_like(scaler))
+        # floor(v/m + u) is in {-1, 0, 1} with E = v/m; + 1 makes a 2-bit code.
+        t = x * inv
+        t += u
+        t += 1.0
+        codes = ops.clamp(ops.cast(t, "uint8"), None, 2)
+        return [ops.pack_bits(codes, 2), scaler], layout
+
+    def decompress(self, payload, ctx):
+        packed, scaler = payload
+        ops = ops_for(packed)
+        v = ops.cast(ops.unpack_bits(packed, 2, ctx.numel), "float32")
+        v -= 1.0
+        v *= scaler
+        return restore(ops, v, ctx)
+
+    def payload_nbytes(self, numel, dtype="float32"):
+        return -(-numel // 4) + 4
