@@ -1,0 +1,190 @@
+"""The collectives a strategy's pipelines see: fusion of a group's collectives, and the
+collective spec (where payloads live while they travel).
+
+**Fusion in an async send/receive API.** Gradients of one fusion group arrive one by one (hooks
+fire during the backward pass, in an order that may differ across ranks). The dispatcher
+compresses each as it arrives (so error feedback stays per variable) but *holds* its payload;
+when the last member of the group has been sent it starts the members' communicators in the
+group's fixed order (the strategy's node order, the same on every rank) on a
+``GroupCollectives`` in *collecting* mode, which records their collective calls instead of
+issuing them. Closing the group issues the recorded calls bucketed by (kind, dtype, root): one
+collective per bucket on the concatenation of the flattened tensors, named
+``grace.fused.g<group>.<n>.<kind>.<dtype>``. Each member's handle resolves to its own slice. A
+communicator that waits for a result while starting (none of the built-in ones do) makes the
+calls recorded so far go out then, in the same fixed order on every rank. Calls made after the
+group is closed (later rounds of multi-round compressors, the PS broadcast) go out at once,
+unfused, under their own names. Fusing does not change the bytes of the payloads; it removes
+per-collective latency and negotiation.
+
+Fused allgather: every rank contributes one flat buffer; when sizes may differ across ranks
+(``equal_sizes`` False) an int32 vector of the members' element counts is allgathered with it
+(4 bytes per member per rank, counted under ``"g<group>"`` in the byte counters) so each rank's
+buffer can be cut back into members. All-to-all calls are never fused.
+
+**Spec.** ``AUTO``: payloads stay where the gradient is. ``RING``: each (fused) buffer is copied
+to host memory before the collective and the result back to the gradient's device after, so
+Gloo/MPI's ring algorithms carry it. ``NCCL``: payloads stay on the GPU (the dispatcher rejects a
+gradient that is not on one, since NCCL cannot carry it).
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.collectives import Collectives
+
+AUTO, NCCL, RING = 0, 1, 2
+
+
+class _Call:
+    """One collective call of a member; ``value`` once resolved."""
+
+    __slots__ = ("kind", "tensor", "name", "root", "resolve", "value", "done")
+
+    def __init__(self, kind, tensor, name, root=None):
+        self.kind, self.tensor, self.name, self.root = kind, tensor, name, root
+        self.resolve = None  # set when issued: a function that fills ``value`` (and siblings')
+        self.value = None
+        self.done = False
+
+
+class GroupCollectives(Collectives):
+    """``Collectives`` for one fusion group's members during one step (see module doc)."""
+
+    def __init__(self, inner, label: str, spec: int = AUTO, collecting: bool = False,
+                 equal_sizes: bool = True, counter=None):
+        self.inner = inner
+        self.label = label
+        self.spec = spec
+        self.collecting = collecting
+        self.equal_sizes = equal_sizes
+        self.counter = counter
+        self._recorded: list[_Call] = []
+        self._batches = 0
+
+    # ------------------------------------------------------------------ Collectives
+    def size(self) -> int:
+        return self.inner.size()
+
+    def rank(self) -> int:
+        return self.inner.rank()
+
+    def allreduce_async(self, tensor, name: str):
+        return self._call(_Call("allreduce", tensor, name))
+
+    def allgather_async(self, tensor, name: str):
+        return self._call(_Call("allgather", tensor, name))
+
+    def broadcast_async(self, tensor, root: int, name: str):
+        return self._call(_Call("broadcast", tensor, name, root))
+
+    def alltoall_async(self, tensor, splits, name: str):
+        call = _Call("alltoall", tensor, name)
+        handle = self.inner.alltoall_async(self._out(tensor), splits, name)
+
+        def resolve():
+            received, rsplits = self.inner.synchronize(handle)
+            call.value, call.done = (self._back(received, tensor), rsplits), True
+        call.resolve = resolve
+        return call
+
+    def synchronize(self, handle):
+        if not isinstance(handle, _Call):
+            raise ValueError(f"not a handle of this group's collectives: {handle!r}")
+        if handle.resolve is None:  # still recorded: issue what the group has so far
+            self.flush()
+        if not handle.done:
+            handle.resolve()
+        return handle.value
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    # ------------------------------------------------------------------ fusion
+    def close(self) -> None:
+        """Issue every recorded call; later calls go out at once."""
+        self.flush()
+        self.collecting = False
+
+    def flush(self) -> None:
+        recorded, self._recorded = self._recorded, []
+        buckets: dict[tuple, list[_Call]] = {}
+        for call in recorded:
+            key = (call.kind, ops_for(call.tensor).dtype(call.tensor), call.root)
+            buckets.setdefault(key, []).append(call)
+        for (kind, dtype, root), calls in buckets.items():
+            if len(calls) == 1:
+                self._issue(calls[0])
+            else:
+                self._issue_fused(kind, dtype, root, calls)
+
+    def _call(self, call: _Call) -> _Call:
+        if self.collecting:
+            self._recorded.append(call)
+        else:
+            self._issue(call)
+        return call
+
+    # ------------------------------------------------------------------ spec
+    def _out(self, tensor):
+        return ops_for(tensor).to_host(tensor) if self.spec == RING else tensor
+
+    def _back(self, tensor, like):
+        return ops_for(tensor).to_device(tensor, like) if self.spec == RING else tensor
+
+    # ------------------------------------------------------------------ issuing
+    def _start(self, kind, tensor, name, root):
+        tensor = self._out(tensor)
+        if kind == "allreduce":
+            return self.inner.allreduce_async(tensor, name)
+        if kind == "allgather":
+            return self.inner.allgather_async(tensor, name)
+        return self.inner.broadcast_async(tensor, root, name)
+
+    def _issue(self, call: _Call) -> None:
+        handle = self._start(call.kind, call.tensor, call.name, call.root)
+
+        def resolve():
+            call.value, call.done = self._back(self.inner.synchronize(handle), call.tensor), True
+        call.resolve = resolve
+
+    def _issue_fused(self, kind, dtype, root, calls) -> None:
+        ops = ops_for(calls[0].tensor)
+        flats = [ops.flatten(c.tensor) for c in calls]
+        numels = [ops.numel(f) for f in flats]
+        name = f"grace.fused.{self.label}.{self._batches}.{kind}.{dtype}"
+        self._batches += 1
+        handle = self._start(kind, ops.cat(flats), name, root)
+        lengths = None
+        static = all(isinstance(n, int) for n in numels)
+        if kind == "allgather" and not (self.equal_sizes and static):
+            counts = ops.numels(flats)
+            lengths = self._start("allgather", counts, f"{name}.len", None)
+            if self.counter is not None:
+                size, label, counter = self.size(), self.label, self.counter
+                ops.host_callback(lambda s: counter.add(label, sent=s, received=s * (size - 1)),
+                                  ops.nbytes(counts))
+
+        def resolve():
+            out = self._back(self.inner.synchronize(handle), calls[0].tensor)
+            if kind != "allgather":
+                pieces = ops.split(out, numels) if static else ops.split_by(out, ops.numels(flats))
+                for call, piece in zip(calls, pieces):
+                    call.value = ops.reshape(piece, ops.shape(call.tensor))
+            else:
+                k, size = len(calls), self.size()
+                if lengths is None:
+                    pieces = ops.split(out, numels * size)
+                else:
+                    counts = self._back(self.inner.synchronize(lengths), calls[0].tensor)
+                    pieces = ops.split_by(out, ops.flatten(counts))
+                for j, call in enumerate(calls):
+                    shape = ops.shape(call.tensor)
+                    rows = [pieces[r * k + j] for r in range(size)]
+                    if len(shape) >= 2:
+                        rows = [ops.reshape(p, (-1, *shape[1:])) for p in rows]
+                    call.value = ops.cat(rows)
+            for call in calls:
+                call.done = True
+
+        for call in calls:
+            call.resolve = resolve

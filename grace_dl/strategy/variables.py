@@ -1,0 +1,101 @@
+"""The variables a strategy is built for, named as the training glue names their gradients.
+
+``variables_of`` accepts
+
+* ``model.named_parameters()`` (torch): ``(name, parameter)`` pairs, names as the torch
+  ``DistributedOptimizer`` uses them;
+* TF / Keras variables (``model.trainable_variables``): a Keras 3 variable by its ``path``
+  (``"sequential/dense/kernel"``), a ``tf.Variable`` by its name without ``":0"``; repeated
+  names get ``"_1"``, ``"_2"``, ... in order, exactly as ``grace_dl.tensorflow.gradients`` does;
+* a dict ``name -> shape`` (or ``name -> array``), or ``(name, shape)`` pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    shape: tuple
+    dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _dtype_name(dtype) -> str:
+    if dtype is None:
+        return "float32"
+    name = getattr(dtype, "name", None)
+    if isinstance(name, str):  # numpy / tensorflow dtypes
+        return name
+    return str(dtype).replace("torch.", "")
+
+
+def _shape(value, name: str) -> tuple:
+    shape = getattr(value, "shape", value)
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        dims = tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"variable {name!r}: shape must be a sequence of ints or a tensor, "
+                         f"got {value!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"variable {name!r}: negative dimension in shape {dims}")
+    return dims
+
+
+def _tf_name(var) -> str | None:
+    path = getattr(var, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    name = getattr(var, "name", None)
+    if isinstance(name, str) and name:
+        return name[:-2] if name.endswith(":0") else name
+    return None
+
+
+def variables_of(named_parameters_or_shapes) -> list[Variable]:
+    """Normalise the accepted inputs to a list of ``Variable`` (order kept)."""
+    source = named_parameters_or_shapes
+    if isinstance(source, dict):
+        items = list(source.items())
+    else:
+        try:
+            items = list(source)
+        except TypeError:
+            raise ValueError(f"expected named parameters, variables or a dict name -> shape, "
+                             f"got {type(source).__name__}") from None
+    out: list[Variable] = []
+    used: set[str] = set()
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            name, value = item
+            shape = _shape(value, name)
+            dtype = getattr(value, "dtype", None)
+        else:
+            base = _tf_name(item)
+            if base is None or not hasattr(item, "shape"):
+                raise ValueError(f"item {i} ({type(item).__name__}) is neither a (name, tensor) "
+                                 f"pair nor a named variable")
+            name, k = base, 0
+            while name in used:
+                k += 1
+                name = f"{base}_{k}"
+            shape, dtype = _shape(item, name), getattr(item, "dtype", None)
+        if name in used:
+            raise ValueError(f"variable name {name!r} appears twice")
+        used.add(name)
+        out.append(Variable(name, shape, _dtype_name(dtype)))
+    if not out:
+        raise ValueError("no variables given to build a strategy for")
+    return out
