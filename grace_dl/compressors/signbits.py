@@ -1,0 +1,61 @@
+"""The 1-bit sign code shared by ``onebit``, ``signsgd``, ``signum`` and ``efsignsgd``.
+
+Code: bit 1 = negative (``x < 0``); bit 0 = everything else, i.e. positive, +0, -0 and NaN.
+Bits are packed 8 per byte, little-endian within a byte (``ops.pack_bits`` layout): ``ceil(n/8)``
+uint8 for ``n`` elements.
+
+The sign of zero: a 1-bit code cannot carry -1, 0 and +1, so zero joins the positives and decodes
+to the positive value (+1, +scale, or the mean of the non-negative entries). This is GRACE's
+``tensor >= 0`` convention, costs one comparison per element, and is harmless: a zero gradient
+entry gets a step as large as any other in signSGD anyway, and error feedback (efsignsgd, onebit
+with residual memory) carries the difference to the next step. Where the aggregate can express 0
+(majority vote over ranks), ties do give 0.
+
+NaN cannot be told apart in one bit either; each method makes it propagate through what it sends
+besides the bits: the fp32 means/scale (a NaN or Inf input makes them non-finite), or, for the
+pure-sign methods, a status byte (see ``status``).
+"""
+
+from __future__ import annotations
+
+NEGATIVE = 1
+_WIDE = {"float16": "float32", "bfloat16": "float32"}
+
+
+def encode(ops, flat):
+    """``ceil(n/8)`` uint8: the packed sign bits of the 1-D tensor ``flat``."""
+    return ops.pack_mask(flat < 0)
+
+
+def decode(ops, bits, n, table, dtype: str):
+    """The ``n`` elements coded in ``bits``: ``table[0]`` where the bit is 0 (non-negative),
+    ``table[1]`` where it is 1 (negative); ``table`` is a 2-element float tensor, the result has
+    ``dtype``. One table-lookup pass."""
+    return ops.unpack_lookup(bits, 1, n, ops.cast(table, dtype))
+
+
+def wide(ops, flat):
+    """``flat`` in a dtype fit for summing: half types go to float32 (a float16 sum of a large
+    tensor overflows at 65504), float32/float64 stay as they are."""
+    target = _WIDE.get(ops.dtype(flat))
+    return flat if target is None else ops.cast(flat, target)
+
+
+def status(ops, flat):
+    """A 1-element uint8: 1 if ``flat`` holds a NaN or an Inf, else 0.
+
+    Read from the sum of ``flat`` (float32 for half inputs, float64 for float64): a NaN or Inf
+    element makes it non-finite. The only false alarm is a finite tensor whose sum exceeds
+    float range (|sum| > 3.4e38 in float32); decoding then gives NaN, loudly, not a wrong
+    number. A sum costs one read of the tensor, much less than ``isfinite`` plus a count."""
+    total = ops.reshape(ops.sum(wide(ops, flat)), [1])
+    return 1 - ops.cast(ops.isfinite(total), "uint8")
+
+
+def nan_if(ops, flag):
+    """A 1-element float32: NaN where the status byte ``flag`` is set, else 0 (added to a decode
+    table, it turns every decoded element into NaN)."""
+    like = flag
+    return ops.where(flag > 0, ops.full([1], float("nan"), "float32", like=like),
+                     ops.zeros([1], "float32", like=like))
+

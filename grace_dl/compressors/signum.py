@@ -1,0 +1,38 @@
+"""``signum``: signSGD with momentum, majority vote (Bernstein, Wang, Azizzadenesheli,
+Anandkumar 2018, "signSGD: Compressed Optimisation for Non-Convex Problems", Algorithm 2
+"Signum"; majority vote as in Bernstein et al. 2019).
+
+Each rank keeps a momentum per tensor name, ``m <- momentum * m + (1 - momentum) * g``, and sends
+the sign of ``m``; the aggregate is the majority vote over ranks, not averaged. The momentum
+lives in ``self.state`` under ``"momentum/<name>"`` (the input's shape flattened, its dtype), so
+it survives ``state_dict``/``load_state_dict``. ``momentum = 0`` is plain ``signsgd``.
+
+Wire: exactly ``signsgd``'s, ``ceil(n/8) + 1`` uint8 (1 bit/element: the packed signs of ``m``,
+then a status byte set when ``m`` holds a NaN or an Inf). Biased, not allreduce-safe, equal sizes.
+Not two-phase safe: compression updates the momentum, so the second phase's re-compression of
+the voted signs would fold them into a momentum of its own.
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.compressors.signsgd import SignSGDCompressor
+from grace_dl.registry import register_compressor
+from grace_dl.validate import in_range
+
+
+@register_compressor("signum")
+class SignumCompressor(SignSGDCompressor):
+    two_phase_safe = False
+
+    def __init__(self, momentum: float = 0.9):
+        super().__init__()
+        self.momentum = in_range("momentum", momentum, 0.0, 1.0, hi_open=True)
+
+    def compress(self, tensor, name):
+        ops = ops_for(tensor)
+        flat = ops.flatten(tensor)
+        slot = self.state.zeros(f"momentum/{name}", ops, flat)
+        ops.assign_lerp(slot, flat, 1.0 - self.momentum)
+        return self._encode(ops, ops.read(slot)), (ops.shape(tensor), ops.dtype(tensor))
+
