@@ -241,6 +241,21 @@ def test_zero_grad_race_and_rank_mismatch_raise_on_every_rank(ranks):
 
 
 @pytest.mark.multiproc
+def test_broadcast_optimizer_state_sends_nothing_through_grace(ranks):
+    for res in ranks:
+        assert res["bcast_state_entries"] == len(C.params(C.make_model()))  # momentum buffers
+        assert res["bcast_grace_steps"] == 0
+
+
+@pytest.mark.multiproc
+def test_sparse_gradients(ranks):
+    for res in ranks:
+        np.testing.assert_allclose(res["sparse_grace"], res["sparse_hvd"], rtol=1e-6, atol=1e-7)
+        assert "sparse_as_dense=True" in res["sparse_refused"]
+    np.testing.assert_array_equal(ranks[0]["sparse_grace"], ranks[1]["sparse_grace"])
+
+
+@pytest.mark.multiproc
 def test_checkpoint_resume_in_fresh_job_is_bitwise_identical(tmp_path):
     saved = mp.run("torch_resume.py", np=N, args=["save", tmp_path, json.dumps(TOPK)],
                    timeout=240)

@@ -158,4 +158,38 @@ out["mismatch_config"] = mismatch({**TOPK, "compress_ratio": TOPK["compress_rati
                                   False)
 out["mismatch_model"] = mismatch(dict(TOPK), rank == 1)
 
+
+# 11. broadcast_optimizer_state initialises momentum without a grace exchange.
+model = C.make_model()
+grc = grace_from_params(dict(TOPK))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters(), grace=grc)
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+out["bcast_state_entries"] = len(opt.state_dict()["state"])
+out["bcast_grace_steps"] = len(grc.bytes.steps)
+
+
+# 12. Sparse gradients (nn.Embedding(sparse=True)): densified with sparse_as_dense, else refused.
+def sparse_run(horovod, sparse_as_dense=True):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    kw = {} if horovod else {"grace": grace_from_params(dict(NONE))}
+    wrap = real_hvd.DistributedOptimizer if horovod else hvd.DistributedOptimizer
+    opt = wrap(torch.optim.SGD(emb.parameters(), lr=0.5), named_parameters=emb.named_parameters(),
+               sparse_as_dense=sparse_as_dense, **kw)
+    for step in range(2):
+        opt.zero_grad()
+        emb(torch.tensor([rank + step, 7])).sum().backward()
+        opt.step()
+    return emb.weight.detach().clone().numpy()
+
+
+out["sparse_hvd"] = sparse_run(True)
+out["sparse_grace"] = sparse_run(False)
+try:
+    sparse_run(False, sparse_as_dense=False)
+    out["sparse_refused"] = "no error"
+except ValueError as err:
+    out["sparse_refused"] = str(err)
+
 mp.report(out)
