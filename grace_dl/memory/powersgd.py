@@ -8,8 +8,9 @@ where Q_w = M_w^T P_hat is what this rank sent in round 2. The communicator's re
 sum_w P_hat Q_w^T (divided by the number of ranks W for ``op=average``), so
 sum_w e_w = sum_w M_w - W * average: over all ranks, nothing sent is lost, and the residual is
 local (it does not depend on the other ranks' gradients beyond the shared P_hat). This follows
-the paper; PyTorch's DDP hook keeps M_w - average instead, which has the same sum over ranks.
-A tensor that went uncompressed leaves a zero residual.
+the paper; PyTorch's DDP hook keeps M_w - average instead, which has the same sum over ranks
+(memory ``residual`` gives that one: the allreduce communicator hands it a compressor view whose
+``decompress`` averages). A tensor that went uncompressed leaves a zero residual.
 
 With a single-round compressor this is plain error feedback (e = x - decompress(payload)).
 """
