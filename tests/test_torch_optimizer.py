@@ -260,8 +260,9 @@ def test_checkpoint_resume_in_fresh_job_is_bitwise_identical(tmp_path):
     saved = mp.run("torch_resume.py", np=N, args=["save", tmp_path, json.dumps(TOPK)],
                    timeout=240)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gathered.pt", "rank0.pt", "rank1.pt"]
-    resumed = mp.run("torch_resume.py", np=N, args=["load", tmp_path, json.dumps(TOPK)],
-                     timeout=240)
+    # The fresh job even uses the other launcher (Open MPI instead of Gloo).
+    resumed = mp.run("torch_resume.py", np=N, launcher="mpi",
+                     args=["load", tmp_path, json.dumps(TOPK)], timeout=240)
     for before, after in zip(saved, resumed):
         assert before["grace_keys"] == sorted(C.params(C.make_model()))  # one residual each
         _equal(after["from_own_file"], before["uninterrupted"])
