@@ -455,3 +455,15 @@ def test_efsignsgd_memory_inside_tf_function():
     ref_sent, ref_e = reference_ef_signsgd(grads.astype(np.float64), 0.1)
     np.testing.assert_allclose(sent, ref_sent, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(mem.state_dict()["w"], ref_e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_efsignsgd_result_does_not_depend_on_a_shared_lr(fw):
+    grads = np.random.default_rng(14).standard_normal((4, 30))
+    results = []
+    for lr in (1.0, 0.01):
+        comp, _, sent = run_ef(fw, grads, lr)
+        results.append([np_of(comp.aggregate([s])) for s in sent])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert lookup("compressor", "efsignsgd")().lr == lookup("memory", "efsignsgd")().lr == 1.0

@@ -17,6 +17,12 @@ memory ``efsignsgd`` of the same ``lr`` (``grace_from_params`` hands ``lr`` to b
 refuses a compressor whose ``lr`` differs). With another memory the aggregate is ``1/lr`` times
 too large.
 
+For a fixed ``lr`` shared by both, its value cancels: with ``e = lr * e'`` every step above is
+``lr`` times the same step in gradient units, and the aggregate divides it out again. So ``lr``
+only sets the units the memory stores ``e`` in, and results are the same (up to rounding) for
+every ``lr``; the default 1.0 stores it in gradient units, the optimizer's lr gives the paper's
+parameter units.
+
 Wire, for ``n`` elements: ``ceil(n/8)`` uint8 of packed signs (1 bit/element, zero counts as
 positive, see ``signbits``) and a 1-element float32 scale ``||p||_1 / n`` (computed in float32,
 float64 for float64 input): ``ceil(n/8) + 4`` bytes, whatever the input dtype. A NaN or Inf input
@@ -46,7 +52,7 @@ class EFSignSGDCompressor(Compressor):
     two_phase_safe = True
     unbiased = False
 
-    def __init__(self, lr: float):
+    def __init__(self, lr: float = 1.0):
         super().__init__()
         self.lr = in_range("lr", lr, 0.0, None, lo_open=True)
 

@@ -10,6 +10,8 @@ compressor ``efsignsgd`` sends the scaled sign of ``p`` and divides the aggregat
 ``lr``; see ``grace_dl.compressors.efsignsgd`` for the whole step. Nothing is lost: the sum over
 steps of what was sent equals ``lr`` times the sum of the gradients minus the final ``e``.
 (GRACE's torch version skipped ``lr`` on the first step; its TF version applied it elsewhere.)
+With equal ``lr`` on both sides its value only sets the units of ``e`` (default 1.0: gradient
+units); the communicated result does not depend on it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from grace_dl.validate import in_range
 
 @register_memory("efsignsgd")
 class EFSignSGDMemory(Memory):
-    def __init__(self, lr: float):
+    def __init__(self, lr: float = 1.0):
         super().__init__()
         self.lr = in_range("lr", lr, 0.0, None, lo_open=True)
 
