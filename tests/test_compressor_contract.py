@@ -1,0 +1,190 @@
+"""The contract every built-in compressor keeps, checked for each name in the registry, in torch
+and in TensorFlow: it builds with defaults; decompress(compress(x)) has x's shape and dtype;
+the payload is as big as ``payload_nbytes`` says; torch and TF give the same result for the same
+input and seed (also over several steps, for stateful methods, and inside ``tf.function``);
+unbiased methods are unbiased; and the edge cases (zeros, 0-d, 1 element, empty, NaN/Inf,
+non-contiguous input) neither crash nor lose the shape.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+from grace_dl.backend import ops_for
+from grace_dl.registry import BUILTIN, lookup
+
+NAMES = sorted(BUILTIN["compressor"])
+FRAMEWORKS = ["torch", "tf"]
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+
+# Methods that by design cannot carry a NaN/Inf of the input into their output.
+NO_NONFINITE_PROPAGATION = {
+    "randomk": "sends only the seeded random positions, which need not hold the NaN/Inf",
+    "signsgd": "1-bit signs with no scale: there is no code for NaN",
+    "signum": "1-bit signs of the momentum with no scale: there is no code for NaN",
+}
+
+
+def make(name, **kwargs):
+    return lookup("compressor", name)(**kwargs)
+
+
+def sample(shape, seed=0):
+    """Gradient-like values: normal, spread over a few orders of magnitude, one exact zero."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-3, 1, shape))
+    if x.size:
+        x.reshape(-1)[x.size // 2] = 0.0
+    return x.astype(np.float32)
+
+
+def to_fw(arr, fw, dtype="float32"):
+    if fw == "torch":
+        return torch.from_numpy(np.array(arr, np.float32)).to(getattr(torch, dtype))
+    return tf.cast(tf.constant(np.array(arr, np.float32)), dtype)
+
+
+def to_np(t):
+    return np.asarray(ops_for(t).to_numpy(t), np.float64)
+
+
+def round_trip(comp, t, name="w"):
+    payload, ctx = comp.compress(t, name)
+    return payload, comp.decompress(payload, ctx)
+
+
+def nbytes(payload):
+    return sum(int(ops_for(p).nbytes(p)) for p in payload)
+
+
+def dtype_name(t):
+    return ops_for(t).dtype(t)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_builds_with_defaults(name):
+    comp = make(name)
+    assert isinstance(comp.unbiased, bool) and isinstance(comp.allreduce_safe, bool)
+    assert isinstance(comp.two_phase_safe, bool) and isinstance(comp.equal_sizes, bool)
+    assert name in repr(type(comp).registry_name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_keeps_shape_and_dtype(name, fw, dtype):
+    x = sample((6, 35))
+    payload, out = round_trip(make(name), to_fw(x, fw, dtype))
+    assert tuple(out.shape) == x.shape
+    assert dtype_name(out) == dtype
+    assert np.isfinite(to_np(out)).all()
+    # Scalars travel as 1-element tensors: Horovod refuses to allgather 0-d ones.
+    assert all(len(p.shape) >= 1 for p in payload)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_payload_bytes_follow_the_formula(name, fw):
+    comp = make(name)
+    slack = set()
+    for shape in [(6, 35), (4099,)]:
+        x = sample(shape, seed=1)
+        payload, _ = round_trip(comp, to_fw(x, fw), name=f"w{len(shape)}")
+        formula = comp.payload_nbytes(x.size, "float32")
+        if formula is None:  # data-dependent size (threshold, inceptionn): checked per method
+            assert nbytes(payload) > 0
+            continue
+        slack.add(nbytes(payload) - formula)
+    # At most a fixed few bytes above the formula per tensor, the same at every size.
+    assert len(slack) <= 1 and all(0 <= s <= 16 for s in slack), slack
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_and_tf_agree_over_steps(name):
+    comps = {fw: make(name) for fw in FRAMEWORKS}
+    for step in range(3):
+        x = sample((5, 41), seed=10 + step)
+        outs = {}
+        for fw, comp in comps.items():
+            payload, out = round_trip(comp, to_fw(x, fw))
+            outs[fw] = (to_np(out), nbytes(payload))
+        np.testing.assert_allclose(outs["torch"][0], outs["tf"][0], rtol=1e-5,
+                                   atol=1e-5 * np.abs(x).max(), err_msg=f"step {step}")
+        assert outs["torch"][1] == outs["tf"][1]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tf_function_matches_eager(name):
+    x = tf.constant(sample((5, 41), seed=3))
+    eager, graph = make(name), make(name)
+    fn = tf.function(lambda t: graph.decompress(*graph.compress(t, "w")))
+    for _ in range(2):
+        expected = to_np(round_trip(eager, x)[1])
+        np.testing.assert_allclose(to_np(fn(x)), expected, rtol=1e-5,
+                                   atol=1e-5 * float(tf.reduce_max(tf.abs(x))))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unbiased_methods_are_unbiased(name):
+    comp = make(name)
+    if not comp.unbiased:
+        pytest.skip(f"{name} does not claim to be unbiased")
+    x = sample((64,), seed=5)
+    draws = 2000
+    outs = np.stack([to_np(round_trip(comp, torch.from_numpy(x))[1]) for _ in range(draws)])
+    mean, std = outs.mean(0), outs.std(0, ddof=1)
+    # Five standard errors of the observed spread, plus float rounding.
+    tol = 5 * std / np.sqrt(draws) + 1e-5 * np.abs(x).max()
+    assert np.all(np.abs(mean - x) <= tol), np.max(np.abs(mean - x) - tol)
+    if std.max() == 0:  # deterministic and unbiased: exact
+        np.testing.assert_allclose(outs[0], x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_all_zero_tensor(name, fw):
+    comp = make(name)
+    _, out = round_trip(comp, to_fw(np.zeros((4, 9)), fw))
+    out = to_np(out)
+    assert out.shape == (4, 9) and np.isfinite(out).all()
+    if comp.unbiased:
+        assert np.all(out == 0)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (0,), (3, 0)], ids=["0d", "1elem", "empty", "3x0"])
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_shapes(name, fw, shape):
+    comp = make(name)
+    x = np.full(shape, 0.7, np.float32)
+    payload, out = round_trip(comp, to_fw(x, fw))
+    assert tuple(out.shape) == shape and dtype_name(out) == "float32"
+    assert np.isfinite(to_np(out)).all()
+    formula = comp.payload_nbytes(x.size, "float32")
+    if formula is not None:
+        assert formula <= nbytes(payload) <= formula + 16
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_and_inf_do_not_crash_and_propagate(name, fw):
+    x = sample((6, 35), seed=7)
+    x[1, 3], x[4, 20] = np.nan, np.inf
+    _, out = round_trip(make(name), to_fw(x, fw))
+    out = to_np(out)
+    assert out.shape == x.shape
+    if name not in NO_NONFINITE_PROPAGATION:
+        assert not np.isfinite(out).all(), "a NaN/Inf in the input vanished without trace"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_non_contiguous_torch_input(name):
+    base = torch.from_numpy(sample((41, 5), seed=8))
+    view = base.t()
+    assert not view.is_contiguous()
+    _, out_view = round_trip(make(name), view)
+    _, out_copy = round_trip(make(name), view.contiguous())
+    assert tuple(out_view.shape) == (5, 41)
+    np.testing.assert_array_equal(to_np(out_view), to_np(out_copy))
+    np.testing.assert_array_equal(base.numpy(), sample((41, 5), seed=8))  # input untouched
