@@ -23,9 +23,10 @@ embedding gradient under ``topk`` still sends only k values and k indices.
 difference raises ``ValueError`` on every rank (instead of a Horovod hang). Inside
 ``tf.function`` the exchange runs eagerly at trace time (``tf.init_scope``).
 
-**Byte counters.** ``grace.end_step()`` is called after each step's gradients are received.
-Inside ``tf.function`` that code runs once per trace, so the counters hold the traced step's
-traffic (one entry per trace), not one entry per executed step.
+**Byte counters.** ``grace.end_step()`` is called once per step, after the step's gradients
+are received; inside ``tf.function`` it runs through ``ops.host_callback`` on every execution
+of the traced step (after the communicators' own run-time byte counts), so
+``grace.bytes.steps`` gets one entry per executed step in graph mode too.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import warnings
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from grace_dl.communicators.base import AVERAGE, SUM
+from grace_dl.tensorflow import ops as tf_ops
 
 # Horovod's reduce ops that grace= can carry, and what they mean to a communicator.
 _OPS = {int(hvd.Average): AVERAGE, int(hvd.Sum): SUM}
@@ -96,7 +99,79 @@ def densify(grad):
     return grad
 
 
-class GraceReducer:
+class _Reducer:
+    """Reduces a step's gradients across ranks, except those of sources registered as local
+    (divided by the number of ranks when ``scale_local_gradients``, as Horovod does)."""
+
+    def __init__(self, process_set, scale_local_gradients: bool):
+        self.process_set = process_set
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local: dict[int, object] = {}
+
+    def register_local(self, source) -> None:
+        self._local[id(source)] = source
+
+    def is_local(self, source) -> bool:
+        return self._local.get(id(source)) is source
+
+    def __call__(self, grads, sources, use_generic_names: bool = False) -> list:
+        grads, sources = list(grads), list(sources)
+        if len(grads) != len(sources):
+            raise ValueError(f"{len(grads)} gradients for {len(sources)} variables")
+        out = list(grads)
+        todo = []
+        for i, (g, s) in enumerate(zip(grads, sources)):
+            if g is None:
+                continue
+            if self.is_local(s):
+                if self.scale_local_gradients:
+                    out[i] = _scale(g, 1.0 / self.process_set.size())
+                continue
+            todo.append(i)
+        if todo:
+            reduced = self._reduce([grads[i] for i in todo], [sources[i] for i in todo],
+                                   todo, use_generic_names)
+            for i, r in zip(todo, reduced):
+                out[i] = r
+        return out
+
+    def _reduce(self, grads, sources, positions, use_generic_names):
+        raise NotImplementedError
+
+
+class HorovodReducer(_Reducer):
+    """Horovod's own reduction (``grace=None``): the function ``hvd.DistributedGradientTape``
+    uses (fusion ``groups``, ``compression=``, the allgather path for ``tf.IndexedSlices``,
+    ``gradient_predivide_factor``), fed ``tf.Variable``s where Keras 3 variables are given
+    (Horovod calls ``.ref()``, which Keras 3 variables lack)."""
+
+    def __init__(self, name, device_dense="", device_sparse="", compression=hvd.Compression.none,
+                 sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
+                 groups=None, process_set=hvd.global_process_set, scale_local_gradients=True):
+        super().__init__(process_set, scale_local_gradients)
+        if gradient_predivide_factor != 1.0 and op != hvd.Average:
+            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} is only "
+                             f"supported with op=hvd.Average, got op={op!r}")
+        if isinstance(groups, list):
+            groups = [[tf_variable(v) for v in group] for group in groups]
+        self.groups = groups
+        self._fn = hvd._make_allreduce_grads_fn(name, device_dense, device_sparse, compression,
+                                                sparse_as_dense, op, gradient_predivide_factor,
+                                                groups, process_set)
+
+    def _reduce(self, grads, sources, positions, use_generic_names):
+        # Horovod looks at the variables only to match fusion groups.
+        variables = ([tf_variable(v) for v in sources] if isinstance(self.groups, list)
+                     else None)
+        return self._fn(grads, variables, use_generic_names)
+
+
+def tf_variable(var):
+    """The ``tf.Variable`` behind a Keras 3 variable (``var`` itself for a ``tf.Variable``)."""
+    return var if isinstance(var, tf.Variable) else getattr(var, "value", var)
+
+
+class GraceReducer(_Reducer):
     """Sends a step's gradients through ``grace`` and returns the reduced ones.
 
     ``op``: ``hvd.Average`` or ``hvd.Sum``. ``gradient_predivide_factor`` (Average only, as in
@@ -126,52 +201,32 @@ class GraceReducer:
             raise ValueError(f"process_set={process_set!r} differs from the grace object's "
                              f"({own!r}); build the communicator with that process set, e.g. "
                              "grace_from_params({..., 'process_set': ps})")
-        self.process_set = own if own is not None else hvd.global_process_set
-        self.scale_local_gradients = bool(scale_local_gradients)
+        super().__init__(own if own is not None else hvd.global_process_set,
+                         scale_local_gradients)
         self.device = device
         self.names = _names_for(grace)
-        self._local: dict[int, object] = {}
 
-    # ------------------------------------------------------------------ local sources
-    def register_local(self, source) -> None:
-        """Gradients of ``source`` stay on this rank (divided by the number of ranks when
-        ``scale_local_gradients``, as Horovod does)."""
-        self._local[id(source)] = source
-
-    def is_local(self, source) -> bool:
-        return self._local.get(id(source)) is source
-
-    # ------------------------------------------------------------------ one step
-    def __call__(self, grads, sources) -> list:
-        grads, sources = list(grads), list(sources)
-        if len(grads) != len(sources):
-            raise ValueError(f"{len(grads)} gradients for {len(sources)} variables")
-        out = list(grads)
-        todo = []
-        for i, (g, s) in enumerate(zip(grads, sources)):
-            if g is None:
-                continue
-            if self.is_local(s):
-                if self.scale_local_gradients:
-                    out[i] = _scale(g, 1.0 / self.process_set.size())
-                continue
-            todo.append((i, self.names(s, i), densify(g), s))
-        if not todo:
-            return out
-        _check_agreement(self.grace, [(n, tuple(s.shape), g.dtype.name) for _, n, g, s in todo],
+    def _reduce(self, grads, sources, positions, use_generic_names):
+        names = [self.names(s, i) for s, i in zip(sources, positions)]
+        grads = [densify(g) for g in grads]
+        _check_agreement(self.grace, [(n, tuple(s.shape), g.dtype.name)
+                                      for n, g, s in zip(names, grads, sources)],
                          self.process_set)
+        out = []
         with tf.device(self.device):
             handles = []
-            for i, name, g, _ in todo:
+            for name, g in zip(names, grads):
                 if self.predivide != 1.0:
                     g = g * tf.cast(1.0 / self.predivide, g.dtype)
-                handles.append((i, self.grace.send(g, name, self.op)))
-            for i, handle in handles:
+                handles.append(self.grace.send(g, name, self.op))
+            for handle in handles:
                 reduced = self.grace.receive(handle)
                 if self.predivide != 1.0:
                     reduced = reduced * tf.cast(self.predivide, reduced.dtype)
-                out[i] = reduced
-        self.grace.end_step()
+                out.append(reduced)
+        grace = self.grace
+        tf_ops.host_callback(lambda: grace.end_step())
+        _warn_unused_restored_state(grace, names)
         return out
 
 
@@ -181,26 +236,59 @@ def _scale(grad, factor):
     return grad * tf.cast(factor, grad.dtype)
 
 
-# Per grace object: the variable-name table and the gradient sets already agreed on.
-_TABLES: dict[int, tuple[object, Names, set]] = {}
+class _PerGrace:
+    """What this module remembers about one grace object."""
+
+    def __init__(self, grace):
+        self.grace = grace          # keeps id(grace) from being reused while we hold it
+        self.names = Names()
+        self.agreed: set[str] = set()
+        self.restore_checked = False
 
 
-def _entry(grace):
+_TABLES: dict[int, _PerGrace] = {}
+
+
+def _entry(grace) -> _PerGrace:
     entry = _TABLES.get(id(grace))
-    if entry is None or entry[0] is not grace:
-        entry = (grace, Names(), set())
+    if entry is None or entry.grace is not grace:
+        entry = _PerGrace(grace)
         _TABLES[id(grace)] = entry
     return entry
 
 
 def _names_for(grace) -> Names:
-    return _entry(grace)[1]
+    return _entry(grace).names
+
+
+def _warn_unused_restored_state(grace, names) -> None:
+    """After the first step: state loaded from a checkpoint that no gradient name has claimed
+    means the variables are named differently than when it was saved (e.g. Keras numbered
+    unnamed layers differently); that state would be silently dropped, so say so."""
+    entry = _entry(grace)
+    if entry.restore_checked:
+        return
+    entry.restore_checked = True
+    unused = []
+    for part in ("compressor", "memory"):
+        state = getattr(getattr(grace, part, None), "state", None)
+        if state is None or not hasattr(state, "variables"):
+            continue
+        live = state.variables()
+        unused += [k for k in state.keys() if k not in live
+                   and not any(k == n or k.endswith("/" + n) for n in names)]
+    if unused:
+        warnings.warn(f"grace state restored for {sorted(unused)[:5]} (of {len(unused)}) matches "
+                      f"none of this step's gradient names {sorted(names)[:5]}...; if the "
+                      "variables were named differently when the checkpoint was saved, name "
+                      "the layers explicitly so that restored residuals/counters are used",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _check_agreement(grace, signature, process_set) -> None:
     """Ranks compare ``grace.fingerprint()`` and the gradients they send; ``ValueError`` on
     every rank if any differ."""
-    agreed = _entry(grace)[2]
+    agreed = _entry(grace).agreed
     digest = hashlib.sha256(json.dumps(signature).encode()).hexdigest()[:16]
     if digest in agreed:
         return

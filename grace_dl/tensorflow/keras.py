@@ -29,7 +29,7 @@ import keras
 import tensorflow as tf
 
 from grace_dl.tensorflow.checkpoint import checkpointable
-from grace_dl.tensorflow.gradients import GraceReducer
+from grace_dl.tensorflow.gradients import GraceReducer, HorovodReducer
 from grace_dl.tensorflow.tape import reject_horovod_only_options
 
 
@@ -39,34 +39,12 @@ class _Distributed:
     def apply(self, grads, trainable_variables=None):
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
-        grads = self._hvd_reduce(list(grads), variables)
+        grads = self._hvd_reducer(list(grads), variables)
         return super().apply(grads, trainable_variables)
 
     def register_local_var(self, var):
         """Gradients of ``var`` are not reduced (as in Horovod)."""
-        self._hvd_local.add(id(var))
-        if self._hvd_grace is not None:
-            self._hvd_grace.register_local(var)
-
-    def _hvd_reduce(self, grads, variables):
-        if self._hvd_grace is not None:
-            return self._hvd_grace(grads, variables)
-        idx = [i for i, (g, v) in enumerate(zip(grads, variables))
-               if g is not None and id(v) not in self._hvd_local]
-        # Horovod's reduce function looks at the variables only to match fusion groups.
-        group_vars = ([_tf_variable(variables[i]) for i in idx]
-                      if isinstance(self._hvd_groups, list) else None)
-        reduced = self._hvd_allreduce([grads[i] for i in idx], group_vars)
-        out = list(grads)
-        for i, r in zip(idx, reduced):
-            out[i] = r
-        if self._hvd_scale_local and self._hvd_local:
-            n = self._hvd_process_set.size()
-            for i, (g, v) in enumerate(zip(grads, variables)):
-                if g is not None and id(v) in self._hvd_local:
-                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / n)
-        return out
+        self._hvd_reducer.register_local(var)
 
 
 _CLASSES: dict[type, type] = {}
@@ -102,8 +80,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          f"{type(optimizer).__name__}")
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
-    if gradient_predivide_factor != 1.0 and op != hvd.Average:
-        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
     if backward_passes_per_step != 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: only 1 is "
                          "supported with Keras 3; set gradient_accumulation_steps on the Keras "
@@ -117,30 +93,18 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if name is not None:
         config["name"] = name
     opt = _distributed_class(type(optimizer)).from_config(config)
-    opt._hvd_local = set()
-    opt._hvd_process_set = process_set
-    opt._hvd_scale_local = bool(scale_local_gradients)
-    opt._hvd_groups = groups
     if grace is None:
-        if isinstance(groups, list):
-            groups = [[_tf_variable(v) for v in group] for group in groups]
-        opt._hvd_grace = None
-        opt._hvd_allreduce = hvd._make_allreduce_grads_fn(
+        opt._hvd_reducer = HorovodReducer(
             config["name"], device_dense, device_sparse, compression, sparse_as_dense, op,
-            gradient_predivide_factor, groups, process_set)
+            gradient_predivide_factor, groups, process_set, scale_local_gradients)
     else:
-        opt._hvd_grace = GraceReducer(grace, op=op,
-                                      gradient_predivide_factor=gradient_predivide_factor,
-                                      process_set=process_set,
-                                      scale_local_gradients=scale_local_gradients,
-                                      device=device_dense)
+        opt._hvd_reducer = GraceReducer(grace, op=op,
+                                        gradient_predivide_factor=gradient_predivide_factor,
+                                        process_set=process_set,
+                                        scale_local_gradients=scale_local_gradients,
+                                        device=device_dense)
         opt.grace_state = checkpointable(grace)
     return opt
-
-
-def _tf_variable(var):
-    """The ``tf.Variable`` behind a Keras 3 variable (Horovod's helpers call ``.ref()``)."""
-    return var if isinstance(var, tf.Variable) else var.value
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -7,9 +7,11 @@ a grace_dl communicator.
     grads = tape.gradient(loss, model.trainable_variables)   # reduced across ranks
 
 Works eagerly and inside ``tf.function`` (state variables are created on the first trace; later
-calls reuse the graph). ``grace=None`` returns Horovod's own ``DistributedGradientTape``.
-Gradient names, sparse gradients, the rank agreement check and byte counters: see
-``grace_dl.tensorflow.gradients``.
+calls reuse the graph). With ``grace=None`` the gradients are reduced by Horovod's own function,
+exactly as ``horovod.tensorflow.DistributedGradientTape`` does; the tape is ours because
+Horovod's calls ``.ref()`` on the sources, which Keras 3 variables
+(``model.trainable_variables``) do not have. Gradient names, sparse gradients, the rank
+agreement check and byte counters: see ``grace_dl.tensorflow.gradients``.
 """
 
 from __future__ import annotations
@@ -17,46 +19,46 @@ from __future__ import annotations
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from grace_dl.tensorflow.gradients import GraceReducer
+from grace_dl.tensorflow.gradients import GraceReducer, HorovodReducer
 
 
-class _GraceTape:
+class _ReducingTape:
     """Mixed into a subclass of the user's tape class, so ``isinstance`` still holds."""
 
-    _grace_reducer: GraceReducer
+    _reducer: GraceReducer | HorovodReducer
 
     def register_local_source(self, source):
         """Gradients of ``source`` are not reduced (as in Horovod)."""
-        self._grace_reducer.register_local(source)
+        self._reducer.register_local(source)
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
-        """The local gradients, each sent through ``grace`` and received reduced across ranks
-        (``use_generic_names`` is accepted for Horovod compatibility; names always come from
-        the variables)."""
+        """The local gradients reduced across ranks (``use_generic_names``: Horovod's, for
+        ``grace=None``; with ``grace`` names always come from the variables)."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_grads = tf.nest.flatten(grads)
         flat_sources = tf.nest.flatten(sources)
-        reduced = self._grace_reducer(flat_grads, flat_sources)
+        reduced = self._reducer(flat_grads, flat_sources, use_generic_names)
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None,
                                        use_generic_names=False):
         """``(local [(source, grad)], global [(source, grad)])`` as in Horovod."""
-        grads = self.gradient(target, sources, output_gradients)
+        grads = self.gradient(target, sources, output_gradients,
+                              use_generic_names=use_generic_names)
         local, global_ = [], []
         for s, g in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
-            (local if self._grace_reducer.is_local(s) else global_).append((s, g))
+            (local if self._reducer.is_local(s) else global_).append((s, g))
         return local, global_
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def _grace_class(tape_class: type) -> type:
+def _tape_class(tape_class: type) -> type:
     cls = _CLASSES.get(tape_class)
     if cls is None:
-        cls = type(tape_class.__name__, (_GraceTape, tape_class), {})
+        cls = type(tape_class.__name__, (_ReducingTape, tape_class), {})
         _CLASSES[tape_class] = cls
     return cls
 
@@ -75,24 +77,30 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     ``device_dense`` places the compression. ``compression``, ``groups`` and ``num_groups`` are
     Horovod's own compression and fusion and are rejected together with ``grace=`` (the grace
     object does both). ``sparse_as_dense`` is implied: sparse gradients are densified.
+
+    With ``grace=None`` every argument means what it means to Horovod (its own reduction).
     """
+    if groups is None and num_groups:
+        groups = num_groups
     if grace is None:
-        return hvd.DistributedGradientTape(
-            gradtape, device_dense=device_dense, device_sparse=device_sparse,
-            compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-            gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-            groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
-    reject_horovod_only_options(compression=compression, groups=groups, num_groups=num_groups)
-    reducer = GraceReducer(grace, op=op, gradient_predivide_factor=gradient_predivide_factor,
-                           process_set=process_set, scale_local_gradients=scale_local_gradients,
-                           device=device_dense)
-    cls = _grace_class(type(gradtape))
+        if groups is not None and not (isinstance(groups, list) or groups > 0):
+            raise ValueError(f"groups must be a positive integer or a list of lists of "
+                             f"variables, got {groups!r}")
+        reducer = HorovodReducer("DistributedGradientTape", device_dense, device_sparse,
+                                 compression, sparse_as_dense, op, gradient_predivide_factor,
+                                 groups, process_set, scale_local_gradients)
+    else:
+        reject_horovod_only_options(compression=compression, groups=groups)
+        reducer = GraceReducer(grace, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                               process_set=process_set,
+                               scale_local_gradients=scale_local_gradients, device=device_dense)
+    cls = _tape_class(type(gradtape))
     tape = cls.__new__(cls)
     tf.GradientTape.__init__(tape, persistent=gradtape._persistent,
                              watch_accessed_variables=gradtape._watch_accessed_variables)
     tape._tape = gradtape._tape
     tape._watched_variables = gradtape._watched_variables
-    tape._grace_reducer = reducer
+    tape._reducer = reducer
     return tape
 
 
@@ -102,14 +110,8 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
                                    groups=None, process_set=hvd.global_process_set,
                                    local_layers=None, scale_local_gradients=True, grace=None):
     """Horovod's ``PartialDistributedGradientTape`` (the variables of ``local_layers`` are not
-    reduced) plus ``grace=``."""
-    if grace is None:
-        return hvd.PartialDistributedGradientTape(
-            gradtape, device_dense=device_dense, device_sparse=device_sparse,
-            compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-            gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-            groups=groups, process_set=process_set, local_layers=local_layers,
-            scale_local_gradients=scale_local_gradients)
+    reduced, only divided by the number of ranks when ``scale_local_gradients``) plus
+    ``grace=``."""
     if local_layers is None:
         local_layers = []
     elif not isinstance(local_layers, (list, tuple)):
