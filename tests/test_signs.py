@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import torch
+from workers.signs_allgather import CONFIGS, SHAPE, STEPS, grad
 
+import mp
 from grace_dl import grace_from_params, lookup
 from grace_dl.tensorflow import ops as tf_ops
 from grace_dl.torch import ops as torch_ops
@@ -467,3 +469,55 @@ def test_efsignsgd_result_does_not_depend_on_a_shared_lr(fw):
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert lookup("compressor", "efsignsgd")().lr == lookup("memory", "efsignsgd")().lr == 1.0
+
+
+# ------------------------------------------------------------------ real Horovod, 2 ranks
+def replay_allgather(params, grads_by_rank):
+    """Single-process replay of what the allgather communicator computes, per step: each rank
+    compensates, compresses and updates its own memory; every rank decompresses all payloads
+    and aggregates them in rank order; the result is averaged when the compressor says so."""
+    ranks = []
+    for _ in grads_by_rank:
+        grc = grace_from_params({**params, "communicator": "allgather"})  # no collective used
+        ranks.append((grc.compressor, grc.memory))
+    results = []
+    for step in range(len(grads_by_rank[0])):
+        decoded = []
+        for (comp, mem), grads in zip(ranks, grads_by_rank):
+            p = mem.compensate(torch.from_numpy(grads[step]), "w")
+            payload, ctx = comp.compress(p, "w")
+            mem.update(p, "w", comp, payload, ctx)
+            decoded.append(comp.decompress(payload, ctx))
+        out = ranks[0][0].aggregate(decoded)
+        if ranks[0][0].average:
+            out = out / len(ranks)
+        results.append(out.numpy())
+    return results
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode,launcher", [("torch", "gloo"), ("tf-graph", "mpi")])
+def test_sign_methods_through_allgather_on_two_ranks(mode, launcher):
+    size = 2
+    results = mp.run("signs_allgather.py", np=size, launcher=launcher, args=[mode], timeout=300)
+    assert [r["rank"] for r in results] == [0, 1] and all(r["size"] == size for r in results)
+    grads = [[grad(r, s) for s in range(STEPS)] for r in range(size)]
+    n = int(np.prod(SHAPE))
+    for key, params in CONFIGS.items():
+        expect = replay_allgather(params, grads)
+        nbytes = lookup("compressor", key)().payload_nbytes(n)
+        for res in results:
+            for step in range(STEPS):
+                got = res[key]["out"][step]
+                assert got.shape == SHAPE
+                np.testing.assert_allclose(got, expect[step], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{key} step {step}")
+                counted = res[key]["bytes"][step]
+                assert counted["sent"] == nbytes and counted["received"] == nbytes * (size - 1)
+        if key == "signsgd":  # the majority vote itself, from the raw gradients
+            for step in range(STEPS):
+                vote = np.sign(sum(np_sign(grads[r][step]) for r in range(size)))
+                for res in results:
+                    np.testing.assert_array_equal(res[key]["out"][step], vote)
+                assert np.any(vote == 0) and np.any(vote != 0)  # ties and agreements both seen
+    np.testing.assert_array_equal(results[0]["onebit"]["out"], results[1]["onebit"]["out"])
