@@ -247,8 +247,6 @@ class StrategyDispatcher:
     def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
         op = self.check_op(op)
         route = self.route(name)
-        if not self._verified:
-            self.verify(tensor=tensor)
         ops = ops_for(tensor)
         shape = ops.shape(tensor)
         if route.shape and all(isinstance(d, int) for d in shape) and tuple(shape) != route.shape:
@@ -257,9 +255,11 @@ class StrategyDispatcher:
         if route.spec == NCCL and ops.device_type(tensor) == "cpu":
             raise ValueError(f"node {name!r} has spec NCCL (payloads stay on the GPU) but its "
                              f"gradient is in host memory; use spec AUTO or RING")
-        group = self._groups[route.group]
         if name in self._outstanding:
             raise ValueError(f"gradient {name!r} sent again before its handle was received")
+        if not self._verified:
+            self.verify(tensor=tensor)
+        group = self._groups[route.group]
         comm = route.comm
         if _own_send(comm):
             handle = comm.send(tensor, name, op)

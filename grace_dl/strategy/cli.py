@@ -1,0 +1,195 @@
+"""``python -m grace_dl strategy build|show|validate`` (also ``grace-dl strategy ...``).
+
+    build    --variables shapes.yaml | --model pkg.module:factory
+             --builder allreduce|uniform|size-threshold|ps|auto  [--params '{...}']
+             [--chunk-size N] [--spec AUTO|NCCL|RING] [--min-elements N] [--destination R]
+             [--candidates '[{...}, ...]'] [--throughput file.json]
+             [--resource-spec cluster.yaml] -o strategy.pbtxt|strategy.pb
+    show     strategy-file [--text]
+    validate strategy-file [--variables ... | --model ...] [--workers N]
+
+``--variables`` is a YAML/JSON mapping ``name: [d0, d1, ...]``; ``--model`` names a function
+returning a torch module (its ``named_parameters()``) or a Keras model (its
+``trainable_variables``). ``--params``/``--candidates`` are JSON with GRACE's keys. ``validate``
+builds every pipeline the strategy names (as each rank will) and checks it against the model and
+the number of workers; it exits 1 with the reasons when something is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+BUILDERS = ("allreduce", "uniform", "size-threshold", "ps", "auto")
+
+
+def _json(text: str, what: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} is not valid JSON ({err}): {text!r}") from None
+
+
+def _variables(args):
+    if getattr(args, "variables", None):
+        import yaml
+
+        path = Path(args.variables)
+        if not path.is_file():
+            raise ValueError(f"variables file {args.variables!r} does not exist")
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.variables!r} must map variable names to shapes")
+        return {str(k): tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    if getattr(args, "model", None):
+        module, _, attr = args.model.partition(":")
+        if not attr:
+            raise ValueError(f"--model must look like package.module:function, got {args.model!r}")
+        model = getattr(importlib.import_module(module), attr)()
+        if hasattr(model, "named_parameters"):
+            return list(model.named_parameters())
+        return list(model.trainable_variables)
+    return None
+
+
+def _builder(args):
+    from grace_dl.strategy import builders
+
+    params = _json(args.params, "--params") if args.params else {}
+    if args.builder == "allreduce":
+        return builders.AllReduce(chunk_size=args.chunk_size or 128, spec=args.spec, **params)
+    if args.builder == "uniform":
+        return builders.Uniform(params, chunk_size=args.chunk_size or 1, spec=args.spec)
+    if args.builder == "size-threshold":
+        if args.min_elements is None:
+            raise ValueError("--builder size-threshold needs --min-elements")
+        return builders.SizeThreshold(args.min_elements, params, chunk_size=args.chunk_size or 1,
+                                      spec=args.spec)
+    if args.builder == "ps":
+        return builders.PS(args.destination, params)
+    candidates = (_json(args.candidates, "--candidates") if args.candidates
+                  else builders.DEFAULT_CANDIDATES)
+    return builders.Auto(candidates, chunk_size=args.chunk_size or 1, spec=args.spec,
+                         throughput=args.throughput)
+
+
+def cmd_build(args) -> int:
+    from grace_dl.strategy.serialize import save, to_text
+
+    variables = _variables(args)
+    if variables is None:
+        raise ValueError("build needs --variables or --model")
+    builder = _builder(args)
+    strategy = builder.build(variables, args.resource_spec)
+    if args.output:
+        save(strategy, args.output)
+        print(f"wrote {args.output}: {len(strategy.node_config)} nodes")
+    else:
+        sys.stdout.write(to_text(strategy))
+    return 0
+
+
+def _rows(dispatcher):
+    from grace_dl.strategy.dispatcher import SPEC_NAMES
+
+    rows = []
+    for node in dispatcher.strategy.node_config:
+        r = dispatcher.route(node.var_name)
+        numel = 1
+        for d in r.shape:
+            numel *= d
+        sync = "PS@" + str(r.root) if r.root is not None else f"AllReduce {r.group}"
+        rows.append((r.name, "x".join(map(str, r.shape)) or "?", str(numel if r.shape else "?"),
+                     sync, SPEC_NAMES.get(r.spec, str(r.spec)), r.pipeline.label()))
+    return rows
+
+
+def cmd_show(args) -> int:
+    from grace_dl.strategy.dispatcher import StrategyDispatcher
+    from grace_dl.strategy.serialize import load, to_text
+
+    strategy = load(args.strategy)
+    if args.text:
+        sys.stdout.write(to_text(strategy))
+        return 0
+    dispatcher = StrategyDispatcher(strategy)
+    header = ("variable", "shape", "numel", "synchronizer", "spec", "pipeline")
+    rows = [header] + _rows(dispatcher)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print(f"strategy {strategy.id or '(no id)'} version {strategy.version}: {len(rows) - 1} "
+          f"variables, {len(dispatcher.state_dict())} pipelines, replicas "
+          f"{len(strategy.graph_config.replicas) or 'unspecified'}; fingerprint "
+          f"{dispatcher.fingerprint()}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from grace_dl.strategy.dispatcher import StrategyDispatcher
+    from grace_dl.strategy.serialize import load
+
+    strategy = load(args.strategy)
+    dispatcher = StrategyDispatcher(strategy, variables=_variables(args))
+    replicas = len(strategy.graph_config.replicas)
+    if args.workers is not None:
+        if replicas and replicas != args.workers:
+            raise ValueError(f"the strategy lists {replicas} replicas, not {args.workers} workers")
+        roots = [r.root for r in map(dispatcher.route, (n.var_name for n in
+                                                        strategy.node_config))
+                 if r.root is not None and r.root >= args.workers]
+        if roots:
+            raise ValueError(f"PS reduction_destination rank(s) {sorted(set(roots))} do not exist "
+                             f"among {args.workers} workers")
+    print(f"ok: {len(strategy.node_config)} variables, {len(dispatcher.state_dict())} pipelines, "
+          f"fingerprint {dispatcher.fingerprint()}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grace-dl strategy",
+                                description="Build, show and validate grace_dl strategies.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def model_args(q):
+        src = q.add_mutually_exclusive_group()
+        src.add_argument("--variables", help="YAML/JSON mapping variable name -> shape")
+        src.add_argument("--model", help="package.module:function returning a model")
+
+    b = sub.add_parser("build", help="build a strategy for a model")
+    model_args(b)
+    b.add_argument("--builder", choices=BUILDERS, default="uniform")
+    b.add_argument("--params", help="JSON object of GRACE keys (compressor, memory, ...)")
+    b.add_argument("--chunk-size", type=int, help="variables per fusion group")
+    b.add_argument("--spec", default="AUTO", help="AUTO, NCCL or RING")
+    b.add_argument("--min-elements", type=int, help="size-threshold: smallest compressed tensor")
+    b.add_argument("--destination", type=int, default=0, help="ps: the reducing rank")
+    b.add_argument("--candidates", help="auto: JSON list of GRACE key objects")
+    b.add_argument("--throughput", help="auto: measured compression throughput JSON")
+    b.add_argument("--resource-spec", help="YAML resource spec (AutoDist's format)")
+    b.add_argument("-o", "--output", help="output file (.pbtxt text, .pb binary); else stdout")
+    b.set_defaults(func=cmd_build)
+
+    s = sub.add_parser("show", help="print a strategy as a table (or as text)")
+    s.add_argument("strategy")
+    s.add_argument("--text", action="store_true", help="protobuf text format instead")
+    s.set_defaults(func=cmd_show)
+
+    v = sub.add_parser("validate", help="check a strategy (and against a model)")
+    v.add_argument("strategy")
+    model_args(v)
+    v.add_argument("--workers", type=int, help="number of Horovod ranks it will run on")
+    v.set_defaults(func=cmd_validate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,76 @@
+"""``python -m grace_dl strategy build|show|validate``."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from grace_dl.strategy import load
+from grace_dl.strategy.cli import main
+from grace_dl.strategy.pipeline import Pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPK = json.dumps({"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
+                   "communicator": "allgather"})
+
+
+def _shapes(tmp_path):
+    path = tmp_path / "shapes.yaml"
+    path.write_text("emb.weight: [5000, 64]\nconv.weight: [16, 3, 3, 3]\nconv.bias: [16]\n"
+                    "fc.weight: [10, 64]\nfc.bias: [10]\n")
+    return str(path)
+
+
+def test_build_show_validate_as_a_module(tmp_path):
+    out = tmp_path / "s.pb"
+    cmd = [sys.executable, "-m", "grace_dl", "strategy"]
+    build = subprocess.run(cmd + ["build", "--variables", _shapes(tmp_path), "--builder",
+                                  "size-threshold", "--min-elements", "500", "--params", TOPK,
+                                  "-o", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    strategy = load(out)
+    chosen = {n.var_name: Pipeline.from_node(n).compressor for n in strategy.node_config}
+    assert chosen == {"emb.weight": "topk", "conv.weight": "none", "conv.bias": "none",
+                      "fc.weight": "topk", "fc.bias": "none"}
+    show = subprocess.run(cmd + ["show", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert show.returncode == 0, show.stderr
+    lines = show.stdout.splitlines()
+    assert lines[0].split() == ["variable", "shape", "numel", "synchronizer", "spec", "pipeline"]
+    assert lines[1].split() == ["emb.weight", "5000x64", "320000", "AllReduce", "g0", "AUTO",
+                                "topk(compress_ratio=0.01)+residual+allgather"]
+    assert "5 variables, 2 pipelines" in lines[-1]
+    ok = subprocess.run(cmd + ["validate", str(out), "--variables", _shapes(tmp_path),
+                               "--workers", "4"], cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: 5 variables"), ok.stderr
+
+
+def test_validate_reports_problems(tmp_path, capsys):
+    shapes = _shapes(tmp_path)
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("nodes:\n  - {address: a, gpus: [0, 1]}\n  - {address: b, gpus: [0, 1]}\n")
+    out = str(tmp_path / "s.pbtxt")
+    assert main(["build", "--variables", shapes, "--builder", "allreduce", "--params",
+                 '{"compressor": "fp16"}', "--resource-spec", str(spec), "-o", out]) == 0
+    assert main(["validate", out, "--workers", "4"]) == 0
+    assert main(["validate", out, "--workers", "2"]) == 1
+    assert "4 replicas, not 2 workers" in capsys.readouterr().err
+    other = tmp_path / "other.yaml"
+    other.write_text("emb.weight: [5000, 64]\nhead.weight: [3, 3]\n")
+    assert main(["validate", out, "--variables", str(other)]) == 1
+    err = capsys.readouterr().err
+    assert "no node in the strategy: ['head.weight']" in err
+    assert "naming no variable of the model: ['conv.weight', 'conv.bias'" in err
+    assert main(["build", "--variables", shapes, "--params", '{"compressor": "zip"}']) == 1
+    assert "unknown compressor 'zip'" in capsys.readouterr().err
+    assert main(["build", "--variables", shapes, "--params", "{bad"]) == 1
+    assert "--params is not valid JSON" in capsys.readouterr().err
+
+
+def test_auto_from_the_command_line(tmp_path, capsys):
+    spec = tmp_path / "slow.yaml"
+    spec.write_text("nodes:\n  - {address: a, slots: 4, network_bandwidth: 1}\n")
+    assert main(["build", "--variables", _shapes(tmp_path), "--builder", "auto",
+                 "--resource-spec", str(spec)]) == 0
+    text = capsys.readouterr().out
+    assert 'name: "topk"' in text and 'replicas: "a:CPU:3"' in text
+    assert main(["show", "--text", str(tmp_path / "missing.pbtxt")]) == 1

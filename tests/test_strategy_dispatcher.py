@@ -1,0 +1,153 @@
+"""``from_strategy`` without Horovod: what it refuses at construction, and the checks a send
+makes before any collective. Its collectives are tested in test_strategy_multiproc.py."""
+
+import numpy as np
+import pytest
+import torch
+
+from grace_dl.strategy import from_strategy, from_text, strategy_pb2
+from grace_dl.strategy.dispatcher import StrategyDispatcher
+from grace_dl.strategy.pipeline import Pipeline
+
+TOPK = {"compressor": "topk", "compress_ratio": 0.5, "memory": "residual",
+        "communicator": "allgather"}
+
+
+def _strategy(*nodes, replicas=()):
+    s = strategy_pb2.Strategy(version=1)
+    s.graph_config.replicas.extend(replicas)
+    for name, shape, params, group in nodes:
+        n = s.node_config.add(var_name=name)
+        n.shape.extend(shape)
+        n.AllReduceSynchronizer.group = group
+        Pipeline.from_params(params).write(n)
+    return s
+
+
+def test_routes_and_shared_pipelines():
+    s = _strategy(("w1", (4, 4), TOPK, 0), ("w2", (4, 4), TOPK, 1), ("b", (4,), {}, 2))
+    d = from_strategy(s)
+    assert d.communicator("w1") is d.communicator("w2")  # one communicator per pipeline
+    assert d.communicator("b") is not d.communicator("w1")
+    assert d.communicator("w1").bytes is d.bytes is d.communicator("b").bytes
+    assert d.pipeline("w1").label() == "topk(compress_ratio=0.5)+residual+allgather"
+    assert d.route("w1:0").name == "w1"  # TF tensor names with ':0' resolve too
+    assert sorted(d.state_dict()) == ["none+none+allreduce",
+                                      "topk(compress_ratio=0.5)+residual+allgather"]
+
+
+def test_unknown_gradient_name_lists_the_variables():
+    d = from_strategy(_strategy(("w", (2,), {}, 0), ("b", (2,), {}, 1)))
+    with pytest.raises(ValueError, match=r"'nope' has no node.*\['w', 'b'\]"):
+        d.send(torch.zeros(2), "nope")
+
+
+def test_checks_before_any_collective():
+    s = _strategy(("w", (2, 3), {}, 0))
+    g = s.node_config.add(var_name="g").AllReduceSynchronizer
+    g.spec, g.group = strategy_pb2.AllReduceSynchronizer.NCCL, 1
+    d = from_strategy(s)
+    with pytest.raises(ValueError, match=r"shape \(3, 2\), its strategy node says \(2, 3\)"):
+        d.send(torch.zeros(3, 2), "w")
+    with pytest.raises(ValueError, match="spec NCCL .* host memory"):
+        d.send(torch.zeros(5), "g")
+    with pytest.raises(ValueError, match="op must be one of"):
+        d.send(torch.zeros(2, 3), "w", op="max")
+
+
+def test_check_variables_names_both_directions():
+    d = from_strategy(_strategy(("fc.weight", (4, 8), {}, 0), ("old.bias", (4,), {}, 1)))
+    model = torch.nn.Linear(8, 4)
+    model = torch.nn.ModuleDict({"fc": model})
+    with pytest.raises(ValueError) as err:
+        d.check_variables(model.named_parameters())
+    msg = str(err.value)
+    assert "variables with no node in the strategy: ['fc.bias']" in msg
+    assert "nodes naming no variable of the model: ['old.bias']" in msg
+    with pytest.raises(ValueError, match=r"shapes differ: \['fc.weight \(strategy \(4, 8\), "
+                                         r"model \(8, 8\)\)'\]"):
+        d.check_variables({"fc.weight": (8, 8), "old.bias": (4,)})
+    d.check_variables(["fc.weight", "old.bias"])
+    with pytest.raises(ValueError, match="no node in the strategy"):
+        from_strategy(_strategy(("a", (1,), {}, 0)), variables={"a": (1,), "b": (2,)})
+
+
+PS_NODE = 'node_config {{ var_name: "w" PSSynchronizer {{ {} }} }} version: 1'
+
+
+@pytest.mark.parametrize("text, match", [
+    (PS_NODE.format("sync: false"), "sync=false .* not supported"),
+    (PS_NODE.format("sync: true staleness: 2"), "staleness=2 is not supported"),
+    (PS_NODE.format('sync: true reduction_destination: "gpu-box"'),
+     "neither a rank number nor one of graph_config.replicas"),
+    ('node_config { var_name: "w" partitioner: "1,2" AllReduceSynchronizer {} }',
+     "partitioning .* not supported"),
+    ('node_config { var_name: "w" }', "has no synchronizer"),
+    ('node_config { var_name: "w" AllReduceSynchronizer {} }'
+     'node_config { var_name: "w" AllReduceSynchronizer { group: 1 } }', "more than one node"),
+    ('version: 9 node_config { var_name: "w" AllReduceSynchronizer {} }', "version 9 is newer"),
+    ('', "has no nodes"),
+    ('node_config { var_name: "w" AllReduceSynchronizer { compressor: HorovodCompressor } '
+     'compressor { name: "topk" } communicator { name: "allgather" } }', "set only one"),
+    ('node_config { var_name: "w" PSSynchronizer { sync: true } '
+     'communicator { name: "allgather" } }', "leave it unset"),
+    ('node_config { var_name: "w" AllReduceSynchronizer {} compressor { name: "topk" } }',
+     "communicator 'allreduce' cannot carry compressor 'topk'"),
+    ('node_config { var_name: "w" AllReduceSynchronizer {} compressor { name: "topk" '
+     'params { key: "k" value { int_value: 3 } } } communicator { name: "allgather" } }',
+     r"takes no parameter\(s\) \['k'\]"),
+])
+def test_bad_strategies_raise_at_construction(text, match):
+    with pytest.raises(ValueError, match=match):
+        from_strategy(from_text(text))
+
+
+def test_groups_must_be_homogeneous_and_fusable():
+    with pytest.raises(ValueError, match="group 0 mixes pipelines: 'a' has "
+                                         "topk.*'b' has none"):
+        from_strategy(_strategy(("a", (4,), TOPK, 0), ("b", (4,), {}, 0)))
+    twophase = {"communicator": "twophase"}
+    with pytest.raises(ValueError, match="starts its own collectives and cannot be fused"):
+        from_strategy(_strategy(("a", (4,), twophase, 0), ("b", (4,), twophase, 0)))
+    s = _strategy(("a", (4,), twophase, 0))
+    s.node_config[0].AllReduceSynchronizer.spec = strategy_pb2.AllReduceSynchronizer.RING
+    with pytest.raises(ValueError, match="spec RING cannot move"):
+        from_strategy(s)
+    from_strategy(_strategy(("a", (4,), twophase, 0), ("b", (4,), twophase, 1)))
+
+
+def test_ps_destination_by_replica_name():
+    s = from_text('node_config { var_name: "w" PSSynchronizer { sync: true '
+                  'reduction_destination: "b:GPU:0" } } graph_config { replicas: "a:GPU:0" '
+                  'replicas: "b:GPU:0" } version: 1')
+    d = from_strategy(s)
+    assert d.route("w").root == 1
+    assert sorted(d.state_dict()) == ["none+none+ps@1"]
+
+
+def test_fingerprint_tracks_content_not_identity():
+    a = _strategy(("w", (4, 4), TOPK, 0))
+    b = _strategy(("w", (4, 4), TOPK, 0))
+    b.id, b.path = "another-build", "/tmp/elsewhere.pbtxt"
+    assert from_strategy(a).fingerprint() == from_strategy(b).fingerprint()
+    c = _strategy(("w", (4, 4), {**TOPK, "compress_ratio": 0.25}, 0))
+    assert from_strategy(a).fingerprint() != from_strategy(c).fingerprint()
+    d = _strategy(("w", (4, 4), TOPK, 1))
+    assert from_strategy(a).fingerprint() != from_strategy(d).fingerprint()
+
+
+def test_state_dict_round_trip_and_unknown_pipelines():
+    d = from_strategy(_strategy(("w", (4,), TOPK, 0)))
+    key = "topk(compress_ratio=0.5)+residual+allgather"
+    residual = np.arange(4, dtype=np.float32)
+    d.load_state_dict({key: {"compressor": {}, "memory": {"w": residual}}})
+    assert np.array_equal(d.state_dict()[key]["memory"]["w"], residual)
+    with pytest.raises(ValueError, match=r"pipelines \['fp16\+none\+allreduce'\]"):
+        d.load_state_dict({"fp16+none+allreduce": {}})
+
+
+def test_process_set_reaches_every_pipeline():
+    d = StrategyDispatcher(_strategy(("w", (4,), TOPK, 0), ("b", (4,), {}, 1)))
+    marker = object()
+    d.process_set = marker
+    assert {d.communicator(n).process_set for n in ("w", "b")} == {marker}
