@@ -26,6 +26,11 @@ NO_NONFINITE_PROPAGATION = {
 }
 
 
+# Methods that read a 2-D tensor in its framework's layout (Keras Dense kernels are torch Linear
+# weights transposed): TF gets the same logical kernel, x.T, and its result is transposed back.
+FRAMEWORK_LAYOUT = {"powersgd"}
+
+
 def make(name, **kwargs):
     return lookup("compressor", name)(**kwargs)
 
@@ -50,8 +55,14 @@ def to_np(t):
 
 
 def round_trip(comp, t, name="w"):
+    """Compress (every round of a multi-round method, its own payload standing for the reduced
+    one, as on a single rank), decompress; returns everything sent and the result."""
     payload, ctx = comp.compress(t, name)
-    return payload, comp.decompress(payload, ctx)
+    sent = list(payload)
+    while (nxt := comp.next_round(payload, ctx)) is not None:
+        payload, ctx = nxt
+        sent += list(payload)
+    return sent, comp.decompress(payload, ctx)
 
 
 def nbytes(payload):
@@ -107,8 +118,9 @@ def test_torch_and_tf_agree_over_steps(name):
         x = sample((5, 41), seed=10 + step)
         outs = {}
         for fw, comp in comps.items():
-            payload, out = round_trip(comp, to_fw(x, fw))
-            outs[fw] = (to_np(out), nbytes(payload))
+            keras = fw == "tf" and name in FRAMEWORK_LAYOUT
+            payload, out = round_trip(comp, to_fw(x.T if keras else x, fw))
+            outs[fw] = (to_np(out).T if keras else to_np(out), nbytes(payload))
         np.testing.assert_allclose(outs["torch"][0], outs["tf"][0], rtol=1e-5,
                                    atol=1e-5 * np.abs(x).max(), err_msg=f"step {step}")
         assert outs["torch"][1] == outs["tf"][1]
@@ -118,7 +130,7 @@ def test_torch_and_tf_agree_over_steps(name):
 def test_tf_function_matches_eager(name):
     x = tf.constant(sample((5, 41), seed=3))
     eager, graph = make(name), make(name)
-    fn = tf.function(lambda t: graph.decompress(*graph.compress(t, "w")))
+    fn = tf.function(lambda t: round_trip(graph, t)[1])
     for _ in range(2):
         expected = to_np(round_trip(eager, x)[1])
         np.testing.assert_allclose(to_np(fn(x)), expected, rtol=1e-5,
@@ -186,5 +198,6 @@ def test_non_contiguous_torch_input(name):
     _, out_view = round_trip(make(name), view)
     _, out_copy = round_trip(make(name), view.contiguous())
     assert tuple(out_view.shape) == (5, 41)
-    np.testing.assert_array_equal(to_np(out_view), to_np(out_copy))
+    # Equal up to float rounding (a matmul may take another path for a transposed view).
+    np.testing.assert_allclose(to_np(out_view), to_np(out_copy), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(base.numpy(), sample((41, 5), seed=8))  # input untouched

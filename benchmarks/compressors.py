@@ -1,0 +1,213 @@
+"""Compressor micro-benchmark: bits per element on the wire, compress and decompress time, and
+their sum against a plain copy of the tensor, for every built-in compressor, measured in one run.
+
+    python benchmarks/compressors.py                    # torch, 1M and 16M fp32 elements
+    python benchmarks/compressors.py --framework tf     # the same on TensorFlow (eager)
+    python benchmarks/compressors.py --quick            # small tensors, two repeats
+
+Inputs are standard normal fp32 matrices (1024 x 1024 and 4096 x 4096, so PowerSGD has a
+matrix). Each time is the median of ``--repeats`` runs after one warm-up; "x copy" is
+(compress + decompress) / (plain copy of the tensor), the issue's target being <= 3 for every
+quantizer. A compressor whose module is not importable is reported as missing. The table is
+written to benchmarks/results/compressors.md (or ``--out``) with the machine, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from grace_dl.backend import ops_for  # noqa: E402
+from grace_dl.registry import BUILTIN, lookup  # noqa: E402
+
+# Parameters for the table: sparsifiers keep 1%; threshold 2.576 keeps 1% of N(0, 1) values.
+PARAMS = {"compress_ratio": 0.01, "threshold": 2.576}
+QUANTIZERS = {"fp16", "bf16", "qsgd", "terngrad", "natural", "u8bit", "inceptionn", "sketch",
+              "onebit", "signsgd", "signum", "efsignsgd"}
+SIZES = {"1M": (1024, 1024), "16M": (4096, 4096)}
+QUICK_SIZES = {"64K": (256, 256), "256K": (512, 512)}
+
+
+def build(name):
+    cls = lookup("compressor", name)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in PARAMS.items() if k in accepted}
+    return cls(**kwargs), kwargs
+
+
+def median_ms(fn, repeats):
+    fn()  # warm-up (lazy state, allocator)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def compress_all_rounds(comp, x, name):
+    """compress, then every further round of a multi-round method with its own payload as the
+    'reduced' one (one rank): returns the last payload, its ctx and the bytes of all rounds."""
+    payload, ctx = comp.compress(x, name)
+    sent = sum(int(ops_for(p).nbytes(p)) for p in payload)
+    while (nxt := comp.next_round(payload, ctx)) is not None:
+        payload, ctx = nxt
+        sent += sum(int(ops_for(p).nbytes(p)) for p in payload)
+    return payload, ctx, sent
+
+
+def make_input(framework, shape):
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    if framework == "torch":
+        import torch
+
+        return torch.from_numpy(x)
+    import tensorflow as tf
+
+    return tf.constant(x)
+
+
+def measure_one(name, x, numel, copy_ms, repeats):
+    """One compressor on one input: its row of the table."""
+    comp, kwargs = build(name)
+    state = {}
+
+    def compress():
+        state["out"] = compress_all_rounds(comp, x, "bench")
+
+    c_ms = median_ms(compress, repeats)
+    payload, ctx, sent = state["out"]
+    d_ms = median_ms(lambda: comp.decompress(payload, ctx), repeats)
+    return {"params": kwargs, "bits": 8.0 * sent / numel, "compress": c_ms,
+            "decompress": d_ms, "ratio": (c_ms + d_ms) / copy_ms}
+
+
+def measure(framework, names, sizes, repeats):
+    rows = {}
+    for label, shape in sizes.items():
+        x = make_input(framework, shape)
+        ops = ops_for(x)
+        numel = ops.numel(x)
+        copy_ms = median_ms(lambda ops=ops, x=x: ops.copy(x), repeats)
+        rows[label] = {"copy": copy_ms, "results": {}}
+        for name in names:
+            try:
+                row = measure_one(name, x, numel, copy_ms, repeats)
+            except Exception as err:  # missing module or a failure: reported, not fatal
+                row = {"missing": f"{type(err).__name__}: {err}"[:120]}
+            rows[label]["results"][name] = row
+            print(f"{label:>5} {name:<11} {fmt_row(row)}", flush=True)
+    return rows
+
+
+def fmt_row(r):
+    if "missing" in r:
+        return f"missing ({r['missing']})"
+    return (f"{r['bits']:7.3f} bits/elem  compress {r['compress']:8.2f} ms  "
+            f"decompress {r['decompress']:8.2f} ms  {r['ratio']:6.2f} x copy")
+
+
+def environment(framework):
+    import numpy as np
+
+    lines = [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"]
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    lines.append(f"- machine: {cpu}, {os.cpu_count()} logical CPUs, {platform.system()} "
+                 f"{platform.release()}")
+    versions = [f"Python {platform.python_version()}", f"NumPy {np.__version__}"]
+    if framework == "torch":
+        import torch
+
+        versions.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    else:
+        import tensorflow as tf
+
+        versions.append(f"TensorFlow {tf.__version__} (eager)")
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        versions.append(f"grace_dl {rev}")
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    lines.append("- versions: " + ", ".join(versions))
+    try:
+        load = os.getloadavg()
+        lines.append(f"- load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    except OSError:
+        pass
+    return lines
+
+
+def markdown(framework, rows, repeats):
+    out = [f"# Compressor micro-benchmark ({framework})", "",
+           "Generated by `python benchmarks/compressors.py"
+           + (" --framework tf" if framework == "tf" else "") + "`.", ""]
+    out += environment(framework)
+    out += ["", f"Input: standard normal fp32; times are medians of {repeats} runs after a "
+            "warm-up. *x copy* = (compress + decompress) / plain copy of the tensor; "
+            "target for quantizers (marked q): <= 3.", ""]
+    for label, block in rows.items():
+        out += [f"## {label} elements (copy {block['copy']:.2f} ms)", "",
+                "| compressor | params | bits/elem | compress ms | decompress ms | x copy |",
+                "|---|---|---:|---:|---:|---:|"]
+        for name, r in block["results"].items():
+            mark = f"{name} (q)" if name in QUANTIZERS else name
+            if "missing" in r:
+                out.append(f"| {mark} | | missing: {r['missing']} | | | |")
+                continue
+            params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
+            out.append(f"| {mark} | {params} | {r['bits']:.3f} | {r['compress']:.2f} | "
+                       f"{r['decompress']:.2f} | {r['ratio']:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--framework", choices=["torch", "tf"], default="torch")
+    ap.add_argument("--quick", action="store_true", help="64K and 256K elements, 2 repeats")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--names", nargs="+", default=sorted(BUILTIN["compressor"]))
+    ap.add_argument("--out", default=None, help="markdown file (default: "
+                    "benchmarks/results/compressors[_tf].md; --quick prints only)")
+    args = ap.parse_args(argv)
+    if args.framework == "tf":
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sizes = QUICK_SIZES if args.quick else SIZES
+    repeats = args.repeats or (2 if args.quick else 5)
+    rows = measure(args.framework, args.names, sizes, repeats)
+    text = markdown(args.framework, rows, repeats)
+    out = args.out
+    if out is None and not args.quick:
+        suffix = "" if args.framework == "torch" else "_tf"
+        out = str(ROOT / f"benchmarks/results/compressors{suffix}.md")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
