@@ -1,0 +1,165 @@
+"""Single-process checks of the TensorFlow glue: lazy imports, the drop-in module's names,
+argument validation, gradient naming, and the checkpoint format (no Horovod job needed)."""
+
+import os
+import subprocess
+import sys
+
+import horovod.tensorflow as stock
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import grace_dl.tensorflow.horovod as hvd
+from grace_dl import grace_from_params
+from grace_dl.tensorflow import checkpoint, gradients, ops
+
+
+@pytest.fixture
+def grc():
+    return grace_from_params({"compressor": "topk", "memory": "residual",
+                              "communicator": "allgather", "compress_ratio": 0.1})
+
+
+def test_importing_ops_or_package_does_not_import_horovod():
+    code = ("import sys, grace_dl.tensorflow, grace_dl.tensorflow.ops; "
+            "print(any(m.startswith('horovod') for m in sys.modules))")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+def test_lazy_package_exports():
+    import grace_dl.tensorflow as gtf
+
+    assert gtf.DistributedGradientTape is hvd.DistributedGradientTape
+    assert gtf.DistributedOptimizer is hvd.DistributedOptimizer
+    assert gtf.checkpointable is checkpoint.checkpointable
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        gtf.nope  # noqa: B018
+
+
+def test_drop_in_has_every_public_horovod_name():
+    ours = {"DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer"}
+    public = [k for k in dir(stock) if not k.startswith("_")]
+    assert len(public) > 50
+    for name in public:
+        assert hasattr(hvd, name), name
+        assert name in hvd.__all__
+        if name not in ours:
+            assert getattr(hvd, name) is getattr(stock, name), name
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"op": stock.Adasum}, "op must be hvd.Average or hvd.Sum"),
+    ({"compression": stock.Compression.fp16}, "Horovod's compression"),
+    ({"groups": 2}, "fusion groups"),
+    ({"num_groups": 2}, "fusion groups"),
+    ({"op": stock.Sum, "gradient_predivide_factor": 2.0}, "only supported with op=hvd.Average"),
+    ({"gradient_predivide_factor": -1.0}, "must be > 0"),
+    ({"process_set": stock.ProcessSet([0])}, "differs from the grace object's"),
+])
+def test_tape_rejects_options_grace_cannot_honour(grc, kwargs, match):
+    with tf.GradientTape() as tape:
+        pass
+    with pytest.raises(ValueError, match=match):
+        hvd.DistributedGradientTape(tape, grace=grc, **kwargs)
+
+
+def test_grace_must_be_a_communicator():
+    with tf.GradientTape() as tape:
+        pass
+    with pytest.raises(ValueError, match="has no send"):
+        hvd.DistributedGradientTape(tape, grace=object())
+
+
+def test_keras_optimizer_validation(grc):
+    sgd = keras.optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match="backward_passes_per_step=2"):
+        hvd.DistributedOptimizer(sgd, backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="op must be hvd.Average or hvd.Sum"):
+        hvd.DistributedOptimizer(sgd, op=stock.Adasum)
+    with pytest.raises(ValueError, match="Horovod's compression"):
+        hvd.DistributedOptimizer(sgd, grace=grc, compression=stock.Compression.fp16)
+    with pytest.raises(ValueError, match="Keras 3 optimizers"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), grace=grc)
+
+
+def test_keras_wrapper_is_the_users_class_with_its_config(grc):
+    adam = keras.optimizers.Adam(0.003, beta_1=0.8, name="myadam")
+    wrapped = hvd.DistributedOptimizer(adam, grace=grc)
+    assert isinstance(wrapped, keras.optimizers.Adam)
+    assert type(wrapped).__name__ == "Adam"
+    assert wrapped.get_config() == adam.get_config()
+    assert isinstance(wrapped.grace_state, checkpoint.GraceCheckpoint)
+    assert type(hvd.DistributedOptimizer(keras.optimizers.Adam())) is type(wrapped)
+
+
+def test_tape_wrapper_keeps_the_tape_class_and_flags(grc):
+    class MyTape(tf.GradientTape):
+        pass
+
+    with MyTape(persistent=True, watch_accessed_variables=False) as tape:
+        pass
+    wrapped = hvd.DistributedGradientTape(tape, grace=grc)
+    assert isinstance(wrapped, MyTape)
+    assert wrapped._persistent and not wrapped._watch_accessed_variables
+
+
+def test_gradient_names_are_unique_and_stable():
+    names = gradients.Names()
+    a, b = tf.Variable(1.0), tf.Variable(2.0)  # both named "Variable"
+    dense = keras.layers.Dense(2, name="d")
+    dense.build((None, 3))
+    assert [names(a, 0), names(b, 1), names(a, 0), names(dense.kernel, 2)] == [
+        "Variable", "Variable_1", "Variable", "d/kernel"]
+    assert names(tf.constant([1.0]), 5) == "source.5"
+    assert gradients.variable_name(tf.Variable(0.0, name="scope_w")) == "scope_w"
+
+
+def test_grace_op_mapping():
+    assert gradients.grace_op(stock.Average) == "average"
+    assert gradients.grace_op(stock.Sum) == "sum"
+    with pytest.raises(ValueError, match="got"):
+        gradients.grace_op(stock.Max)
+
+
+def test_densify_indexed_slices_sums_duplicate_rows():
+    slices = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0]]), tf.constant([1, 1]),
+                              tf.constant([3, 2]))
+    np.testing.assert_array_equal(gradients.densify(slices), [[0, 0], [4, 6], [0, 0]])
+
+
+def test_state_dict_bytes_round_trip():
+    state = {"compressor": {"step/a/b": np.int64(3)}, "memory": {},
+             "pipelines": {"x": {"memory": {"w/kernel": np.arange(6, dtype=np.float32)}}}}
+    back = checkpoint.loads(checkpoint.dumps(state))
+    assert back["memory"] == {}
+    assert int(back["compressor"]["step/a/b"]) == 3
+    np.testing.assert_array_equal(back["pipelines"]["x"]["memory"]["w/kernel"], np.arange(6))
+    with pytest.raises(ValueError, match="keys must be strings"):
+        checkpoint.dumps({1: np.zeros(1)})
+
+
+def test_checkpoint_restores_into_slots_created_later(grc, tmp_path):
+    # State written eagerly into a grace object, then restored into a fresh one before any slot
+    # exists: the slot starts from the saved value when first created.
+    memory = grc.memory
+    memory.state.zeros("w", ops, tf.zeros([3]))
+    ops.assign(memory.state.variables()["w"], tf.constant([1.0, -2.0, 3.0]))
+    path = tf.train.Checkpoint(grace=hvd.checkpointable(grc)).write(str(tmp_path / "c"))
+
+    fresh = grace_from_params({"compressor": "topk", "memory": "residual",
+                               "communicator": "allgather", "compress_ratio": 0.1})
+    tf.train.Checkpoint(grace=hvd.checkpointable(fresh)).read(path).assert_consumed()
+    assert "w" in fresh.memory.state and not fresh.memory.state.variables()
+    var = fresh.memory.state.zeros("w", ops, tf.zeros([3]))
+    np.testing.assert_array_equal(var.numpy(), [1.0, -2.0, 3.0])
+
+
+def test_checkpointable_needs_state_dict():
+    with pytest.raises(ValueError, match="state_dict"):
+        hvd.checkpointable(object())
