@@ -6,7 +6,9 @@ Positive and negative entries are treated apart: of the ``p`` positive entries t
 ``max(1, ceil(compress_ratio * p))`` largest are kept and all replaced by their mean ``mu+``;
 likewise the most negative ``ceil(compress_ratio * q)`` of the ``q`` negative entries, replaced by
 their mean ``mu-``. Everything else decompresses to 0. GRACE hunted for a threshold giving
-between 0.8x and 1.25x that count; this takes the exact count (ties to the lowest positions).
+between 0.8x and 1.25x that count; this takes the exact count (ties to the lowest positions),
+found for tensors of ``sparse.APPROX_MIN_NUMEL`` elements or more by topk's sampled-threshold
+fast path (seeded by ``(seed, name, step)``; the draw changes the time, never the result).
 
 Wire: ``[means, codes]`` -- ``means`` is ``(mu+, mu-)`` in the input dtype (2 values) and
 ``codes`` one int32 per kept entry: its flat position ``i`` if positive, ``-1 - i`` if negative
@@ -32,17 +34,21 @@ class AdaqCompressor(Compressor):
     two_phase_safe = False
     unbiased = False
 
-    def __init__(self, compress_ratio: float = 0.01):
-        super().__init__()
+    def __init__(self, compress_ratio: float = 0.01, seed: int = 0):
+        super().__init__(seed=in_range("seed", seed, 0, None, kind=int))
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
 
-    def _side(self, ops, flat, signed, n):
-        """Kept positions of the largest entries of ``signed`` (> 0 only) and their mean."""
-        positive = signed > 0
-        count = ops.sum(ops.cast(positive, "float32"))
+    def _side(self, ops, flat, sign, name, step):
+        """Kept positions of the largest entries of sign ``sign`` and their mean."""
+        n = ops.numel(flat)
+        count = ops.sum(ops.cast(flat > 0 if sign > 0 else flat < 0, "float32"))
         k = sparse.ceil_count(ops, count * self.compress_ratio, n)
-        top = sparse.top_of(ops, ops.where(positive, signed, ops.zeros_like(signed) - 1), k)
-        top = ops.gather(top, ops.nonzero(ops.gather(signed, top) > 0))
+        if step is None:
+            top = sparse.top_of(ops, sparse.magnitudes(ops, flat, sign), k)
+        else:
+            top = sparse.approx_top(ops, flat, k, self.seed, name, step, sign)
+        kept = ops.gather(flat, top)
+        top = ops.gather(top, ops.nonzero(kept > 0 if sign > 0 else kept < 0))
         values = ops.cast(ops.gather(flat, top), "float64")
         mean = ops.sum(values) / ops.clamp(ops.sum(ops.ones_like(values)), 1.0)
         return top, ops.cast(mean, ops.dtype(flat))
@@ -55,8 +61,9 @@ class AdaqCompressor(Compressor):
         ctx = (ops.shape(tensor), n)
         if n == 0:
             return [ops.zeros(2, ops.dtype(flat), like=flat), ops.cast(flat, "int32")], ctx
-        plus, mu_plus = self._side(ops, flat, flat, n)
-        minus, mu_minus = self._side(ops, flat, -flat, n)
+        step = self.next_step(name, tensor) if n >= sparse.APPROX_MIN_NUMEL else None
+        plus, mu_plus = self._side(ops, flat, 1, name, step)
+        minus, mu_minus = self._side(ops, flat, -1, name, step)
         codes = ops.cat([plus, -1 - minus])
         return [ops.stack([mu_plus, mu_minus]), ops.cast(codes, "int32")], ctx
 

@@ -57,16 +57,26 @@ def sample_size(n: int) -> int:
     return min(n, max(SAMPLE_MIN, n // SAMPLE_DIVISOR))
 
 
-def magnitudes(ops, flat):
-    """``|flat|`` with NaN replaced by -1, so that NaN ranks below every number."""
-    mag = ops.abs(flat)
-    return ops.where(mag == mag, mag, ops.zeros_like(mag) - 1)
+def magnitudes(ops, flat, sign=None):
+    """What entries are ranked by: ``|flat|`` (``sign=None``), the positive part (``sign=1``:
+    ``x`` where ``x > 0``) or the negative part (``sign=-1``: ``-x`` where ``x < 0``); -1 for
+    NaN and for entries of the other sign, so they rank below every candidate."""
+    if sign is None:
+        mag = ops.abs(flat)
+        keep = mag == mag
+    else:
+        mag = flat if sign > 0 else -flat
+        keep = mag > 0
+    return ops.where(keep, mag, ops.zeros_like(mag) - 1)
 
 
-def abs_at_least(flat, thr):
-    """Boolean mask ``|flat| >= thr`` (two comparisons: no magnitude tensor is written; NaN is
-    never in it)."""
-    return (flat >= thr) | (flat <= -thr)
+def abs_at_least(flat, thr, sign=None):
+    """Boolean mask of the entries whose ``magnitudes`` may reach ``thr``: ``|flat| >= thr``
+    (two comparisons, so no magnitude tensor is written), ``flat >= thr`` or ``flat <= -thr``.
+    NaN is never in it."""
+    if sign is None:
+        return (flat >= thr) | (flat <= -thr)
+    return flat >= thr if sign > 0 else flat <= -thr
 
 
 def keep_top(ops, cand, cmag, k):
@@ -93,19 +103,20 @@ def exact_top(ops, flat, k):
     return top_of(ops, magnitudes(ops, flat), k)
 
 
-def sampled_threshold(ops, flat, seed, name, step, above):
+def sampled_threshold(ops, flat, seed, name, step, above, sign=None):
     """A magnitude threshold from a seeded sample of ``flat`` (Lin et al. 2018, DGC): the
     ``above``-th largest sampled magnitude, so about ``above / sample_size`` of the tensor lies
     at or over it. The sample is ``sample_size(n)`` distinct positions keyed by
     ``(seed, name, step)``, so every rank and both frameworks draw the same one."""
     n = ops.numel(flat)
     picks = ops.choice(seed, name, step, n, sample_size(n), like=flat)
-    smag = magnitudes(ops, ops.gather(flat, picks))
+    smag = magnitudes(ops, ops.gather(flat, picks), sign)
     return ops.min(ops.topk(smag, above)[0])
 
 
-def approx_top(ops, flat, k: int, seed, name, step):
-    """The same positions as ``exact_top`` (same set, same tie rule), found faster.
+def approx_top(ops, flat, k, seed, name, step, sign=None):
+    """The same positions as ``exact_top`` (same set, same tie rule), found faster; with
+    ``sign`` the ``k`` largest ``magnitudes(flat, sign)`` (``k`` may be an int tensor).
 
     A threshold estimated from a sample is set a little *below* the k-th magnitude (the sample
     count above it is padded by 4 standard deviations), so ``|x| >= threshold`` selects a bit more
@@ -114,13 +125,17 @@ def approx_top(ops, flat, k: int, seed, name, step):
     result never depends on the draw."""
     n = ops.numel(flat)
     s = sample_size(n)
-    mean_above = s * k / n
-    above = min(s, math.ceil(mean_above + 4 * math.sqrt(mean_above) + 2))
-    thr = sampled_threshold(ops, flat, seed, name, step, above)
-    cand = ops.nonzero(abs_at_least(flat, thr))
+    if ops.is_tensor(k):
+        mean_above = ops.cast(k, "float64") * (s / n)
+        above = ceil_count(ops, mean_above + ops.sqrt(mean_above) * 4 + 2, s)
+    else:
+        mean_above = s * k / n
+        above = min(s, math.ceil(mean_above + 4 * math.sqrt(mean_above) + 2))
+    thr = sampled_threshold(ops, flat, seed, name, step, above, sign)
+    cand = ops.nonzero(abs_at_least(flat, thr, sign))
     return ops.cond(ops.numel(cand) >= k,
-                    lambda: keep_top(ops, cand, ops.abs(ops.gather(flat, cand)), k),
-                    lambda: exact_top(ops, flat, k))
+                    lambda: keep_top(ops, cand, magnitudes(ops, ops.gather(flat, cand), sign), k),
+                    lambda: top_of(ops, magnitudes(ops, flat, sign), k))
 
 
 class SparseCompressor(Compressor):
