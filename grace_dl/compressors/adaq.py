@@ -41,7 +41,7 @@ class AdaqCompressor(Compressor):
     def _side(self, ops, flat, sign, name, step):
         """Kept positions of the largest entries of sign ``sign`` and their mean."""
         n = ops.numel(flat)
-        count = ops.sum(ops.cast(flat > 0 if sign > 0 else flat < 0, "float32"))
+        count = ops.cast(ops.sum(ops.cast(flat > 0 if sign > 0 else flat < 0, "int64")), "float64")
         k = sparse.ceil_count(ops, count * self.compress_ratio, n)
         if step is None:
             top = sparse.top_of(ops, sparse.magnitudes(ops, flat, sign), k)
