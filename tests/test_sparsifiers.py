@@ -427,6 +427,25 @@ def _replay(grads, momentum, clip):
     return v
 
 
+def test_dgc_memory_and_compressor_in_one_tf_function_match_eager():
+    grads = [gaussian(70_000, seed=70 + i) for i in range(3)]
+    eager = (DgcMemory(0.9, gradient_clipping=50.0), DgcCompressor(0.01, warmup_steps=1))
+    graph = (DgcMemory(0.9, gradient_clipping=50.0), DgcCompressor(0.01, warmup_steps=1))
+
+    @tf.function
+    def graph_step(g):
+        compensated = graph[0].compensate(g, "m")
+        payload, ctx = graph[1].compress(compensated, "m")
+        graph[0].update(compensated, "m", graph[1], payload, ctx)
+        return graph[1].decompress(payload, ctx)
+
+    for g in grads:
+        _, sent = dgc_step(eager[0], eager[1], tf.constant(g))
+        np.testing.assert_allclose(graph_step(tf.constant(g)).numpy(), sent, rtol=1e-6)
+    for key, value in eager[0].state_dict().items():
+        np.testing.assert_allclose(graph[0].state_dict()[key], value, rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------ construction
 @pytest.mark.parametrize("build, match", [
     (lambda: TopKCompressor(0.0), "compress_ratio"),

@@ -12,10 +12,11 @@ the paper's warm-up (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity): at step ``t <= 
 the ratio is ``compress_ratio ** (t / (warmup_steps + 1))``.
 
 Wire: the kept values in the input dtype + their int32 flat positions, ``c * (itemsize + 4)``
-bytes with ``1 <= c <= k`` depending on the data (``payload_nbytes`` is None, ``equal_sizes``
-False: gather the payloads). Biased; pair it with ``dgc`` memory (momentum correction, factor
-masking, clipping) or ``residual``. Ties at the cut go to the lowest positions; ``+-inf`` is the
-largest magnitude; NaN is never sent.
+bytes with ``c <= k`` depending on the data (``c >= 1`` unless every sampled entry is NaN;
+``payload_nbytes`` is None, ``equal_sizes`` False: gather the payloads). Biased; pair it with
+``dgc`` memory (momentum correction, factor masking, clipping) or ``residual``. Ties at the cut
+go to the lowest positions; ``+-inf`` is the largest magnitude; NaN ranks below every number
+(the sampled path never sends it; the exact one only when fewer than k numbers exist).
 """
 
 from __future__ import annotations
