@@ -60,6 +60,16 @@ def test_none_allreduce_through_grace_equals_horovod_average(tape):
     _equal(tape[0]["allreduce_graph"][0], tape[1]["allreduce_graph"][0])
 
 
+def test_partial_tape_keeps_local_layers_local(tape):
+    for r in tape:
+        # hidden layer averaged through grace (same result as the full tape's)...
+        _equal(r["partial"][:2], r["allreduce_eager"][1][:2])
+        # ...output layer local, divided by the number of ranks as in Horovod
+        for got, local in zip(r["partial"][2:], r["partial_local"][2:]):
+            np.testing.assert_allclose(got, local / N, rtol=1e-7)
+    assert not np.array_equal(tape[0]["partial"][2], tape[1]["partial"][2])
+
+
 def test_topk_residual_allgather_identical_on_all_ranks(tape):
     a, b = tape[0]["topk"], tape[1]["topk"]
     for step in range(len(a["weights"])):

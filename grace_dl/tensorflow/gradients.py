@@ -206,6 +206,10 @@ class GraceReducer(_Reducer):
         self.device = device
         self.names = _names_for(grace)
 
+    # The grace code never branches in Python on tensor values (data-dependent branches use
+    # ops.cond), so AutoGraph has nothing to convert below this point; skipping it keeps
+    # tracing fast and quiet.
+    @tf.autograph.experimental.do_not_convert
     def _reduce(self, grads, sources, positions, use_generic_names):
         names = [self.names(s, i) for s, i in zip(sources, positions)]
         grads = [densify(g) for g in grads]

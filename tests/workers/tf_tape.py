@@ -133,6 +133,14 @@ def main():
         return grace, avg
 
     report["allreduce_eager"] = [numpy(r) for r in both(x, y)]
+
+    # PartialDistributedGradientTape: the output layer stays local (divided by size).
+    with tf.GradientTape(persistent=True) as tape:
+        loss = loss_fn(model, x, y)
+    report["partial_local"] = numpy(tape.gradient(loss, model.trainable_variables))
+    report["partial"] = numpy(hvd.PartialDistributedGradientTape(
+        tape, local_layers=[model.layers[-1]], grace=grc).gradient(
+            loss, model.trainable_variables))
     report["allreduce_graph"] = [numpy(r) for r in tf.function(both)(*batch(1))]
 
     # 3. topk + residual + allgather: 20 steps of one tf.function, checkpoint before step 12.
