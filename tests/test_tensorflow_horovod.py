@@ -2,7 +2,8 @@
 DistributedOptimizer, with and without grace=, eager and in tf.function (issue 7's "Must show").
 
 Three launches: the tape worker (which also writes a checkpoint), a fresh process resuming from
-it, and Keras model.fit on digits; plus the torch twin fed the tape run's gradients. Each launch
+it (under mpirun), and Keras model.fit on digits; plus the torch twin fed the tape run's
+gradients. Each launch
 runs several checks; the results are shared between the tests through module fixtures.
 """
 
@@ -35,7 +36,11 @@ def tape(ckpt_dir):
 
 @pytest.fixture(scope="module")
 def resumed(tape, ckpt_dir):
-    return mp.run("tf_tape.py", np=N, args=["resume", ckpt_dir], timeout=420)
+    # Saved under horovodrun --gloo, resumed under mpirun: the checkpoint does not depend on
+    # the launcher. yield_when_idle: a rank waiting in MPI must not spin on the shared cores
+    # while its peer traces the step.
+    return mp.run("tf_tape.py", np=N, launcher="mpi", args=["resume", ckpt_dir], timeout=420,
+                  env={"OMPI_MCA_mpi_yield_when_idle": "1"})
 
 
 @pytest.fixture(scope="module")
