@@ -184,5 +184,6 @@ class EmulatedCluster:
                                 "--mca", "plm_rsh_agent", str(HERE / "fake_ssh"),
                                 "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include",
                                 "eth0", "--mca", "oob_tcp_if_include", "eth0",
-                                "--bind-to", "none", "-x", "PATH", "-x", "PYTHONPATH",
+                                "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+                                "-x", "PATH", "-x", "PYTHONPATH",
                                 "-x", "GRACE_NETNS_MAP", *argv])

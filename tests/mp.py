@@ -44,7 +44,8 @@ def command(script, np: int = 2, launcher: str = "gloo", args=()) -> list[str]:
                 sys.executable, script, *map(str, args)]
     if launcher == "mpi":
         return [shutil.which("mpirun") or "mpirun", "--allow-run-as-root", "--oversubscribe",
-                "--bind-to", "none", "-np", str(np), "-x", "PYTHONPATH", "-x", "GRACE_TEST_OUT",
+                "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+                "-np", str(np), "-x", "PYTHONPATH", "-x", "GRACE_TEST_OUT",
                 "-x", "PATH", "-x", "OMP_NUM_THREADS", "-x", "TF_CPP_MIN_LOG_LEVEL",
                 sys.executable, script, *map(str, args)]
     raise ValueError(f"launcher must be 'gloo' or 'mpi', got {launcher!r}")
