@@ -148,6 +148,17 @@ def to_device(x, like):
         return tf.identity(x)
 
 
+def after(x, deps):
+    """``x``, computed only once the tensors ``deps`` are (TF graphs drop an op whose output
+    nothing uses, such as a collective whose result one rank ignores; torch runs each op when
+    called, so this is ``x``)."""
+    deps = [d for d in deps if tf.is_tensor(d)]
+    if not deps or tf.executing_eagerly():
+        return x
+    with tf.control_dependencies(deps):
+        return tf.identity(x)
+
+
 # ------------------------------------------------------------------ math
 abs = tf.math.abs  # noqa: A001
 sign = tf.math.sign
@@ -340,6 +351,8 @@ def pack_bits(codes, bits: int):
     """Pack unsigned codes (< 2**bits) into uint8, ``bits`` each (same layout as torch's)."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
+    if bits < 8 and sys.byteorder == "little":
+        return _pack_words(tf.cast(tf.reshape(codes, [-1]), tf.uint8), bits)
     codes = tf.cast(tf.reshape(codes, [-1]), tf.int32)
     n = tf.size(codes)
     if bits == 8:
@@ -361,6 +374,8 @@ def unpack_bits(packed, bits: int, n):
     """Inverse of ``pack_bits``: the first ``n`` codes, as uint8."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
+    if 8 % bits and sys.byteorder == "little":
+        return _unpack_words(tf.cast(tf.reshape(packed, [-1]), tf.uint8), bits, n)
     packed = tf.cast(tf.reshape(packed, [-1]), tf.int32)
     if bits == 8:
         return tf.cast(packed[:n], tf.uint8)
@@ -374,6 +389,44 @@ def unpack_bits(packed, bits: int, n):
     stream = tf.reshape(tf.reshape(stream, [-1])[: n * bits], [-1, bits])
     shifts = tf.range(bits, dtype=tf.int32)
     return tf.cast(tf.reduce_sum(tf.bitwise.left_shift(stream, shifts), axis=1), tf.uint8)
+
+
+def _replicate(value: int, period: int) -> int:
+    """``value`` repeated every ``period`` bits across a 64-bit word."""
+    word = 0
+    for shift in range(0, 64, period):  # (this module's ``sum`` is the tensor one)
+        word |= value << shift
+    return word
+
+
+# Same word folding as the torch backend's (eight b-bit codes <-> one 64-bit word).
+_WORD_STEPS = ((8, 1), (16, 2), (32, 4))
+
+
+def _pack_words(codes, bits: int):
+    n = tf.size(codes)
+    words = tf.bitcast(tf.reshape(tf.pad(codes, [[0, (-n) % 8]]), [-1, 8]), tf.int64)
+    v = words
+    for lane, mult in _WORD_STEPS:
+        keep = tf.constant(_replicate((1 << bits * mult) - 1, 2 * lane), tf.int64)
+        high = tf.bitwise.bitwise_and(tf.bitwise.right_shift(v, lane - bits * mult),
+                                      tf.bitwise.left_shift(keep, bits * mult))
+        v = tf.bitwise.bitwise_or(tf.bitwise.bitwise_and(v, keep), high)
+    out = tf.reshape(tf.bitcast(v, tf.uint8)[:, :bits], [-1])
+    return out[: (n * bits + 7) // 8]
+
+
+def _unpack_words(packed, bits: int, n):
+    words = (n + 7) // 8
+    p = packed[: words * bits]
+    p = tf.reshape(tf.pad(p, [[0, words * bits - tf.size(p)]]), [-1, bits])
+    v = tf.bitcast(tf.pad(p, [[0, 0], [0, 8 - bits]]), tf.int64)
+    for lane, mult in reversed(_WORD_STEPS):
+        keep = tf.constant(_replicate((1 << bits * mult) - 1, 2 * lane), tf.int64)
+        high = tf.bitwise.bitwise_and(tf.bitwise.left_shift(v, lane - bits * mult),
+                                      tf.bitwise.left_shift(keep, lane))
+        v = tf.bitwise.bitwise_or(tf.bitwise.bitwise_and(v, keep), high)
+    return tf.reshape(tf.bitcast(v, tf.uint8), [-1])[:n]
 
 
 def packed_size(n: int, bits: int) -> int:

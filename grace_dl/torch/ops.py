@@ -138,6 +138,13 @@ def to_device(x, like):
     return x.to(like.device)
 
 
+def after(x, deps):
+    """``x``, computed only once the tensors ``deps`` are (TF graphs drop an op whose output
+    nothing uses, such as a collective whose result one rank ignores; torch runs each op when
+    called, so this is ``x``)."""
+    return x
+
+
 # ------------------------------------------------------------------ math
 abs = torch.abs  # noqa: A001
 sign = torch.sign
@@ -323,6 +330,8 @@ def pack_bits(codes, bits: int):
     n = codes.numel()
     if bits == 8:
         return codes.clone()
+    if sys.byteorder == "little":
+        return _pack_words(codes, bits)
     if 8 % bits == 0:
         per = 8 // bits
         codes = pad(codes, (-n) % per).reshape(-1, per)
@@ -343,6 +352,8 @@ def unpack_bits(packed, bits: int, n: int):
     packed = packed.reshape(-1)
     if bits == 8:
         return packed[:n].clone()
+    if 8 % bits and sys.byteorder == "little":
+        return _unpack_words(packed, bits, n)
     mask = (1 << bits) - 1
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
@@ -351,6 +362,49 @@ def unpack_bits(packed, bits: int, n: int):
     stream = ((packed.unsqueeze(1) >> weights) & 1).reshape(-1)[: n * bits].reshape(n, bits)
     shifts = torch.arange(bits, dtype=torch.uint8, device=packed.device)
     return (stream << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def _replicate(value: int, period: int) -> int:
+    """``value`` repeated every ``period`` bits across a 64-bit word."""
+    word = 0
+    for shift in range(0, 64, period):  # (this module's ``sum`` is the tensor one)
+        word |= value << shift
+    return word
+
+
+# Eight b-bit codes <-> one 64-bit word: the codes' bytes are folded pairwise (8 -> 16 -> 32 ->
+# 64-bit lanes), the word's low b bytes being the packed stream (little-endian hosts). A few
+# whole-tensor shift/and/or passes over n/8 words, instead of a bit per element.
+_WORD_STEPS = ((8, 1), (16, 2), (32, 4))
+
+
+def _pack_words(codes, bits: int):
+    n = codes.numel()
+    if n == 0:
+        return codes.new_zeros(0)
+    codes = codes.contiguous()
+    if n % 8 or codes.storage_offset() % 8:
+        codes = torch.cat([codes, codes.new_zeros((-n) % 8)])
+    v = codes.view(torch.int64)
+    for lane, mult in _WORD_STEPS:
+        keep = _replicate((1 << bits * mult) - 1, 2 * lane)
+        v = (v & keep) | ((v >> (lane - bits * mult)) & (keep << bits * mult))
+    return v.view(torch.uint8).reshape(-1, 8)[:, :bits].reshape(-1)[: packed_size(n, bits)]
+
+
+def _unpack_words(packed, bits: int, n: int):
+    if n == 0:
+        return packed.new_zeros(0)
+    words = -(-n // 8)
+    p = packed[: words * bits]
+    if p.numel() < words * bits:
+        p = torch.cat([p, p.new_zeros(words * bits - p.numel())])
+    p = p.reshape(words, bits)
+    v = torch.cat([p, p.new_zeros(words, 8 - bits)], 1).view(torch.int64).reshape(-1)
+    for lane, mult in reversed(_WORD_STEPS):
+        keep = _replicate((1 << bits * mult) - 1, 2 * lane)
+        v = (v & keep) | ((v << (lane - bits * mult)) & (keep << lane))
+    return v.view(torch.uint8)[:n]
 
 
 def packed_size(n: int, bits: int) -> int:
