@@ -272,6 +272,8 @@ def topk(x, k: int):
 
 
 def gather(x, idx):
+    if idx.dim() == 1 and idx.dtype in (torch.int64, torch.int32):
+        return torch.index_select(x, 0, idx)  # same result as x[idx], several times faster
     return x[idx]
 
 
