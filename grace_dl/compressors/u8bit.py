@@ -37,6 +37,28 @@ def dynamic_tree(magnitude_bits: int = 7) -> np.ndarray:
 _TABLE = dynamic_tree()
 _MIDPOINTS = ((_TABLE[1:].astype(np.float64) + _TABLE[:-1]) / 2).astype(np.float32)
 
+# Nearest-value search without a binary search: the top 14 bits of a non-negative float32
+# (exponent and 6 mantissa bits) name a cell, and no cell holds more than one midpoint (the
+# table's finest spacing, 0.9/64 near 1, is wider than any cell up to 1). Per cell: the index
+# of the table value nearest its low end, and the midpoint above which the next one is nearest
+# (inf when there is none in the cell). Encoding is then two table gathers and one comparison.
+_CELL_SHIFT = 17
+
+
+def _cell_tables():
+    cells = np.arange(1 << (32 - _CELL_SHIFT - 1), dtype=np.int64)
+    low = (cells << _CELL_SHIFT).astype(np.uint32).view(np.float32)
+    high = (((cells + 1) << _CELL_SHIFT) - 1).astype(np.uint32).view(np.float32)
+    first = np.searchsorted(_MIDPOINTS, low, side="right")
+    last = np.searchsorted(_MIDPOINTS, high, side="right")
+    finite = np.isfinite(high)
+    assert np.all((last - first)[finite] <= 1)
+    split = np.where(last > first, _MIDPOINTS[np.minimum(first, len(_MIDPOINTS) - 1)], np.inf)
+    return first.astype(np.int32), split.astype(np.float32)
+
+
+_CELL_INDEX, _CELL_SPLIT = _cell_tables()
+
 
 @register_compressor("u8bit")
 class U8bitCompressor(Compressor):
@@ -55,7 +77,10 @@ class U8bitCompressor(Compressor):
         inv = ops.where(scaler > 0, 1.0 / scaler, ops.zeros_like(scaler))
         v = ops.abs(x)
         v *= inv
-        index = ops.bucketize(v, ops.from_numpy(_MIDPOINTS, like=x))
+        # (& clears the sign a NaN may carry)
+        cell = ops.shift_right(ops.bitcast(v, "int32") & 0x7FFFFFFF, _CELL_SHIFT)
+        index = ops.gather(ops.from_numpy(_CELL_INDEX, like=x), cell)
+        index += ops.cast(v >= ops.gather(ops.from_numpy(_CELL_SPLIT, like=x), cell), "int32")
         sign = ops.shift_right(ops.bitcast(x, "int32"), 24) & 0x80
         return [ops.cast(index | sign, "uint8"), scaler], layout
 
