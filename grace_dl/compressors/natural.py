@@ -40,8 +40,15 @@ NAN_CODE, INF_CODE = 126, 127
 
 
 def _shift_down(ops, mag, base):
-    """float32 magnitude bits divided by 2^base, exactly where the result is normal; smaller
-    results become subnormal (their mantissa shifted right, low bits truncated)."""
+    """float32 magnitude bits divided by 2^base (base > 0): exact where the result is normal;
+    smaller results become subnormal (mantissa shifted right, bits beyond it truncated)."""
+    floor_bits = ops.shift_left(base + 1, 23)
+    below = ops.count_nonzero(ops.logical_and(mag > 0, mag < floor_bits))
+    return ops.cond(below > 0, lambda: _shift_down_all(ops, mag, base),
+                    lambda: ops.clamp(mag - ops.shift_left(base, 23), 0, None))
+
+
+def _shift_down_all(ops, mag, base):
     e = ops.shift_right(mag, 23)
     lowered = mag - ops.shift_left(base, 23)
     mant = (mag & _FRAC) | ops.shift_left(ops.cast(e > 0, "int32"), 23)
@@ -69,9 +76,11 @@ class NaturalCompressor(Compressor):
         mag = ops.cond(base > 0, lambda: _shift_down(ops, mag, base), lambda: mag)
         u *= float(_ONE)
         mag += ops.cast(u, "int32")  # the carry into the exponent is the stochastic round-up
-        c = ops.where(isnan, NAN_CODE, ops.clamp(ops.shift_right(mag, 23), 0, INF_CODE))
-        sign = ops.shift_left(ops.cast(bits < 0, "uint8"), 7)
-        return [ops.cast(c, "uint8") | sign, ops.reshape(base, (1,))], layout
+        # Finite magnitudes give 0..125; inf 255 (clamped to its code); NaN anything (replaced).
+        c = ops.clamp(ops.cast(ops.shift_right(mag, 23), "uint8"), None, INF_CODE)
+        c = ops.where(isnan, ops.full((), NAN_CODE, "uint8", like=x), c)
+        c |= ops.shift_left(ops.cast(bits < 0, "uint8"), 7)
+        return [c, ops.reshape(base, (1,))], layout
 
     def decompress(self, payload, ctx):
         codes, base = payload
