@@ -11,6 +11,7 @@ import tensorflow as tf
 import torch
 
 from grace_dl.backend import ops_for
+from grace_dl.compressors.buckets import bucketize
 from grace_dl.compressors.fp16 import BF16Compressor, FP16Compressor
 from grace_dl.compressors.inceptionn import InceptionnCompressor
 from grace_dl.compressors.natural import NaturalCompressor
@@ -280,3 +281,19 @@ def test_sketch_rejects_bad_parameters(kwargs):
     (key, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"{key} must be in .* got {value}"):
         SketchCompressor(**kwargs)
+
+
+@pytest.mark.parametrize("case", ["quantiles", "repeated_zero_edges", "close_edges"])
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_cell_bucketize_matches_a_binary_search(fw, case):
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal(5000) * np.exp(rng.uniform(-30, 5, 5000))).astype(np.float32)
+    x[:10] = [0.0, -0.0, 1e-39, -1e-39, np.inf, -np.inf, 1e-45, -1e-45, 3.0, -3.0]
+    edges = {"quantiles": np.quantile(x[10:], np.arange(1, 64) / 64),
+             "repeated_zero_edges": np.r_[rng.choice(x[10:], 20), 0.0, 0.0, -0.0],
+             "close_edges": [1.0, 1.0000001]}[case]  # one cell, two edges: binary search path
+    edges = np.sort(np.asarray(edges, np.float32))
+    expected = np.searchsorted(edges.astype(np.float64), x.astype(np.float64), side="right")
+    ops = ops_for(to_fw(x, fw))
+    got = ops.to_numpy(bucketize(ops, to_fw(x, fw), to_fw(edges, fw)))
+    np.testing.assert_array_equal(got, expected)

@@ -22,6 +22,7 @@ import numpy as np
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.buckets import bucketize
 from grace_dl.compressors.flat import bits_for, flat_f32, pack, restore, unpack
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -31,7 +32,7 @@ from grace_dl.validate import in_range
 class SketchCompressor(Compressor):
     two_phase_safe = True
 
-    def __init__(self, quantiles: int = 64, sample_size: int = 65536, seed: int = 0):
+    def __init__(self, quantiles: int = 64, sample_size: int = 16384, seed: int = 0):
         super().__init__(seed)
         self.quantiles = in_range("quantiles", quantiles, 2, 256, kind=int)
         self.sample_size = in_range("sample_size", sample_size, 2, None, kind=int)
@@ -58,7 +59,7 @@ class SketchCompressor(Compressor):
         if n == 0:
             return [pack(ops, ops.zeros((0,), "uint8", like=x), self._bits),
                     ops.zeros((q,), "float32", like=x)], layout
-        bucket = ops.bucketize(x, self._edges(ops, x, n, name, step))
+        bucket = bucketize(ops, x, self._edges(ops, x, n, name, step))
         sums = ops.scatter_add(bucket, x, q)
         counts = ops.scatter_add(bucket, ops.ones_like(x), q)
         means = ops.where(counts > 0, sums / ops.maximum(counts, ops.ones_like(counts)),
