@@ -60,7 +60,9 @@ class InceptionnCompressor(Compressor):
         t0 = q < 1.0
         t1 = q < 128.0
         t2 = q < 32768.0
-        tag = 3 - ops.cast(t0, "int32") - ops.cast(t1, "int32") - ops.cast(t2, "int32")
+        tag = ops.cast(~t0, "uint8")
+        tag += ops.cast(~t1, "uint8")
+        tag += ops.cast(~t2, "uint8")
         # Casting v / d to an integer truncates towards zero: sign(v) * floor(|v| / d).
         i1 = ops.nonzero(ops.logical_and(t1, ~t0))
         i2 = ops.nonzero(ops.logical_and(t2, ~t1))
