@@ -148,17 +148,6 @@ def to_device(x, like):
         return tf.identity(x)
 
 
-def after(x, deps):
-    """``x``, computed only once the tensors ``deps`` are (TF graphs drop an op whose output
-    nothing uses, such as a collective whose result one rank ignores; torch runs each op when
-    called, so this is ``x``)."""
-    deps = [d for d in deps if tf.is_tensor(d)]
-    if not deps or tf.executing_eagerly():
-        return x
-    with tf.control_dependencies(deps):
-        return tf.identity(x)
-
-
 # ------------------------------------------------------------------ math
 abs = tf.math.abs  # noqa: A001
 sign = tf.math.sign

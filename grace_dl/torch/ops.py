@@ -138,13 +138,6 @@ def to_device(x, like):
     return x.to(like.device)
 
 
-def after(x, deps):
-    """``x``, computed only once the tensors ``deps`` are (TF graphs drop an op whose output
-    nothing uses, such as a collective whose result one rank ignores; torch runs each op when
-    called, so this is ``x``)."""
-    return x
-
-
 # ------------------------------------------------------------------ math
 abs = torch.abs  # noqa: A001
 sign = torch.sign
