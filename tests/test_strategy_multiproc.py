@@ -124,3 +124,35 @@ def test_mismatched_strategies_fail_fast_on_every_rank(launcher):
             assert "rank 1 'Allgather:topk(compress_ratio=0.25)+residual+allgather" in msg
             assert "'b'" not in msg  # the agreeing variable is not blamed
         assert "disagree on the grace configuration" in errors["optimizer"]
+
+
+@pytest.mark.multiproc
+def test_tensorflow_tape_with_mixed_strategy_eager_and_tf_function():
+    """Keras MLP through DistributedGradientTape under mpirun: topk/allgather, PS to rank 1 with
+    topk, fp16 over RING and three biases fused into one allreduce, two eager steps then four
+    in one traced tf.function."""
+    r0, r1 = mp.run("strategy_tf.py", np=N, launcher="mpi", timeout=300)
+    assert r0["pipelines"] == r1["pipelines"] == {
+        "mlp/hidden/kernel": "topk(compress_ratio=0.25)+residual+allgather",
+        "mlp/hidden/bias": "none+none+allreduce",
+        "mlp/mid/kernel": "topk(compress_ratio=0.25)+none+ps",
+        "mlp/mid/bias": "none+none+allreduce",
+        "mlp/out/kernel": "fp16+none+allreduce",
+        "mlp/out/bias": "none+none+allreduce"}
+    numel = r0["numel"]
+    topk = numel["mlp/hidden/kernel"] // 4 * 8
+    ps_payload, dense = numel["mlp/mid/kernel"] // 4 * 8, numel["mlp/mid/kernel"] * 4
+    for rank, res in enumerate((r0, r1)):
+        assert res["traces"] == 1
+        assert len(res["bytes"]) == 6  # every executed step, eager or traced
+        for step in res["bytes"]:
+            per = step["per_tensor"]
+            assert per["mlp/hidden/kernel"] == (topk, topk)
+            assert per["mlp/mid/kernel"] == ((ps_payload, dense) if rank == 0
+                                             else (dense, ps_payload))
+            assert per["mlp/out/kernel"] == (numel["mlp/out/kernel"] * 2,) * 2
+            for bias in ("mlp/hidden/bias", "mlp/mid/bias", "mlp/out/bias"):
+                assert per[bias] == (numel[bias] * 4,) * 2
+        assert res["losses"][-1] < res["losses"][0]
+    for name in r0["weights"]:
+        np.testing.assert_array_equal(r0["weights"][name], r1["weights"][name])

@@ -76,7 +76,12 @@ class PSCommunicator(Communicator):
             tensors = [self.compressor.decompress(p, handle.ctx) for p in per_rank]
             result = self.compressor.aggregate(tensors)
         else:
+            # A non-root rank receives nothing, but in a TF graph its all-to-all (its send!) only
+            # runs if something uses its output; a control dependency is not kept (measured), so
+            # the zeros depend on the empty output's sum, which is exactly 0.
             result = ops.zeros_like(like)
+            for values, _ in received:
+                result = result + ops.cast(ops.sum(ops.cast(values, "float32")), ops.dtype(like))
             got = 0
         out = coll.synchronize(coll.broadcast_async(result, self.root,
                                                     self.wire_name(handle.name, "ps.result")))
