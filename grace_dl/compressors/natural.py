@@ -45,7 +45,13 @@ def _shift_down(ops, mag, base):
     floor_bits = ops.shift_left(base + 1, 23)
     below = ops.count_nonzero(ops.logical_and(mag > 0, mag < floor_bits))
     return ops.cond(below > 0, lambda: _shift_down_all(ops, mag, base),
-                    lambda: ops.clamp(mag - ops.shift_left(base, 23), 0, None))
+                    lambda: _shift_down_normal(ops, mag, base))
+
+
+def _shift_down_normal(ops, mag, base):
+    """``_shift_down`` when every nonzero magnitude stays normal (zeros go negative: clamped)."""
+    mag -= ops.shift_left(base, 23)
+    return ops.clamp(mag, 0, None)
 
 
 def _shift_down_all(ops, mag, base):

@@ -61,7 +61,7 @@ class SketchCompressor(Compressor):
                     ops.zeros((q,), "float32", like=x)], layout
         bucket = bucketize(ops, x, self._edges(ops, x, n, name, step))
         sums = ops.scatter_add(bucket, x, q)
-        counts = ops.scatter_add(bucket, ops.ones_like(x), q)
+        counts = ops.bincount(bucket, q)
         means = ops.where(counts > 0, sums / ops.maximum(counts, ops.ones_like(counts)),
                           ops.zeros_like(sums))
         return [pack(ops, ops.cast(bucket, "uint8"), self._bits), means], layout

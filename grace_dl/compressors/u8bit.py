@@ -77,12 +77,12 @@ class U8bitCompressor(Compressor):
         inv = ops.where(scaler > 0, 1.0 / scaler, ops.zeros_like(scaler))
         v = ops.abs(x)
         v *= inv
-        # (& clears the sign a NaN may carry)
-        cell = ops.shift_right(ops.bitcast(v, "int32") & 0x7FFFFFFF, _CELL_SHIFT)
-        index = ops.gather(ops.from_numpy(_CELL_INDEX, like=x), cell)
-        index += ops.cast(v >= ops.gather(ops.from_numpy(_CELL_SPLIT, like=x), cell), "int32")
-        sign = ops.shift_right(ops.bitcast(x, "int32"), 24) & 0x80
-        return [ops.cast(index | sign, "uint8"), scaler], layout
+        cell = ops.shift_right(ops.bitcast(v, "int32"), _CELL_SHIFT)
+        cell &= (1 << (32 - _CELL_SHIFT - 1)) - 1  # a NaN may carry a sign: keep it in range
+        code = ops.cast(ops.gather(ops.from_numpy(_CELL_INDEX, like=x), cell), "uint8")
+        code += ops.cast(v >= ops.gather(ops.from_numpy(_CELL_SPLIT, like=x), cell), "uint8")
+        code |= ops.shift_left(ops.cast(ops.bitcast(x, "int32") < 0, "uint8"), 7)
+        return [code, scaler], layout
 
     def decompress(self, payload, ctx):
         codes, scaler = payload

@@ -297,6 +297,13 @@ def scatter_add(idx, values, n):
     return scatter(idx, values, n)
 
 
+def bincount(idx, n):
+    """How often each of 0..n-1 occurs in the 1-D int tensor ``idx`` (all in range), as
+    float32 (the counts of ``scatter_add(idx, ones, n)``, without building the ones)."""
+    counts = tf.math.bincount(tf.cast(idx, tf.int32), minlength=n, maxlength=n, dtype=tf.int64)
+    return tf.cast(counts, tf.float32)
+
+
 def nonzero(mask):
     """int64 indices where a 1-D bool tensor is true."""
     return tf.reshape(tf.where(mask), [-1])

@@ -284,6 +284,12 @@ def scatter_add(idx, values, n: int):
     return out
 
 
+def bincount(idx, n: int):
+    """How often each of 0..n-1 occurs in the 1-D int tensor ``idx`` (all in range), as
+    float32 (the counts of ``scatter_add(idx, ones, n)``, without building the ones)."""
+    return torch.bincount(idx, minlength=n).to(torch.float32)
+
+
 def nonzero(mask):
     """int64 indices where a 1-D bool tensor is true."""
     if mask.device.type == "cpu":  # NumPy's is several times faster than torch's on CPU
