@@ -54,7 +54,7 @@ def _cell_tables():
     finite = np.isfinite(high)
     assert np.all((last - first)[finite] <= 1)
     split = np.where(last > first, _MIDPOINTS[np.minimum(first, len(_MIDPOINTS) - 1)], np.inf)
-    return first.astype(np.int32), split.astype(np.float32)
+    return first.astype(np.uint8), split.astype(np.float32)
 
 
 _CELL_INDEX, _CELL_SPLIT = _cell_tables()
@@ -79,7 +79,7 @@ class U8bitCompressor(Compressor):
         v *= inv
         cell = ops.shift_right(ops.bitcast(v, "int32"), _CELL_SHIFT)
         cell &= (1 << (32 - _CELL_SHIFT - 1)) - 1  # a NaN may carry a sign: keep it in range
-        code = ops.cast(ops.gather(ops.from_numpy(_CELL_INDEX, like=x), cell), "uint8")
+        code = ops.gather(ops.from_numpy(_CELL_INDEX, like=x), cell)
         code += ops.cast(v >= ops.gather(ops.from_numpy(_CELL_SPLIT, like=x), cell), "uint8")
         code |= ops.shift_left(ops.cast(ops.bitcast(x, "int32") < 0, "uint8"), 7)
         return [code, scaler], layout
