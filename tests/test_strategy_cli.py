@@ -74,3 +74,24 @@ def test_auto_from_the_command_line(tmp_path, capsys):
     text = capsys.readouterr().out
     assert 'name: "topk"' in text and 'replicas: "a:CPU:3"' in text
     assert main(["show", "--text", str(tmp_path / "missing.pbtxt")]) == 1
+
+
+def test_measure_writes_a_throughput_file_auto_reads(tmp_path, capsys):
+    from grace_dl.strategy import Auto, ResourceSpec
+    from grace_dl.strategy.cost_model import Throughput
+
+    out = tmp_path / "tp.json"
+    assert main(["measure", "--sizes", "256,8192", "--repeats", "2", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [e["compressor"] for e in doc["entries"]] == ["none", "fp16", "topk"]
+    for entry in doc["entries"]:
+        for what in ("compress", "decompress"):
+            assert entry[what]["overhead_s"] >= 0 and entry[what]["per_element_s"] >= 0
+        # the fitted line reproduces a positive time at the large size
+        c = entry["compress"]
+        assert c["overhead_s"] + c["per_element_s"] * 8192 > 0
+    tp = Throughput.load(out)
+    assert tp.costs("topk", {"compress_ratio": 0.01, "approximate": True}) != tp.costs("qsgd", {})
+    Auto(throughput=tp).build({"w": (512, 512)}, ResourceSpec.local(4, bandwidth_gbps=1))
+    assert main(["measure", "--sizes", "8192,256"]) == 1
+    assert "increasing" in capsys.readouterr().err

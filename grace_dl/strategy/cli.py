@@ -1,4 +1,4 @@
-"""``python -m grace_dl strategy build|show|validate`` (also ``grace-dl strategy ...``).
+"""``python -m grace_dl strategy build|show|validate|measure`` (also ``grace-dl strategy ...``).
 
     build    --variables shapes.yaml | --model pkg.module:factory
              --builder allreduce|uniform|size-threshold|ps|auto  [--params '{...}']
@@ -7,6 +7,7 @@
              [--resource-spec cluster.yaml] -o strategy.pbtxt|strategy.pb
     show     strategy-file [--text]
     validate strategy-file [--variables ... | --model ...] [--workers N]
+    measure  [--candidates '[{...}, ...]'] [--sizes 4096,262144] [--repeats 5] -o tp.json
 
 ``--variables`` is a YAML/JSON mapping ``name: [d0, d1, ...]``; ``--model`` names a function
 returning a torch module (its ``named_parameters()``) or a Keras model (its
@@ -149,6 +150,27 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_measure(args) -> int:
+    from grace_dl.strategy import builders, measure
+
+    candidates = (_json(args.candidates, "--candidates") if args.candidates
+                  else builders.DEFAULT_CANDIDATES)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--sizes must be two comma-separated integers, got {args.sizes!r}")\
+            from None
+    if len(sizes) != 2:
+        raise ValueError(f"--sizes must be two comma-separated integers, got {args.sizes!r}")
+    document = measure.measure(candidates, sizes, args.repeats, args.framework)
+    if args.output:
+        measure.write(document, args.output)
+        print(f"wrote {args.output}: {len(document['entries'])} compressors")
+    else:
+        print(json.dumps(document, indent=2))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grace-dl strategy",
                                 description="Build, show and validate grace_dl strategies.")
@@ -183,6 +205,14 @@ def parser() -> argparse.ArgumentParser:
     model_args(v)
     v.add_argument("--workers", type=int, help="number of Horovod ranks it will run on")
     v.set_defaults(func=cmd_validate)
+
+    m = sub.add_parser("measure", help="measure compression cost for Auto's cost model")
+    m.add_argument("--candidates", help="JSON list of GRACE key objects (default: Auto's)")
+    m.add_argument("--sizes", default="4096,262144", help="two tensor sizes to fit a line")
+    m.add_argument("--repeats", type=int, default=5)
+    m.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
+    m.add_argument("-o", "--output", help="JSON file to write; else stdout")
+    m.set_defaults(func=cmd_measure)
     return p
 
 

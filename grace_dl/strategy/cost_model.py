@@ -30,7 +30,7 @@ Payload bytes come from the compressor: ``payload_nbytes_for_shape(shape, dtype)
 one (PowerSGD), else ``payload_nbytes(numel, dtype)``. A compressor that returns ``None`` (its
 size depends on the data: threshold, DGC, adaq) cannot be predicted and is not a candidate.
 
-Throughput file (JSON; ``grace_dl.strategy.cost_model.measure`` writes one)::
+Throughput file (JSON; ``grace-dl strategy measure`` / ``grace_dl.strategy.measure`` writes one)::
 
     {"format": "grace_dl.compression_throughput/1",
      "device": "cpu",
