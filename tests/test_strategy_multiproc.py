@@ -51,6 +51,12 @@ def test_mixed_strategy_routes_fuses_and_reduces_exactly():
         if not label.startswith(("topk", "threshold", "fp16")):
             # exact pipelines: step 2 doubled the inputs
             np.testing.assert_allclose(r0["steps"][1]["results"][name], 2 * want, rtol=1e-6)
+    # d.bias alone (its group partner e.bias not sent): still the exact mean
+    for res in (r0, r1):
+        np.testing.assert_allclose(res["partial"], np.mean(r0["inputs"]["d.bias"], axis=0),
+                                   rtol=1e-6)
+        assert "'d.bias' sent again before its handle was received" in res["twice"]
+        assert "already received" in res["received_twice"]
     # topk with residual memory: step 2 carries step 1's error, so it differs from a fresh
     # compression of the doubled inputs
     ref2 = _reference(labels["a.weight"], [2 * x for x in r0["inputs"]["a.weight"]], "a.weight")

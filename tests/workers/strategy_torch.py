@@ -74,6 +74,17 @@ def run_exact():
         handles = {n: grc.send(tensor_for(n, shapes[n], RANK) * (step + 1), n) for n in order}
         results = {n: grc.receive(handles[n]).numpy() for n in order[::-1]}
         out["steps"].append({"results": results, "bytes": grc.end_step()})
+    # A fused group with a member missing this step: receive sends what the group has.
+    h = grc.send(tensor_for("d.bias", shapes["d.bias"], RANK), "d.bias")
+    try:
+        grc.send(tensor_for("d.bias", shapes["d.bias"], RANK), "d.bias")
+    except ValueError as err:
+        out["twice"] = str(err)
+    out["partial"] = grc.receive(h).numpy()
+    try:
+        grc.receive(h)
+    except ValueError as err:
+        out["received_twice"] = str(err)
     out["inputs"] = {n: [tensor_for(n, shapes[n], r).numpy() for r in range(SIZE)] for n in names}
     out["state_keys"] = sorted(grc.state_dict())
     mp.report(out)
