@@ -82,9 +82,9 @@ def make_input(framework, shape):
 
 
 def measure_one(name, x, numel, repeats):
-    """One compressor on one input: its row of the table. The copy it is compared with is
-    timed right before it, so a machine whose load drifts during the run still gives fair
-    ratios."""
+    """One compressor on one input: its row of the table (the ratio is filled in later). A
+    copy is timed next to each compressor; the median of all of them is the baseline, which
+    keeps the ratios steady on a machine whose load drifts during the run."""
     comp, kwargs = build(name)
     ops = ops_for(x)
     copy_ms = median_ms(lambda: ops.copy(x), repeats)
@@ -97,7 +97,7 @@ def measure_one(name, x, numel, repeats):
     payload, ctx, sent = state["out"]
     d_ms = median_ms(lambda: comp.decompress(payload, ctx), repeats)
     return {"params": kwargs, "bits": 8.0 * sent / numel, "compress": c_ms,
-            "decompress": d_ms, "copy": copy_ms, "ratio": (c_ms + d_ms) / copy_ms}
+            "decompress": d_ms, "copy": copy_ms}
 
 
 def measure(framework, names, sizes, repeats):
@@ -112,9 +112,13 @@ def measure(framework, names, sizes, repeats):
             except Exception as err:  # missing module or a failure: reported, not fatal
                 row = {"missing": f"{type(err).__name__}: {err}"[:120]}
             rows[label]["results"][name] = row
-            print(f"{label:>5} {name:<11} {fmt_row(row)}", flush=True)
         copies = [r["copy"] for r in rows[label]["results"].values() if "copy" in r]
         rows[label]["copy"] = statistics.median(copies) if copies else float("nan")
+        rows[label]["copy_range"] = (min(copies), max(copies)) if copies else (0.0, 0.0)
+        for name, row in rows[label]["results"].items():
+            if "copy" in row:
+                row["ratio"] = (row["compress"] + row["decompress"]) / rows[label]["copy"]
+            print(f"{label:>5} {name:<11} {fmt_row(row)}", flush=True)
     return rows
 
 
@@ -169,20 +173,24 @@ def markdown(framework, rows, repeats):
            + (" --framework tf" if framework == "tf" else "") + "`.", ""]
     out += environment(framework)
     out += ["", f"Input: standard normal fp32; times are medians of {repeats} runs after a "
-            "warm-up. *x copy* = (compress + decompress) / plain copy of the tensor, the copy "
-            "timed just before each compressor; target for quantizers (marked q): <= 3.", ""]
+            "warm-up. *x copy* = (compress + decompress) / plain copy of the tensor (the median "
+            "of copies timed next to every compressor); target for quantizers (marked q): <= 3. "
+            "Times include the page faults of fresh buffers where the allocator maps new "
+            "memory (large tensors), which is why the copy itself varies.", ""]
     for label, block in rows.items():
-        out += [f"## {label} elements (copy: median {block['copy']:.2f} ms)", "",
-                "| compressor | params | bits/elem | compress ms | decompress ms | copy ms "
-                "| x copy |", "|---|---|---:|---:|---:|---:|---:|"]
+        lo, hi = block["copy_range"]
+        out += [f"## {label} elements (copy: median {block['copy']:.2f} ms, "
+                f"range {lo:.2f} to {hi:.2f} ms)", "",
+                "| compressor | params | bits/elem | compress ms | decompress ms | x copy |",
+                "|---|---|---:|---:|---:|---:|"]
         for name, r in block["results"].items():
             mark = f"{name} (q)" if name in QUANTIZERS else name
             if "missing" in r:
-                out.append(f"| {mark} | | missing: {r['missing']} | | | | |")
+                out.append(f"| {mark} | | missing: {r['missing']} | | | |")
                 continue
             params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
             out.append(f"| {mark} | {params} | {r['bits']:.3f} | {r['compress']:.2f} | "
-                       f"{r['decompress']:.2f} | {r['copy']:.2f} | {r['ratio']:.2f} |")
+                       f"{r['decompress']:.2f} | {r['ratio']:.2f} |")
         out.append("")
     return "\n".join(out)
 
