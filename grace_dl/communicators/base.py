@@ -88,7 +88,7 @@ class Communicator(ABC):
     # ------------------------------------------------------------------ the async pair
     def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
         op = self.check_op(op)
-        coll = collectives_for(tensor, self.process_set)
+        coll = self.collectives(tensor)
         compensated = self.memory.compensate(tensor, name)
         payload, ctx = self.compressor.compress(compensated, name)
         if self.compressor.rounds == 1:
@@ -112,6 +112,12 @@ class Communicator(ABC):
     def synchronize(self, tensor, name: str, op: str = AVERAGE):
         """``receive(send(...))``: the blocking form."""
         return self.receive(self.send(tensor, name, op))
+
+    def collectives(self, tensor):
+        """The collectives ``tensor``'s payloads travel on: Horovod's, for its framework and
+        this communicator's process set. A subclass or a dispatcher may route them elsewhere
+        (a fused group, a host copy) by overriding this one method."""
+        return collectives_for(tensor, self.process_set)
 
     @abstractmethod
     def _start(self, payload, handle: Handle):
