@@ -137,17 +137,25 @@ def test_tf_function_matches_eager(name):
                                    atol=1e-5 * float(tf.reduce_max(tf.abs(x))))
 
 
-@pytest.mark.parametrize("name", NAMES)
+UNBIASED = [name for name in NAMES if lookup("compressor", name).unbiased]
+
+
+def test_the_stochastic_quantizers_claim_unbiasedness():
+    assert {"none", "qsgd", "terngrad", "natural"} <= set(UNBIASED), UNBIASED
+
+
+@pytest.mark.parametrize("name", UNBIASED)
 def test_unbiased_methods_are_unbiased(name):
     comp = make(name)
-    if not comp.unbiased:
-        pytest.skip(f"{name} does not claim to be unbiased")
     x = sample((64,), seed=5)
     draws = 2000
     outs = np.stack([to_np(round_trip(comp, torch.from_numpy(x))[1]) for _ in range(draws)])
     mean, std = outs.mean(0), outs.std(0, ddof=1)
-    # Five standard errors of the observed spread, plus float rounding.
-    tol = 5 * std / np.sqrt(draws) + 1e-5 * np.abs(x).max()
+    # Five standard errors of the observed spread, plus float rounding. An element whose
+    # outcome is a rare event (TernGrad keeps x with probability |x| / max|x|) may see no event
+    # in `draws` tries, and then its observed spread is 0: the resolution of five events,
+    # 5 * max|outcome| / draws, bounds what such an element can show.
+    tol = 5 * std / np.sqrt(draws) + 5 * np.abs(outs).max() / draws + 1e-5 * np.abs(x).max()
     assert np.all(np.abs(mean - x) <= tol), np.max(np.abs(mean - x) - tol)
     if std.max() == 0:  # deterministic and unbiased: exact
         np.testing.assert_allclose(outs[0], x, rtol=1e-6)
