@@ -6,7 +6,12 @@ allreduce, and Horovod's built-in fp16 compression), which run with ``grace=None
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from grace_dl import grace_from_params
+
+# Measured compression throughput for Auto's cost model (`make bench` writes it first).
+THROUGHPUT = Path(__file__).resolve().parent / "results" / "compression_throughput.json"
 
 PIPELINES: dict[str, dict | None] = {
     "none": None,                      # uncompressed Horovod: the baseline
@@ -39,11 +44,11 @@ def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2
     if spec == "auto":
         import os
 
-        from grace_dl.strategy import builders, from_strategy
+        from grace_dl.strategy import Auto, ResourceSpec, from_strategy
 
         mbit = float(os.environ.get("GRACE_BENCH_MBIT", mbit or 1000))
-        resource = {"nodes": [{"address": f"host{i}", "slots": 1} for i in range(workers)],
-                    "network_bandwidth_mbit": mbit}
-        strategy = builders.Auto().build(model.named_parameters(), resource)
+        resources = ResourceSpec.local(workers, bandwidth_gbps=mbit / 1000)
+        throughput = THROUGHPUT if THROUGHPUT.exists() else None
+        strategy = Auto(throughput=throughput).build(model.named_parameters(), resources)
         return from_strategy(strategy), {}
     return grace_from_params(dict(spec)), {}

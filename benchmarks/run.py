@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     else:
         results = Path(args.results or ROOT / "benchmarks/results")
         results.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "grace_dl", "strategy", "measure", "-o",
+                        str(results / "compression_throughput.json")], check=True, cwd=str(ROOT))
         micro = ROOT / "benchmarks/compressors.py"
         if micro.exists():
             subprocess.run([sys.executable, str(micro), "--out",
