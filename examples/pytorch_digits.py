@@ -90,7 +90,8 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed + 1)
     steps = len(x_tr) // args.batch_size
     step_times = []
-    bar = tqdm(total=args.epochs * steps, disable=rank != 0, desc=params and params["compressor"])
+    bar = tqdm(total=args.epochs * steps, disable=rank != 0, desc=params and params["compressor"],
+               mininterval=2.0)  # horovodrun prefixes every refresh: keep them few
     for _ in range(args.epochs):
         order = torch.randperm(len(x_tr), generator=gen)
         for s in range(steps):
