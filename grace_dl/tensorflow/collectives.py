@@ -10,6 +10,12 @@ Names are passed with ``ignore_name_scope=True`` so the collective is keyed by t
 whatever ``tf.name_scope`` the caller is in; characters TF does not allow in op names (and
 ``/``, which would start a scope) become ``_``.
 
+Horovod's TF ops are not marked stateful, so inside ``tf.function`` TF's constant folding would
+run one whose input is a graph constant (a zeros buffer, a statically known lengths vector)
+while the function is being instantiated; when that happens on some ranks only, the ranks
+deadlock. Every input is therefore passed through a stateful, zero-copy pass-through
+(``Print`` with nothing to print), which folding never evaluates.
+
 dtypes Horovod's TF ops lack travel as in ``grace_dl.torch.collectives``: ``bfloat16`` is
 moved as a bit-exact ``int16`` view, summed as ``float32``; ``int8``/``uint8``/``int16`` are summed
 as ``int32``; every result comes back in the dtype that went in.
@@ -33,6 +39,13 @@ def op_name(name: str) -> str:
     """``name`` made acceptable as a TF op name without a scope."""
     name = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
     return name if re.match(r"[A-Za-z0-9.]", name) else f"g{name}"
+
+
+def _opaque(tensor):
+    """``tensor`` itself, but never a constant to TF's graph optimisers (see module doc)."""
+    if tf.executing_eagerly():
+        return tensor
+    return tf.raw_ops.Print(input=tensor, data=[], first_n=0)
 
 
 def _move(tensor):
@@ -59,7 +72,7 @@ class TFCollectives(Collectives):
     def allreduce_async(self, tensor, name: str):
         tensor = tf.convert_to_tensor(tensor)
         dt = tensor.dtype
-        wire = tf.cast(tensor, _SUM_AS[dt]) if dt in _SUM_AS else tensor
+        wire = _opaque(tf.cast(tensor, _SUM_AS[dt]) if dt in _SUM_AS else tensor)
         if wire.dtype not in _SUMMABLE:
             raise ValueError(f"allreduce cannot sum {dt.name} tensors (name {name!r}); "
                              f"summable: {[d.name for d in (*_SUMMABLE, *_SUM_AS)]}")
@@ -69,20 +82,20 @@ class TFCollectives(Collectives):
 
     def allgather_async(self, tensor, name: str):
         wire, post = _move(tf.convert_to_tensor(tensor))
-        out = hvd.allgather(wire, name=op_name(name), ignore_name_scope=True,
+        out = hvd.allgather(_opaque(wire), name=op_name(name), ignore_name_scope=True,
                             process_set=self.process_set)
         return post(out) if post else out
 
     def broadcast_async(self, tensor, root: int, name: str):
         wire, post = _move(tf.convert_to_tensor(tensor))
-        out = hvd.broadcast(wire, self._global_rank(root), name=op_name(name),
+        out = hvd.broadcast(_opaque(wire), self._global_rank(root), name=op_name(name),
                             ignore_name_scope=True, process_set=self.process_set)
         return post(out) if post else out
 
     def alltoall_async(self, tensor, splits, name: str):
         wire, post = _move(tf.convert_to_tensor(tensor))
-        splits = tf.cast(tf.convert_to_tensor(splits), tf.int32)
-        out, received = hvd.alltoall(wire, splits=splits, name=op_name(name),
+        splits = _opaque(tf.cast(tf.convert_to_tensor(splits), tf.int32))
+        out, received = hvd.alltoall(_opaque(wire), splits=splits, name=op_name(name),
                                      ignore_name_scope=True, process_set=self.process_set)
         return (post(out) if post else out), received
 

@@ -1,0 +1,92 @@
+"""``broadcast``: each rank in turn broadcasts its payload to all others (N collectives per part),
+then every rank decompresses all N payloads and aggregates them, as ``allgather`` does (GRACE,
+Xu et al. 2021, §3, lists it as the collective for stacks without an allgather of ragged tensors).
+
+Wire: for root r and part i, a broadcast named ``grace.<tensor>.b<r>p<i>``, flattened to 1-D.
+A rank sends its own payload once (as root) and receives the N-1 others' (the counters record
+that; how the library relays a broadcast is not counted). Non-roots pass a buffer of the root's
+size, so when payload sizes differ across ranks (``equal_sizes`` False) an int32 allgather,
+``grace.<tensor>.len``, first says every rank's part lengths (4 bytes per part per rank). It
+starts in ``send``; the broadcasts, which need its answer to size their buffers, start in
+``receive``. With equal sizes everything starts in ``send``.
+
+Carries every single-round compressor; the aggregation runs in rank order, so every rank gets
+the same bits.
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.communicators import wire
+from grace_dl.communicators.allgather import gather_rounds_refusal
+from grace_dl.communicators.base import Communicator, Handle
+from grace_dl.registry import register_communicator
+
+
+@register_communicator("broadcast")
+class Broadcast(Communicator):
+    @classmethod
+    def refusal(cls, compressor) -> str | None:
+        """Why this communicator cannot carry ``compressor`` (None when it can)."""
+        return gather_rounds_refusal(compressor)
+
+    @classmethod
+    def check_compressor(cls, compressor) -> None:
+        reason = cls.refusal(compressor)
+        if reason is not None:
+            raise wire.refuse("broadcast", compressor, reason)
+
+    def _broadcasts(self, coll, name, flats, buffer):
+        """Start every root's broadcast of every part; ``buffer(r, i)`` is this rank's
+        receive buffer for root r's part i."""
+        me = coll.rank()
+        return [[coll.broadcast_async(f if r == me else buffer(r, i), r,
+                                      self.wire_name(name, f"b{r}p{i}"))
+                 for i, f in enumerate(flats)]
+                for r in range(coll.size())]
+
+    def _start(self, payload, handle: Handle):
+        coll = handle.coll
+        ops = ops_for(payload[0])
+        flats, shapes = wire.flatten(payload)
+        sent = wire.nbytes(flats)
+        pending = {"flats": flats, "shapes": shapes, "rounds": None, "lengths": None}
+        if self.compressor.equal_sizes:
+            # a non-root's own part has the root's shape: it serves as the receive buffer
+            pending["rounds"] = self._broadcasts(coll, handle.name, flats,
+                                                 lambda r, i: flats[i])
+        else:
+            numels = ops.numels(flats)
+            pending["lengths"] = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
+            sent = sent + ops.nbytes(numels)
+        pending["sent"] = sent
+        wire.count(self, ops, handle.name, sent=sent)
+        return pending
+
+    def _finish(self, handle: Handle):
+        coll = handle.coll
+        pending = handle.pending
+        flats = pending["flats"]
+        size = coll.size()
+        ops = ops_for(flats[0])
+        if pending["rounds"] is None:
+            lengths = ops.reshape(coll.synchronize(pending["lengths"]), (size, len(flats)))
+            rounds = self._broadcasts(
+                coll, handle.name, flats,
+                lambda r, i: ops.zeros((lengths[r][i],), ops.dtype(flats[i]), like=flats[i]))
+        else:
+            lengths, rounds = None, pending["rounds"]
+        received = [[coll.synchronize(h) for h in parts] for parts in rounds]
+        total = wire.nbytes([t for parts in received for t in parts])
+        if lengths is None:
+            wire.count(self, ops, handle.name, received=total - pending["sent"])
+        else:
+            wire.count(self, ops, handle.name,
+                       received=total + ops.nbytes(lengths) - pending["sent"])
+        equal = self.compressor.equal_sizes
+        decompressed = [
+            self.compressor.decompress(
+                [wire.unflatten(t, s, equal) for t, s in zip(parts, pending["shapes"])],
+                handle.ctx)
+            for parts in received]
+        return self.compressor.aggregate(decompressed)

@@ -1,0 +1,189 @@
+"""``twophase``: compressed allreduce as scatter-reduce then gather (DeepSpeed's 1-bit Adam,
+Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+Convergence Speed"; CGX, Markov et al. 2022), with error feedback on both sides.
+
+1. The compensated tensor (the memory's error feedback, applied to the whole tensor) is split
+   into ``m = min(N, numel)`` contiguous chunks, as even as possible; chunk j is compressed as
+   ``<name>/chunk<j>`` and sent to rank j by one ``alltoall`` per payload part
+   (``grace.<tensor>.a2a.p<i>``). The memory is updated with what the N chunk compressions lost.
+2. Rank j decompresses the N payloads of its chunk, aggregates them (sum, or majority vote for
+   signs), adds its server-side residual for that chunk, re-compresses the result as
+   ``<name>/chunk<j>/server`` and keeps what that lost as the new server residual.
+3. One ``allgather`` per part (``grace.<tensor>.ag.p<i>``) gives every rank every chunk's
+   re-compressed payload; each is decompressed and the chunks are joined in order.
+
+Ranks j >= m (tensors with fewer elements than ranks) own no chunk: they receive nothing in
+phase 1 and contribute an empty piece to phase 2. Phase 2 needs phase 1's result, so it starts
+in ``receive``.
+
+Wire, per rank and step: it sends the N-1 other chunks' payloads and its re-compressed chunk,
+and receives N-1 payloads of its chunk plus the other m-1 re-compressed chunks: about
+2 (N-1)/N of one whole-tensor payload each way, whatever N (allgather receives N-1 payloads).
+The byte counters record exactly these amounts.
+
+For compressors that compress any 1-D chunk on its own with payload shapes set by the chunk's
+length (``two_phase_safe`` and ``equal_sizes``: quantizers and signs, ``none``). Not unbiased in
+general, since the aggregate is compressed twice; the server residual feeds the second
+compression's error back in the next step. Server residuals are training state: they are in
+``state_dict`` under ``"server"``.
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import collectives_for, ops_for
+from grace_dl.communicators import wire
+from grace_dl.communicators.base import AVERAGE, Communicator, Handle
+from grace_dl.registry import register_communicator
+from grace_dl.state import State
+
+
+class _Chunks:
+    """The compressor as the memory sees it: payload and ctx are per-chunk lists, and
+    ``decompress`` rebuilds the whole tensor."""
+
+    def __init__(self, compressor, shape):
+        self._compressor = compressor
+        self._shape = shape
+
+    def decompress(self, payloads, ctxs):
+        parts = [self._compressor.decompress(p, c) for p, c in zip(payloads, ctxs)]
+        ops = ops_for(parts[0])
+        return ops.reshape(ops.cat(parts), self._shape)
+
+    def __getattr__(self, attr):
+        return getattr(self._compressor, attr)
+
+
+@register_communicator("twophase")
+class TwoPhase(Communicator):
+    def __init__(self, compressor, memory, process_set=None, server_error_feedback: bool = True):
+        super().__init__(compressor, memory, process_set)
+        if not isinstance(server_error_feedback, bool):
+            raise ValueError(f"server_error_feedback must be True or False, "
+                             f"got {server_error_feedback!r}")
+        self.server_error_feedback = server_error_feedback
+        self.server = State()
+
+    @classmethod
+    def refusal(cls, compressor) -> str | None:
+        """Why this communicator cannot carry ``compressor`` (None when it can)."""
+        if getattr(compressor, "rounds", 1) > 1:
+            return "it needs several rounds (rounds > 1)"
+        if not getattr(compressor, "two_phase_safe", False):
+            return ("it cannot compress tensor chunks independently and re-compress their "
+                    "aggregate (two_phase_safe is False)")
+        if not getattr(compressor, "equal_sizes", True):
+            return "its payload sizes differ across ranks (equal_sizes is False)"
+        return None
+
+    @classmethod
+    def check_compressor(cls, compressor) -> None:
+        reason = cls.refusal(compressor)
+        if reason is not None:
+            raise wire.refuse("twophase", compressor, reason)
+
+    # ------------------------------------------------------------------ phase 1
+    def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
+        op = self.check_op(op)
+        coll = collectives_for(tensor, self.process_set)
+        ops = ops_for(tensor)
+        numel = ops.numel(tensor)
+        if not isinstance(numel, int):
+            raise ValueError(f"twophase needs a statically shaped tensor; {name!r} has shape "
+                             f"{ops.shape(tensor)}")
+        size, me = coll.size(), coll.rank()
+        if numel == 0:  # nothing to move; every rank sees the same shape, so all skip
+            return Handle(name=name, op=op, ctx=None, pending=None, coll=coll,
+                          extra={"empty": tensor})
+        compensated = self.memory.compensate(tensor, name)
+        chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(numel, size))
+        compressed = [self.compressor.compress(c, f"{name}/chunk{j}")
+                      for j, c in enumerate(chunks)]
+        payloads = [p for p, _ in compressed]
+        ctxs = [c for _, c in compressed]
+        self.memory.update(compensated, name, _Chunks(self.compressor, ops.shape(tensor)),
+                           payloads, ctxs)
+
+        flat = [wire.flatten(p) for p in payloads]          # per chunk: (1-D parts, shapes)
+        m, n_parts = len(chunks), len(payloads[0])
+        exchanges = []
+        for i in range(n_parts):
+            pieces = [flat[j][0][i] for j in range(m)]
+            splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
+            exchanges.append(coll.alltoall_async(ops.cat(pieces), splits,
+                                                 self.wire_name(name, f"a2a.p{i}")))
+        sent = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
+        received = (size - 1) * wire.nbytes(flat[me][0]) if me < m else 0
+        wire.count(self, ops, name, sent=sent, received=received)
+        return Handle(name=name, op=op, ctx=ctxs, pending={"exchanges": exchanges, "flat": flat},
+                      coll=coll, extra={"compensated": compensated, "shape": ops.shape(tensor)})
+
+    def _start(self, payload, handle: Handle):  # send() is overridden
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ phases 2 and 3
+    def _finish(self, handle: Handle):
+        if handle.pending is None:
+            return handle.extra["empty"]
+        coll = handle.coll
+        size, me = coll.size(), coll.rank()
+        flat = handle.pending["flat"]
+        ctxs = handle.ctx
+        m, n_parts = len(flat), len(flat[0][0])
+        ops = ops_for(flat[0][0][0])
+        mine = None
+        got = [coll.synchronize(h)[0] for h in handle.pending["exchanges"]]
+        if me < m:
+            # from each rank, part i of its payload for my chunk: the length of my own
+            per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
+                        for i, g in enumerate(got)]
+            reduced = self.compressor.aggregate([
+                self.compressor.decompress(
+                    [ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)],
+                    ctxs[me])
+                for r in range(size)])
+            mine = self._recompress(reduced, f"{handle.name}/chunk{me}")
+
+        gathers = []
+        for i in range(n_parts):
+            # A rank that owns no chunk received nothing and contributes that empty piece;
+            # using it keeps its alltoall alive in tf.function, which prunes unused ops.
+            piece = mine[i] if mine is not None else got[i]
+            gathers.append(coll.allgather_async(piece, self.wire_name(handle.name, f"ag.p{i}")))
+        sent = wire.nbytes(mine) if mine is not None else 0
+        received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
+        wire.count(self, ops, handle.name, sent=sent, received=received)
+
+        gathered = [coll.synchronize(h) for h in gathers]
+        lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
+                   for i in range(n_parts)]
+        pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
+        chunks = [self.compressor.decompress(
+            [ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)], ctxs[j])
+            for j in range(m)]
+        return ops.reshape(ops.cat(chunks), handle.extra["shape"])
+
+    def _recompress(self, reduced, key: str):
+        """Compress this rank's reduced chunk with server-side error feedback; returns its
+        payload flattened for the wire."""
+        ops = ops_for(reduced)
+        if self.server_error_feedback:
+            slot = self.server.zeros(key, ops, reduced)
+            compensated = reduced + ops.read(slot)
+        else:
+            compensated = reduced
+        payload, ctx = self.compressor.compress(compensated, f"{key}/server")
+        if self.server_error_feedback:
+            ops.assign(slot, compensated - self.compressor.decompress(payload, ctx))
+        return wire.flatten(payload)[0]
+
+    # ------------------------------------------------------------------ checkpointing
+    def config(self) -> dict:
+        return {**super().config(), "server_error_feedback": self.server_error_feedback}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "server": self.server.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.server.load_state_dict(state.get("server", {}))
