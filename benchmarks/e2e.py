@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--launcher", choices=["gloo", "mpi"], default="gloo")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--prefix", default="gracebench",
+                    help="namespace name prefix; a run removes stale namespaces of its prefix")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/e2e.json"))
     args = ap.parse_args(argv)
 
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
 
     runs = [(m, model, p) for m in args.mbit for model in args.models for p in args.pipelines]
     records = []
-    with EmulatedCluster(args.hosts, mbit=args.mbit[0]) as cluster:
+    with EmulatedCluster(args.hosts, mbit=args.mbit[0], prefix=args.prefix) as cluster:
         bar = tqdm(runs, desc="e2e", unit="run")
         for mbit, model, pipeline in bar:
             if cluster.mbit != mbit:

@@ -30,7 +30,8 @@ def main(argv=None) -> int:
         results = Path(args.results or tempfile.mkdtemp(prefix="grace_bench_"))
         results.mkdir(parents=True, exist_ok=True)
         e2e.main(["--mbit", "1000", "--models", "tiny", "--pipelines", "none", "topk",
-                  "--steps", "3", "--warmup", "1", "--out", str(results / "e2e.json")])
+                  "--steps", "3", "--warmup", "1", "--prefix", "gracequick",
+                  "--out", str(results / "e2e.json")])
         convergence.main(["--pipelines", "none", "topk", "--epochs", "1",
                           "--out", str(results / "convergence.json")])
     else:
