@@ -36,12 +36,6 @@ class Allgather(Communicator):
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
         return gather_rounds_refusal(compressor)
 
-    @classmethod
-    def check_compressor(cls, compressor) -> None:
-        reason = cls.refusal(compressor)
-        if reason is not None:
-            raise wire.refuse("allgather", compressor, reason)
-
     def _start(self, payload, handle: Handle):
         coll = handle.coll
         ops = ops_for(payload[0])

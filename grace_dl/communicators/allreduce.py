@@ -50,12 +50,6 @@ class Allreduce(Communicator):
             return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
-    @classmethod
-    def check_compressor(cls, compressor) -> None:
-        reason = cls.refusal(compressor)
-        if reason is not None:
-            raise wire.refuse("allreduce", compressor, reason)
-
     def _reduce(self, payload, handle: Handle, tag: str):
         coll = handle.coll
         ops = ops_for(payload[0])

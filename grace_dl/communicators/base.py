@@ -14,10 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grace_dl.backend import collectives_for, ops_for
+from grace_dl.communicators import wire
 
 AVERAGE = "average"
 SUM = "sum"
 OPS = (AVERAGE, SUM)
+
+
+def check_op(op: str) -> str:
+    """``op`` if it is one a communicator can do, else a ``ValueError`` listing them."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return op
 
 
 @dataclass
@@ -77,26 +85,40 @@ class Communicator(ABC):
 
     # ------------------------------------------------------------------ compatibility
     @classmethod
+    def refusal(cls, compressor) -> str | None:
+        """Why this communicator cannot carry ``compressor`` (None when it can). Subclasses
+        that restrict what they carry override this one method."""
+        return None
+
+    @classmethod
     def check_compressor(cls, compressor) -> None:
-        """Raise ``ValueError`` if this communicator cannot carry ``compressor`` correctly."""
+        """Raise ``ValueError`` naming ``compressor``, the reason and the communicators that
+        would carry it, if this one cannot carry it correctly."""
+        reason = cls.refusal(compressor)
+        if reason is not None:
+            raise wire.refuse(cls.name or cls.__name__, compressor, reason)
 
     def check_op(self, op: str) -> str:
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        return op
+        return check_op(op)
 
     # ------------------------------------------------------------------ the async pair
     def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
         op = self.check_op(op)
         coll = self.collectives(tensor)
-        compensated = self.memory.compensate(tensor, name)
-        payload, ctx = self.compressor.compress(compensated, name)
-        if self.compressor.rounds == 1:
-            self.memory.update(compensated, name, self.compressor, payload, ctx)
+        payload, ctx, compensated = self.encode(tensor, name)
         handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=coll,
                         extra={"compensated": compensated})
         handle.pending = self._start(payload, handle)
         return handle
+
+    def encode(self, tensor, name: str):
+        """Error-compensate, compress and update the memory: (payload, ctx, compensated).
+        For multi-round compressors the memory is updated in ``_finish`` instead."""
+        compensated = self.memory.compensate(tensor, name)
+        payload, ctx = self.compressor.compress(compensated, name)
+        if self.compressor.rounds == 1:
+            self.memory.update(compensated, name, self.compressor, payload, ctx)
+        return payload, ctx, compensated
 
     def receive(self, handle: Handle):
         out = self._finish(handle)

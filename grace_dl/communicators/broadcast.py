@@ -30,12 +30,6 @@ class Broadcast(Communicator):
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
         return gather_rounds_refusal(compressor)
 
-    @classmethod
-    def check_compressor(cls, compressor) -> None:
-        reason = cls.refusal(compressor)
-        if reason is not None:
-            raise wire.refuse("broadcast", compressor, reason)
-
     def _broadcasts(self, coll, name, flats, buffer):
         """Start every root's broadcast of every part; ``buffer(r, i)`` is this rank's
         receive buffer for root r's part i."""

@@ -30,7 +30,7 @@ compression's error back in the next step. Server residuals are training state: 
 
 from __future__ import annotations
 
-from grace_dl.backend import collectives_for, ops_for
+from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.base import AVERAGE, Communicator, Handle
 from grace_dl.registry import register_communicator
@@ -76,16 +76,10 @@ class TwoPhase(Communicator):
             return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
-    @classmethod
-    def check_compressor(cls, compressor) -> None:
-        reason = cls.refusal(compressor)
-        if reason is not None:
-            raise wire.refuse("twophase", compressor, reason)
-
     # ------------------------------------------------------------------ phase 1
     def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
         op = self.check_op(op)
-        coll = collectives_for(tensor, self.process_set)
+        coll = self.collectives(tensor)
         ops = ops_for(tensor)
         numel = ops.numel(tensor)
         if not isinstance(numel, int):

@@ -40,7 +40,7 @@ import json
 from dataclasses import dataclass
 
 from grace_dl.backend import collectives_for, ops_for
-from grace_dl.communicators.base import AVERAGE, OPS, ByteCounter, Communicator, Handle
+from grace_dl.communicators.base import AVERAGE, ByteCounter, Communicator, Handle, check_op
 from grace_dl.strategy import strategy_pb2 as pb
 from grace_dl.strategy.fusion import AUTO, NCCL, RING, GroupCollectives
 from grace_dl.strategy.pipeline import Pipeline
@@ -240,9 +240,7 @@ class StrategyDispatcher:
 
     # ------------------------------------------------------------------ the communicator protocol
     def check_op(self, op: str) -> str:
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        return op
+        return check_op(op)
 
     def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
         op = self.check_op(op)
@@ -265,10 +263,7 @@ class StrategyDispatcher:
             handle = comm.send(tensor, name, op)
             self._outstanding[name] = handle
             return handle
-        compensated = comm.memory.compensate(tensor, name)
-        payload, ctx = comm.compressor.compress(compensated, name)
-        if comm.compressor.rounds == 1:
-            comm.memory.update(compensated, name, comm.compressor, payload, ctx)
+        payload, ctx, compensated = comm.encode(tensor, name)
         handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=None,
                         extra={"compensated": compensated})
         self._outstanding[name] = handle
