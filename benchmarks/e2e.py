@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES))
     ap.add_argument("--hosts", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--launcher", choices=["gloo", "mpi"], default="gloo")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--prefix", default="gracebench",

@@ -58,13 +58,15 @@ def time_compress(grc, model, repeats: int) -> float:
     if grc is None:
         return 0.0
     grads = [(n, p.grad.detach().clone()) for n, p in model.named_parameters()]
-    comp = grc.compressor if hasattr(grc, "compressor") else None
-    if comp is None:
-        return 0.0
+    if hasattr(grc, "route"):  # a strategy dispatcher: each gradient's own pipeline
+        compressors = {n: grc.route(n).comm.compressor for n, _ in grads}
+    else:
+        compressors = dict.fromkeys((n for n, _ in grads), grc.compressor)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for name, g in grads:
+            comp = compressors[name]
             payload, ctx = comp.compress(g, "bench/" + name)
             reduced = payload
             # multi-round (PowerSGD): the local-only replay uses this rank's payloads as "reduced"
@@ -96,9 +98,9 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     n_params = sum(p.numel() for p in model.parameters())
 
-    compute_s = time_compute(model, x, y, loss_fn, repeats=3)
+    compute_s = time_compute(model, x, y, loss_fn, repeats=5)
     grc, hvd_kwargs = make_grace(args.pipeline, model)
-    compress_s = time_compress(grc, model, repeats=2)
+    compress_s = time_compress(grc, model, repeats=3)
 
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), grace=grc,
