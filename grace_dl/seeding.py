@@ -1,8 +1,9 @@
 """Deterministic randomness for compressors.
 
 Every random draw is keyed by ``(seed, tensor name, step)``: the same key gives the same numbers
-on every rank, in torch and in TensorFlow, whatever order tensors are compressed in. Nothing here
-touches a global RNG. Draws are made with NumPy (SFC64) and handed to the framework backend, so
+on every rank, in torch and in TensorFlow, whatever order tensors are compressed in. Draws that
+must *differ* across ranks (the dither of unbiased quantizers, whose noise should average out
+over workers) add a ``stream``, the rank. Nothing here touches a global RNG. Draws are made with NumPy (SFC64) and handed to the framework backend, so
 torch and TF see bit-identical random streams.
 """
 
@@ -18,8 +19,9 @@ def stable_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-def generator(seed: int, name: str, step: int) -> np.random.Generator:
-    """A fresh generator for one (seed, name, step) draw.
+def generator(seed: int, name: str, step: int, stream: int = 0) -> np.random.Generator:
+    """A fresh generator for one (seed, name, step[, stream]) draw. Stream 0 is the shared one;
+    any other stream is independent of it and of every other stream.
 
     SFC64 (a small chaotic counter generator that passes BigCrush) seeded through NumPy's
     SeedSequence from the three parts of the key: it draws float32 uniforms ~1.5x faster than
@@ -27,12 +29,14 @@ def generator(seed: int, name: str, step: int) -> np.random.Generator:
     """
     h = stable_hash(name)
     entropy = [h & 0xFFFFFFFF, h >> 32, int(seed) & 0xFFFFFFFF, int(step) & 0xFFFFFFFF]
+    if stream:
+        entropy.append(int(stream) & 0xFFFFFFFF)
     return np.random.Generator(np.random.SFC64(np.random.SeedSequence(entropy)))
 
 
-def uniform(seed: int, name: str, step: int, n: int) -> np.ndarray:
+def uniform(seed: int, name: str, step: int, n: int, stream: int = 0) -> np.ndarray:
     """``n`` float32 draws from U[0, 1)."""
-    return generator(seed, name, step).random(int(n), dtype=np.float32)
+    return generator(seed, name, step, stream).random(int(n), dtype=np.float32)
 
 
 def normal(seed: int, name: str, step: int, shape) -> np.ndarray:

@@ -46,7 +46,7 @@ def _tolerance(comm, comp):
 def replay(comm, comp, mode, size):
     """Reference outputs and per-rank expected (sent, received) bytes for every step/tensor."""
     tensor = _framework_tensor(mode)
-    ranks = [cc.SimRank(comp) for _ in range(size)]
+    ranks = [cc.SimRank(comp, r) for r in range(size)]
     servers = [{} for _ in range(size)]
     outs, expect = [], []
     for s in range(cc.STEPS):

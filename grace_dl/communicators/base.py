@@ -105,6 +105,7 @@ class Communicator(ABC):
     def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
         op = self.check_op(op)
         coll = self.collectives(tensor)
+        self.compressor.rank = coll.rank()
         payload, ctx, compensated = self.encode(tensor, name)
         handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=coll,
                         extra={"compensated": compensated})

@@ -86,6 +86,7 @@ class TwoPhase(Communicator):
             raise ValueError(f"twophase needs a statically shaped tensor; {name!r} has shape "
                              f"{ops.shape(tensor)}")
         size, me = coll.size(), coll.rank()
+        self.compressor.rank = me
         if numel == 0:  # nothing to move; every rank sees the same shape, so all skip
             return Handle(name=name, op=op, ctx=None, pending=None, coll=coll,
                           extra={"empty": tensor})

@@ -42,6 +42,12 @@ class Compressor(ABC):
 
     Training state (step counters, momenta, warm-start matrices) lives in ``self.state`` so
     that ``state_dict``/``load_state_dict`` carry it through checkpoints.
+
+    ``rank`` is the rank of the process compressing; communicators set it before they
+    compress. Draws that must agree across ranks (randomk's positions, PowerSGD's first Q)
+    leave it out of their key; draws that must be independent across ranks (the dither of
+    unbiased quantizers, so that their noise averages out over workers) pass it as the
+    ``stream`` of ``ops.uniform``.
     """
 
     allreduce_safe: bool = False
@@ -50,6 +56,7 @@ class Compressor(ABC):
     two_phase_safe: bool = False
     rounds: int = 1
     unbiased: bool = False
+    rank: int = 0
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -102,7 +109,8 @@ class Compressor(ABC):
 
     def config(self) -> dict:
         """The constructor arguments that define this compressor (for fingerprints/strategies)."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
+        return {k: v for k, v in vars(self).items()
+                if not k.startswith("_") and k not in ("state", "rank")}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))

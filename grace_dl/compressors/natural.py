@@ -73,7 +73,8 @@ class NaturalCompressor(Compressor):
     def compress(self, tensor, name):
         ops, x, layout = flat_f32(tensor)
         n = layout.numel
-        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x)
+        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
+                        stream=self.rank)
         bits = ops.bitcast(x, "int32")
         mag = bits & _MAG
         isnan = mag > _INF

@@ -48,7 +48,8 @@ class QSGDCompressor(Compressor):
         ops, x, layout = flat_f32(tensor)
         n, b, s = layout.numel, self.bucket_size, float(self.quantum_num)
         nb = self._buckets(n)
-        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x)
+        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
+                        stream=self.rank)
 
         xb = ops.reshape(ops.pad(x, nb * b - n), (nb, b))
         norms = ops.norm(xb, axis=1)

@@ -32,7 +32,8 @@ class TernGradCompressor(Compressor):
     def compress(self, tensor, name):
         ops, x, layout = flat_f32(tensor)
         n = layout.numel
-        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x)
+        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
+                        stream=self.rank)
         if n == 0:
             scaler = ops.zeros((1,), "float32", like=x)
         else:

@@ -263,11 +263,13 @@ class StrategyDispatcher:
             handle = comm.send(tensor, name, op)
             self._outstanding[name] = handle
             return handle
+        coll = collectives_for(tensor, self._process_set)
+        comm.compressor.rank = coll.rank()
         payload, ctx, compensated = comm.encode(tensor, name)
         handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=None,
                         extra={"compensated": compensated})
         self._outstanding[name] = handle
-        group.waiting[name] = (payload, handle, collectives_for(tensor, self._process_set))
+        group.waiting[name] = (payload, handle, coll)
         if len(group.waiting) == len(group.members):
             self._start(group)
         return handle

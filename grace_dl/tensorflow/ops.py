@@ -328,8 +328,9 @@ def _draw(fn, out_dtype, out_shape, seed, name, step):
     return tf.ensure_shape(result, out_shape)
 
 
-def uniform(seed: int, name: str, step, n: int, like=None):
-    return _draw(lambda s: seeding.uniform(seed, name, s, n), tf.float32, [n], seed, name, step)
+def uniform(seed: int, name: str, step, n: int, like=None, stream: int = 0):
+    return _draw(lambda s: seeding.uniform(seed, name, s, n, stream), tf.float32, [n],
+                 seed, name, step)
 
 
 def normal(seed: int, name: str, step, shp, like=None):

@@ -309,8 +309,8 @@ def bucketize(x, boundaries):
 
 
 # ------------------------------------------------------------------ seeded randomness
-def uniform(seed: int, name: str, step, n: int, like=None):
-    return from_numpy(seeding.uniform(seed, name, int(step), n), like)
+def uniform(seed: int, name: str, step, n: int, like=None, stream: int = 0):
+    return from_numpy(seeding.uniform(seed, name, int(step), n, stream), like)
 
 
 def normal(seed: int, name: str, step, shp, like=None):

@@ -61,10 +61,12 @@ def build(comm: str, comp: str):
 
 # ------------------------------------------------------------------ the reference
 class SimRank:
-    """One simulated rank: its own compressor and memory, as a real rank has."""
+    """One simulated rank: its own compressor and memory, as a real rank has, and its rank
+    (the stream of its quantizers' dither)."""
 
-    def __init__(self, comp: str):
+    def __init__(self, comp: str, rank: int = 0):
         self.compressor = lookup("compressor", comp)()
+        self.compressor.rank = rank
         self.memory = lookup("memory", MEMORY)()
 
     def compress(self, x, name):
