@@ -24,6 +24,13 @@ class Collectives(ABC):
     def allreduce_async(self, tensor, name: str):
         """Start an element-wise **sum** of ``tensor`` over ranks; returns a handle."""
 
+    def allreduce_nbytes(self, tensor):
+        """Bytes one rank's ``tensor`` occupies in ``allreduce_async``: its own, unless the
+        implementation sums it in a wider type (what the byte counters must record)."""
+        from grace_dl.backend import ops_for
+
+        return ops_for(tensor).nbytes(tensor)
+
     @abstractmethod
     def allgather_async(self, tensor, name: str):
         """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""

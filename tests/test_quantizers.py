@@ -61,7 +61,25 @@ def test_half_is_a_cast_and_sums_on_the_wire(cls, wire, fw):
     total = to_np(comp.decompress([px + py], ctx))
     eps = 2.0**-8 if wire == "float16" else 2.0**-6
     np.testing.assert_allclose(total, x + y, rtol=eps, atol=eps * 4)
-    assert cls.allreduce_safe and not cls.unbiased
+    assert not cls.unbiased
+    assert cls.allreduce_safe == (wire == "float16")  # Horovod 0.28.1 cannot sum bf16
+
+
+def test_bf16_is_refused_over_allreduce_and_widened_sums_are_counted_wide():
+    """bf16 over allreduce would be summed as fp32 (32 bits on the wire for a 16-bit method), so
+    the pair is refused; a bf16 gradient sent uncompressed is summed as fp32 and counted so."""
+    from grace_dl import grace_from_params
+    from grace_dl.tensorflow.collectives import TFCollectives
+    from grace_dl.torch.collectives import TorchCollectives
+
+    with pytest.raises(ValueError, match="'bf16'.*'allgather'"):
+        grace_from_params({"compressor": "bf16", "communicator": "allreduce"})
+    grace_from_params({"compressor": "bf16", "communicator": "allgather"})
+    for dtype, nbytes_ in [("bfloat16", 40), ("float16", 20), ("float32", 40), ("int8", 40),
+                           ("float64", 80)]:
+        assert TorchCollectives().allreduce_nbytes(
+            torch.zeros(10, dtype=getattr(torch, dtype))) == nbytes_, dtype
+        assert int(TFCollectives().allreduce_nbytes(tf.zeros(10, dtype))) == nbytes_, dtype
 
 
 # ------------------------------------------------------------------ qsgd
@@ -121,6 +139,38 @@ def test_qsgd_draws_are_keyed_by_seed_name_and_step():
     comp = QSGDCompressor(quantum_num=3, seed=1)
     run(comp, x)
     assert not np.array_equal(first, run(comp, x)[1])  # step 2 draws afresh
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("cls", [QSGDCompressor, TernGradCompressor, NaturalCompressor])
+def test_dither_is_independent_across_ranks(cls, fw):
+    """Eight ranks quantizing the same tensor at the same step draw independent dither, so the
+    mean of their decompressed tensors is ~8x closer to the input than one rank's (with shared
+    dither all eight would decode identically). The rank is not configuration: it stays out of
+    ``config()``, which ranks compare before the first step."""
+    x = gaussian(4096, 11)
+    outs = []
+    for rank in range(8):
+        comp = cls()
+        comp.rank = rank
+        outs.append(run(comp, x, fw)[1])
+        assert comp.config() == cls().config()
+    assert not np.array_equal(outs[0], outs[1])
+    one = ((outs[0] - x) ** 2).sum()
+    mean = ((np.mean(outs, axis=0) - x) ** 2).sum()
+    assert mean < 0.3 * one
+
+
+def test_randomk_positions_do_not_depend_on_the_rank():
+    from grace_dl.compressors.randomk import RandomKCompressor
+
+    x = gaussian(1000, 12)
+    picks = []
+    for rank in range(3):
+        comp = RandomKCompressor(compress_ratio=0.05)
+        comp.rank = rank
+        picks.append(np.flatnonzero(run(comp, x)[1]))
+    assert all(np.array_equal(picks[0], p) for p in picks[1:])
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -1,5 +1,5 @@
 """The quantizers under real horovodrun / mpirun (2 ranks): what ``allgather`` (and, for the
-allreduce-safe fp16/bf16, ``allreduce``) returns equals a single-process replay of every rank's
+allreduce-safe fp16, ``allreduce``) returns equals a single-process replay of every rank's
 compress/decompress, on every rank, and the byte counters hold exactly the payloads: uint8 codes,
 int8/int16 values and 1-element scalars all cross Horovod as they are."""
 
@@ -23,6 +23,7 @@ def replay(params, mode, size):
     for step in range(STEPS):
         total, sent = 0.0, []
         for rank, comp in enumerate(comps):
+            comp.rank = rank
             payload, ctx = comp.compress(to_tensor(grad(rank, step)), "w")
             out = comp.decompress(payload, ctx)
             total = total + ops_for(out).to_numpy(out).astype(np.float64)

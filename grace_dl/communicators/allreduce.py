@@ -3,8 +3,10 @@ the collective is Horovod's ring allreduce, Sergeev & Del Balso 2018).
 
 Wire: one allreduce (sum) per payload part, named ``grace.<tensor>.p<i>``; each rank sends and
 receives 2 (N-1)/N of its payload's bytes (ring algorithm), which is what the byte counters
-record. Only for compressors whose payloads may be summed (``allreduce_safe``: none, fp16/bf16,
-randomk with shared indices, PowerSGD's P and Q). Exact for ``none``; otherwise as biased or
+record: a model of Horovod's ring, computed from the bytes the collectives really hand to it
+(a bf16 ``none`` payload is summed as fp32, so it counts 4 bytes an element). Only for
+compressors whose payloads may be summed (``allreduce_safe``: none, fp16, randomk with shared
+indices, PowerSGD's P and Q). Exact for ``none``; otherwise as biased or
 unbiased as the compressor.
 
 Multi-round compressors (``rounds > 1``, PowerSGD: Vogels et al. 2019): after the round-1
@@ -55,7 +57,8 @@ class Allreduce(Communicator):
         ops = ops_for(payload[0])
         pending = [coll.allreduce_async(part, self.wire_name(handle.name, f"{tag}{i}"))
                    for i, part in enumerate(payload)]
-        moved = wire.ring_allreduce_bytes(wire.nbytes(payload), coll.size())
+        moved = wire.ring_allreduce_bytes(sum(coll.allreduce_nbytes(p) for p in payload),
+                                          coll.size())
         wire.count(self, ops, handle.name, sent=moved, received=moved)
         return pending
 

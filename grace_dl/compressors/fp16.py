@@ -5,8 +5,11 @@ whatever the input dtype (fp32, fp64, or already 16-bit). Decompression casts ba
 dtype. Round-to-nearest, so not unbiased (bias below one 16-bit ulp); fp16 overflows to +-inf
 above 65504, bf16 keeps fp32's range with 8 mantissa bits.
 
-Allreduce-safe: 16-bit payloads from all ranks are summed on the wire (as Horovod's own
-``Compression.fp16``). Any 1-D chunk compresses independently (two-phase safe).
+fp16 is allreduce-safe: 16-bit payloads from all ranks are summed on the wire (as Horovod's own
+``Compression.fp16``). bf16 is not, on Horovod 0.28.1: its torch and TF allreduce refuse
+bfloat16 (measured), and summing it as float32 would put 32 bits on the wire, so bf16 travels by
+``allgather``, ``broadcast`` or ``twophase``, as a bit-exact int16 view: 16 bits. Any 1-D chunk
+compresses independently (two-phase safe).
 Reference: Micikevicius et al. 2018, "Mixed Precision Training"; Kalamkar et al. 2019,
 "A Study of BFLOAT16 for Deep Learning Training".
 """
@@ -54,3 +57,4 @@ class FP16Compressor(_HalfCompressor):
 @register_compressor("bf16")
 class BF16Compressor(_HalfCompressor):
     wire_dtype = "bfloat16"
+    allreduce_safe = False

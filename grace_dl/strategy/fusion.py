@@ -68,6 +68,9 @@ class GroupCollectives(Collectives):
     def rank(self) -> int:
         return self.inner.rank()
 
+    def allreduce_nbytes(self, tensor):
+        return self.inner.allreduce_nbytes(tensor)
+
     def allreduce_async(self, tensor, name: str):
         return self._call(_Call("allreduce", tensor, name))
 

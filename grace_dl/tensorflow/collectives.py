@@ -18,7 +18,8 @@ deadlock. Every input is therefore passed through a stateful, zero-copy pass-thr
 
 dtypes Horovod's TF ops lack travel as in ``grace_dl.torch.collectives``: ``bfloat16`` is
 moved as a bit-exact ``int16`` view, summed as ``float32``; ``int8``/``uint8``/``int16`` are summed
-as ``int32``; every result comes back in the dtype that went in.
+as ``int32``; every result comes back in the dtype that went in. A widened sum puts the wider
+type on the wire, and ``allreduce_nbytes`` says so to the byte counters.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ class TFCollectives(Collectives):
         out = hvd.allreduce(wire, op=hvd.Sum, name=op_name(name), process_set=self.process_set,
                             ignore_name_scope=True)
         return tf.cast(out, dt) if dt in _SUM_AS else out
+
+    def allreduce_nbytes(self, tensor):
+        from grace_dl.tensorflow import ops
+
+        return ops.numel(tensor) * _SUM_AS.get(tensor.dtype, tensor.dtype).size
 
     def allgather_async(self, tensor, name: str):
         wire, post = _move(tf.convert_to_tensor(tensor))

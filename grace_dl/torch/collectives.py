@@ -7,7 +7,9 @@ not take every dtype, so this layer carries the others without changing their me
 - ``allgather`` / ``broadcast`` / ``alltoall`` move bytes: ``bool`` travels as ``uint8`` and
   ``bfloat16`` as ``int16`` (a bit-exact view), and come back as they went.
 - ``allreduce`` sums: ``int8``/``uint8``/``int16`` are summed as ``int32`` and ``bfloat16`` as
-  ``float32``, then cast back once (so a bf16 sum is rounded once, not once per addition).
+  ``float32`` (Horovod 0.28.1 refuses to sum bf16), then cast back once (so a bf16 sum is
+  rounded once, not once per addition). The widened type is what crosses the wire, and what
+  ``allreduce_nbytes`` reports to the byte counters.
 
 Ranks and roots are relative to the process set, as ``size()``/``rank()`` are.
 """
@@ -72,6 +74,9 @@ class TorchCollectives(Collectives):
                              f"summable: {[str(d) for d in (*_SUMMABLE, *_SUM_AS)]}")
         handle = hvd.allreduce_async(wire, name=name, op=hvd.Sum, process_set=self.process_set)
         return _Pending(handle, post)
+
+    def allreduce_nbytes(self, tensor) -> int:
+        return tensor.numel() * _SUM_AS.get(tensor.dtype, tensor.dtype).itemsize
 
     def allgather_async(self, tensor, name: str):
         wire, post = _to_wire(tensor, _MOVE_AS)
