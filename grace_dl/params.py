@@ -17,9 +17,10 @@ import inspect
 from grace_dl.registry import lookup
 
 DEFAULTS = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
-# GRACE passed the world size explicitly; Horovod knows it, so the key is accepted and checked
-# against nothing else.
-IGNORED = {"world_size"}
+# Keys every pipeline accepts. GRACE passed the world size explicitly; Horovod knows it, so the
+# key is checked against nothing else. ``seed`` reaches the compressors that draw random numbers
+# and means nothing to deterministic ones, so one params dict can sweep over methods.
+IGNORED = {"world_size", "seed"}
 
 
 def _accepted(cls) -> set[str]:

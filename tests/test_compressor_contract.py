@@ -21,8 +21,6 @@ DTYPES = ["float32", "float16", "bfloat16", "float64"]
 # Methods that by design cannot carry a NaN/Inf of the input into their output.
 NO_NONFINITE_PROPAGATION = {
     "randomk": "sends only the seeded random positions, which need not hold the NaN/Inf",
-    "signsgd": "1-bit signs with no scale: there is no code for NaN",
-    "signum": "1-bit signs of the momentum with no scale: there is no code for NaN",
 }
 
 

@@ -42,6 +42,28 @@ def test_out_of_range_value_is_named():
         grace_from_params({"memory": "residual", "gamma": 0})
 
 
+def test_seed_reaches_random_compressors_and_every_pipeline_accepts_it():
+    assert grace_from_params({"compressor": "qsgd", "communicator": "allgather",
+                              "seed": 3}).compressor.seed == 3
+    assert grace_from_params({"compressor": "randomk", "compress_ratio": 0.1,
+                              "seed": 4}).compressor.seed == 4
+    grace_from_params({"compressor": "none", "seed": 3, "world_size": 2})  # nothing to seed
+
+
+def test_residual_memory_scales_the_residual_by_beta_and_the_gradient_by_gamma():
+    grc = grace_from_params({"compressor": "topk", "compress_ratio": 0.25, "memory": "residual",
+                             "communicator": "allgather", "beta": 0.5, "gamma": 2.0})
+    comp, mem = grc.compressor, grc.memory
+    g = [torch.tensor([4.0, -1.0, 0.5, 2.0]), torch.tensor([0.0, 3.0, -2.0, 1.0])]
+    x1 = mem.compensate(g[0], "w")
+    assert torch.equal(x1, 2.0 * g[0])  # no residual yet
+    payload, ctx = comp.compress(x1, "w")
+    mem.update(x1, "w", comp, payload, ctx)
+    residual = x1 - comp.decompress(payload, ctx)  # top-1 of 4 kept: 8.0
+    assert torch.equal(residual, torch.tensor([0.0, -2.0, 1.0, 4.0]))
+    assert torch.equal(mem.compensate(g[1], "w"), 0.5 * residual + 2.0 * g[1])
+
+
 def test_params_must_be_a_dict():
     with pytest.raises(ValueError, match="params must be a dict"):
         grace_from_params(["compressor", "none"])
