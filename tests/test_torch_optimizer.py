@@ -101,6 +101,15 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, words):
         assert word in str(err.value)
 
 
+def test_grace_on_a_process_set_needs_the_optimizer_on_it_too():
+    import grace_dl.torch.horovod as hvd
+
+    grc = grace_from_params(dict(NONE))
+    grc.process_set = hvd.ProcessSet([0])
+    with pytest.raises(ValueError, match="process_set"):
+        hvd.DistributedOptimizer(_sgd(), grace=grc)
+
+
 def test_grace_needs_a_communicator_and_no_horovod_compression():
     import grace_dl.torch.horovod as hvd
 
@@ -229,6 +238,13 @@ def test_process_set_is_passed_to_the_communicator(ranks):
         assert res["ps_attached"]
         _close(res["ps_grace"], res["ps_hvd"], rtol=1e-6, atol=1e-7)
     assert [res["ps_grace_steps"] for res in ranks] == [3, 0]   # rank 1 is outside the set
+
+
+@pytest.mark.multiproc
+def test_groups_are_ignored_with_a_warning(ranks):
+    for res in ranks:
+        assert any("groups=2 is ignored with grace=" in w for w in res["groups_warning"])
+        _equal(res["groups_grace"], res["none_pipeline"])
 
 
 @pytest.mark.multiproc

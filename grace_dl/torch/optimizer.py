@@ -24,9 +24,11 @@ What differs from Horovod, and why:
   before it enters the grace pipeline (memory, compressor, wire) and the aggregate by ``f``
   after ``receive`` (which already divides by the number of ranks). Error-feedback state thus
   lives in the pre-divided scale, exactly as Horovod's prescale/postscale factors wrap its sum.
-* ``num_groups``/``groups`` are validated as Horovod validates them, but with ``grace`` every
-  tensor is its own pipeline (compressors work per tensor; a fused buffer would mix their
-  statistics); fusion of small tensors is Horovod's tensor fusion's job.
+* ``num_groups``/``groups`` are validated as Horovod validates them, then ignored with a
+  ``UserWarning``: with ``grace`` every tensor is its own pipeline (compressors work per tensor;
+  a fused buffer would mix their statistics). A strategy's fusion ``group``
+  (``grace_dl.strategy``) fuses payloads explicitly; otherwise Horovod's tensor fusion batches
+  the small collectives.
 * Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
   a sparse gradient raises ``ValueError`` rather than silently skipping compression.
 * Collectives are named after the parameters (``named_parameters``, else Horovod's
@@ -119,6 +121,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
         if groups is None:
             groups = num_groups
     _check_groups(groups)
+    if groups is not None:
+        warnings.warn(f"groups={groups!r} is ignored with grace=: every tensor is its own grace "
+                      f"pipeline; to fuse payloads of several tensors into one collective use a "
+                      f"strategy's fusion group (grace_dl.strategy)", UserWarning, stacklevel=2)
     _attach_process_set(grace, process_set, hvd)
 
     cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
@@ -165,6 +171,11 @@ def _attach_process_set(grace, process_set, hvd) -> None:
     """The communicator runs its collectives on the optimizer's process set."""
     current = getattr(grace, "process_set", None)
     if process_set is hvd.global_process_set:
+        if current is not None and current is not hvd.global_process_set:
+            raise ValueError(f"grace communicator uses process_set={current}, but the optimizer "
+                             f"was given the global process set: every rank would start "
+                             f"collectives of a set it may not belong to; pass "
+                             f"process_set={current} to DistributedOptimizer too")
         return
     if current is not None and current is not process_set \
             and current is not hvd.global_process_set:

@@ -128,6 +128,13 @@ out["ps_grace"] = C.params(m)
 out["ps_grace_steps"] = len(grc.bytes.steps)
 out["ps_attached"] = grc.process_set is RANK0
 
+# 8b. groups= with grace: validated, then ignored with a UserWarning; training is unchanged.
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    m = run(NONE, groups=2)[0]
+out["groups_warning"] = [str(w.message) for w in caught if w.category is UserWarning]
+out["groups_grace"] = C.params(m)
+
 # 9. zero_grad() between backward() and step() is refused, as in Horovod.
 model = C.make_model()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
