@@ -11,8 +11,9 @@ matrix). Each time is the median of ``--repeats`` runs after one warm-up; "x cop
 <= 3 for every quantizer; "x memcpy" divides by a copy into a buffer allocated once, i.e. one
 pass over memory with no page faults (torch's CPU allocator maps a fresh 64 MB buffer for every
 16M clone, so the plain copy's time swings with page faults; TF's allocator reuses memory, so
-there the two baselines are alike). A compressor whose module is not importable is reported as missing. The table is
-written to benchmarks/results/compressors.md (or ``--out``) with the machine, versions and date.
+there the two baselines are alike). A compressor whose module is not importable is reported as
+missing. The table is written to benchmarks/results/compressors.md (or ``--out``) with the
+machine, versions and date.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Every random draw is keyed by ``(seed, tensor name, step)``: the same key gives the same numbers
 on every rank, in torch and in TensorFlow, whatever order tensors are compressed in. Draws that
 must *differ* across ranks (the dither of unbiased quantizers, whose noise should average out
-over workers) add a ``stream``, the rank. Nothing here touches a global RNG. Draws are made with NumPy (SFC64) and handed to the framework backend, so
-torch and TF see bit-identical random streams.
+over workers) add a ``stream``, the rank. Nothing here touches a global RNG. Draws are made with
+NumPy (SFC64) and handed to the framework backend, so torch and TF see bit-identical random
+streams.
 """
 
 from __future__ import annotations
