@@ -25,7 +25,7 @@ def generator(seed: int, name: str, step: int, stream: int = 0) -> np.random.Gen
     any other stream is independent of it and of every other stream.
 
     SFC64 (a small chaotic counter generator that passes BigCrush) seeded through NumPy's
-    SeedSequence from the three parts of the key: it draws float32 uniforms ~1.5x faster than
+    SeedSequence from the parts of the key: it draws float32 uniforms ~1.5x faster than
     Philox here (29 vs 43 ms for 16M), and the draw is on every stochastic quantizer's hot path.
     """
     h = stable_hash(name)
