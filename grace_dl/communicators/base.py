@@ -102,9 +102,9 @@ class Communicator(ABC):
         return check_op(op)
 
     # ------------------------------------------------------------------ the async pair
-    def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
+    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
         op = self.check_op(op)
-        coll = self.collectives(tensor)
+        coll = self.collectives(tensor) if collectives is None else collectives
         self.compressor.rank = coll.rank()
         payload, ctx, compensated = self.encode(tensor, name)
         handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=coll,
@@ -132,9 +132,9 @@ class Communicator(ABC):
         framework glue calls it once per optimizer step."""
         return self.bytes.end_step()
 
-    def synchronize(self, tensor, name: str, op: str = AVERAGE):
+    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
         """``receive(send(...))``: the blocking form."""
-        return self.receive(self.send(tensor, name, op))
+        return self.receive(self.send(tensor, name, op, collectives))
 
     def collectives(self, tensor):
         """The collectives ``tensor``'s payloads travel on: Horovod's, for its framework and

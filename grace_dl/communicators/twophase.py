@@ -77,9 +77,9 @@ class TwoPhase(Communicator):
         return None
 
     # ------------------------------------------------------------------ phase 1
-    def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
+    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
         op = self.check_op(op)
-        coll = self.collectives(tensor)
+        coll = self.collectives(tensor) if collectives is None else collectives
         ops = ops_for(tensor)
         numel = ops.numel(tensor)
         if not isinstance(numel, int):

@@ -242,7 +242,7 @@ class StrategyDispatcher:
     def check_op(self, op: str) -> str:
         return check_op(op)
 
-    def send(self, tensor, name: str, op: str = AVERAGE) -> Handle:
+    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
         op = self.check_op(op)
         route = self.route(name)
         ops = ops_for(tensor)
@@ -260,10 +260,10 @@ class StrategyDispatcher:
         group = self._groups[route.group]
         comm = route.comm
         if _own_send(comm):
-            handle = comm.send(tensor, name, op)
+            handle = comm.send(tensor, name, op, collectives)
             self._outstanding[name] = handle
             return handle
-        coll = collectives_for(tensor, self._process_set)
+        coll = collectives_for(tensor, self._process_set) if collectives is None else collectives
         comm.compressor.rank = coll.rank()
         payload, ctx, compensated = comm.encode(tensor, name)
         handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=None,
@@ -282,8 +282,8 @@ class StrategyDispatcher:
             self._drain()
         return handle.extra.pop("result")
 
-    def synchronize(self, tensor, name: str, op: str = AVERAGE):
-        return self.receive(self.send(tensor, name, op))
+    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
+        return self.receive(self.send(tensor, name, op, collectives))
 
     def end_step(self) -> dict:
         return self.bytes.end_step()
