@@ -53,6 +53,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "allgather": "grace_dl.communicators.allgather",
         "broadcast": "grace_dl.communicators.broadcast",
         "twophase": "grace_dl.communicators.twophase",
+        "ps": "grace_dl.communicators.ps",
     },
 }
 

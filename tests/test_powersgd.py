@@ -415,14 +415,15 @@ def test_bad_layout_is_rejected():
 
 
 def test_memory_refuses_a_multi_round_compressor_it_cannot_split():
-    class TwoRounds(PowerSGDCompressor):
-        local_share = None
+    """At construction: a multi-round compressor without its own ``local_share``."""
+    from grace_dl.communicators.allreduce import Allreduce
+    from grace_dl.compressors.base import Compressor
 
-    comp = TwoRounds()
-    x = torch.ones(8, 8)
-    payload, ctx = comp.compress(x, "t")
+    class TwoRounds(PowerSGDCompressor):
+        local_share = Compressor.local_share
+
     with pytest.raises(ValueError, match="needs a compressor with local_share"):
-        PowerSGDMemory().update(x, "t", comp, payload, ctx)
+        Allreduce(TwoRounds(), PowerSGDMemory())
 
 
 def test_memory_is_plain_error_feedback_for_a_single_round_compressor():

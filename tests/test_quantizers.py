@@ -11,6 +11,7 @@ import tensorflow as tf
 import torch
 
 from grace_dl.backend import ops_for
+from grace_dl.compressors.base import Call
 from grace_dl.compressors.buckets import bucketize
 from grace_dl.compressors.fp16 import BF16Compressor, FP16Compressor
 from grace_dl.compressors.inceptionn import InceptionnCompressor
@@ -33,8 +34,8 @@ def to_np(t):
     return np.asarray(ops_for(t).to_numpy(t), np.float64)
 
 
-def run(comp, x, fw="torch", name="w", dtype="float32"):
-    payload, ctx = comp.compress(to_fw(x, fw, dtype), name)
+def run(comp, x, fw="torch", name="w", dtype="float32", rank=0):
+    payload, ctx = comp.compress(to_fw(x, fw, dtype), name, Call(rank=rank))
     return payload, to_np(comp.decompress(payload, ctx))
 
 
@@ -146,14 +147,13 @@ def test_qsgd_draws_are_keyed_by_seed_name_and_step():
 def test_dither_is_independent_across_ranks(cls, fw):
     """Eight ranks quantizing the same tensor at the same step draw independent dither, so the
     mean of their decompressed tensors is ~8x closer to the input than one rank's (with shared
-    dither all eight would decode identically). The rank is not configuration: it stays out of
-    ``config()``, which ranks compare before the first step."""
+    dither all eight would decode identically). The rank is not configuration: it reaches
+    ``compress`` as its ``Call`` argument and stays out of ``config()``."""
     x = gaussian(4096, 11)
     outs = []
     for rank in range(8):
         comp = cls()
-        comp.rank = rank
-        outs.append(run(comp, x, fw)[1])
+        outs.append(run(comp, x, fw, rank=rank)[1])
         assert comp.config() == cls().config()
     assert not np.array_equal(outs[0], outs[1])
     one = ((outs[0] - x) ** 2).sum()
@@ -168,8 +168,7 @@ def test_randomk_positions_do_not_depend_on_the_rank():
     picks = []
     for rank in range(3):
         comp = RandomKCompressor(compress_ratio=0.05)
-        comp.rank = rank
-        picks.append(np.flatnonzero(run(comp, x)[1]))
+        picks.append(np.flatnonzero(run(comp, x, rank=rank)[1]))
     assert all(np.array_equal(picks[0], p) for p in picks[1:])
 
 

@@ -12,6 +12,7 @@ from workers.quantizers_allgather import COMMUNICATORS, CONFIGS, SHAPE, STEPS, g
 import mp
 from grace_dl import grace_from_params
 from grace_dl.backend import ops_for
+from grace_dl.compressors.base import Call
 
 
 def replay(params, mode, size):
@@ -23,8 +24,7 @@ def replay(params, mode, size):
     for step in range(STEPS):
         total, sent = 0.0, []
         for rank, comp in enumerate(comps):
-            comp.rank = rank
-            payload, ctx = comp.compress(to_tensor(grad(rank, step)), "w")
+            payload, ctx = comp.compress(to_tensor(grad(rank, step)), "w", Call(rank, size))
             out = comp.decompress(payload, ctx)
             total = total + ops_for(out).to_numpy(out).astype(np.float64)
             sent.append(sum(int(ops_for(p).nbytes(p)) for p in payload))

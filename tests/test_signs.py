@@ -388,12 +388,11 @@ def test_efsignsgd_first_step_applies_lr_and_aggregate_divides_by_it(fw):
 
 
 def test_efsignsgd_memory_refuses_a_compressor_with_another_lr():
+    """At construction, naming both learning rates."""
     comp = lookup("compressor", "efsignsgd")(lr=0.1)
     mem = lookup("memory", "efsignsgd")(lr=0.2)
-    p = mem.compensate(torch.ones(3), "w")
-    payload, ctx = comp.compress(p, "w")
-    with pytest.raises(ValueError, match="lr=0.2 but its compressor"):
-        mem.update(p, "w", comp, payload, ctx)
+    with pytest.raises(ValueError, match="lr=0.2 but its compressor .* lr=0.1"):
+        lookup("communicator", "allgather")(comp, mem)
 
 
 def test_efsignsgd_memory_checkpoint_round_trip():

@@ -102,18 +102,22 @@ def test_bad_strategies_raise_at_construction(text, match):
         from_strategy(from_text(text))
 
 
-def test_groups_must_be_homogeneous_and_fusable():
+def test_groups_must_be_homogeneous():
     with pytest.raises(ValueError, match="group 0 mixes pipelines: 'a' has "
                                          "topk.*'b' has none"):
         from_strategy(_strategy(("a", (4,), TOPK, 0), ("b", (4,), {}, 0)))
+
+
+def test_twophase_fuses_and_rides_ring_like_any_communicator():
+    """Two-phase's later phases are ordinary phases of the one send path, so a group of
+    two-phase nodes fuses (its gathers go out at once, its all-to-alls unfused) and spec RING
+    moves its payloads through host memory."""
     twophase = {"communicator": "twophase"}
-    with pytest.raises(ValueError, match="starts its own collectives and cannot be fused"):
-        from_strategy(_strategy(("a", (4,), twophase, 0), ("b", (4,), twophase, 0)))
+    grc = from_strategy(_strategy(("a", (4,), twophase, 0), ("b", (4,), twophase, 0)))
+    assert grc.communicator("a").fusion.groups == {"g0": ["a", "b"]}
     s = _strategy(("a", (4,), twophase, 0))
     s.node_config[0].AllReduceSynchronizer.spec = strategy_pb2.AllReduceSynchronizer.RING
-    with pytest.raises(ValueError, match="spec RING cannot move"):
-        from_strategy(s)
-    from_strategy(_strategy(("a", (4,), twophase, 0), ("b", (4,), twophase, 1)))
+    from_strategy(s)
 
 
 def test_ps_destination_by_replica_name():

@@ -16,17 +16,31 @@ aggregation (sum, or majority vote for signs) runs in rank order, so all ranks g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import Communicator, Handle
+from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase
 from grace_dl.registry import register_communicator
 
 
 def gather_rounds_refusal(compressor) -> str | None:
-    if getattr(compressor, "rounds", 1) > 1:
+    if compressor.rounds > 1:
         return (f"it needs {compressor.rounds} rounds whose later payloads depend on the "
                 f"reduced earlier ones (rounds > 1)")
     return None
+
+
+@dataclass
+class Gathering(Phase):
+    """The payload parts' allgathers (and, for ragged payloads, the lengths' one) in flight."""
+
+    parts: list
+    lengths: Any
+    shapes: list
+    numels: list
+    sent: Any
 
 
 @register_communicator("allgather")
@@ -36,10 +50,10 @@ class Allgather(Communicator):
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
         return gather_rounds_refusal(compressor)
 
-    def _start(self, payload, handle: Handle):
+    def issue(self, encoded: Encoded, handle: Handle) -> Gathering:
         coll = handle.coll
-        ops = ops_for(payload[0])
-        flats, shapes = wire.flatten(payload)
+        ops = ops_for(encoded.payload[0])
+        flats, shapes = wire.flatten(encoded.payload)
         sent = wire.nbytes(flats)
         lengths = None
         if not self.compressor.equal_sizes:
@@ -49,28 +63,21 @@ class Allgather(Communicator):
         parts = [coll.allgather_async(f, self.wire_name(handle.name, f"p{i}"))
                  for i, f in enumerate(flats)]
         wire.count(self, ops, handle.name, sent=sent)
-        return {"parts": parts, "lengths": lengths, "shapes": shapes,
-                "numels": [ops.numel(f) for f in flats], "sent": sent}
+        return Gathering(parts, lengths, shapes, [ops.numel(f) for f in flats], sent)
 
-    def _finish(self, handle: Handle):
+    def complete(self, phase: Gathering, handle: Handle):
         coll = handle.coll
-        pending = handle.pending
         size = coll.size()
-        gathered = [coll.synchronize(h) for h in pending["parts"]]
+        gathered = [coll.synchronize(h) for h in phase.parts]
         ops = ops_for(gathered[0])
-        if pending["lengths"] is None:
-            pieces = [ops.split(g, [n] * size) for g, n in zip(gathered, pending["numels"])]
-            received = pending["sent"] * (size - 1)
+        if phase.lengths is None:
+            pieces = [ops.split(g, [n] * size) for g, n in zip(gathered, phase.numels)]
+            received = phase.sent * (size - 1)
         else:
-            lengths = ops.reshape(coll.synchronize(pending["lengths"]), (size, len(gathered)))
+            lengths = ops.reshape(coll.synchronize(phase.lengths), (size, len(gathered)))
             by_part = ops.transpose(lengths)
             pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
-            received = wire.nbytes(gathered) + ops.nbytes(lengths) - pending["sent"]
+            received = wire.nbytes(gathered) + ops.nbytes(lengths) - phase.sent
         wire.count(self, ops, handle.name, received=received)
-        equal = self.compressor.equal_sizes
-        decompressed = [
-            self.compressor.decompress(
-                [wire.unflatten(p[r], s, equal) for p, s in zip(pieces, pending["shapes"])],
-                handle.ctx)
-            for r in range(size)]
-        return self.compressor.aggregate(decompressed)
+        return self.compressor.aggregate(
+            wire.decompress_each(self, pieces, phase.shapes, handle, size))

@@ -12,33 +12,30 @@ unbiased as the compressor.
 Multi-round compressors (``rounds > 1``, PowerSGD: Vogels et al. 2019): after the round-1
 payload is reduced, ``compressor.next_round(reduced, ctx)`` gives the next payload to reduce
 (named ``grace.<tensor>.r<k>p<i>``) until it returns ``None``; the final reduced payload is
-decompressed. The memory is then updated with that **reduced** payload, through a view of the
-compressor whose ``decompress`` divides by the number of ranks: the residual is the compensated
-local tensor minus the ranks' *average* approximation (M - P Q^T with the reduced, averaged
-P and Q), as in PyTorch's ``powerSGD_hook``.
+decompressed. Each later round is a phase of its own, started inside ``receive``. The memory is
+then updated with the **reduced** payload: the approximation it gets is the ranks' *average*
+(M - P Q^T with the reduced, averaged P and Q, as in PyTorch's ``powerSGD_hook``), and the
+``powersgd`` memory takes this rank's own share from ``compressor.local_share``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import Communicator, Handle
+from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase
 from grace_dl.registry import register_communicator
 
 
-class _Averaged:
-    """``compressor`` seen by the memory after a multi-round reduction: ``decompress`` of a
-    summed payload gives the mean over ranks; every other attribute is the compressor's."""
+@dataclass
+class Reducing(Phase):
+    """Round ``round``'s allreduces in flight, with the ctx that decompresses their sum."""
 
-    def __init__(self, compressor, size: int):
-        self._compressor = compressor
-        self._size = size
-
-    def decompress(self, payload, ctx):
-        return self._compressor.decompress(payload, ctx) / self._size
-
-    def __getattr__(self, attr):
-        return getattr(self._compressor, attr)
+    parts: list
+    ctx: Any
+    round: int = 1
 
 
 @register_communicator("allreduce")
@@ -46,13 +43,13 @@ class Allreduce(Communicator):
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
-        if not getattr(compressor, "allreduce_safe", False):
+        if not compressor.allreduce_safe:
             return "its payloads cannot be summed on the wire (allreduce_safe is False)"
-        if not getattr(compressor, "equal_sizes", True):
+        if not compressor.equal_sizes:
             return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
-    def _reduce(self, payload, handle: Handle, tag: str):
+    def _reduce(self, payload, handle: Handle, tag: str) -> list:
         coll = handle.coll
         ops = ops_for(payload[0])
         pending = [coll.allreduce_async(part, self.wire_name(handle.name, f"{tag}{i}"))
@@ -62,22 +59,20 @@ class Allreduce(Communicator):
         wire.count(self, ops, handle.name, sent=moved, received=moved)
         return pending
 
-    def _start(self, payload, handle: Handle):
-        return self._reduce(payload, handle, "p")
+    def issue(self, encoded: Encoded, handle: Handle) -> Reducing:
+        return Reducing(self._reduce(encoded.payload, handle, "p"), encoded.ctx)
 
-    def _finish(self, handle: Handle):
+    def complete(self, phase: Reducing, handle: Handle):
         coll = handle.coll
-        reduced = [coll.synchronize(h) for h in handle.pending]
-        ctx = handle.ctx
-        rnd = 1
-        while True:
-            step = self.compressor.next_round(reduced, ctx)
-            if step is None:
-                break
+        reduced = [coll.synchronize(h) for h in phase.parts]
+        step = self.compressor.next_round(reduced, phase.ctx)
+        if step is not None:
             payload, ctx = step
-            rnd += 1
-            reduced = [coll.synchronize(h) for h in self._reduce(payload, handle, f"r{rnd}p")]
+            rnd = phase.round + 1
+            return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
+        out = self.compressor.decompress(reduced, phase.ctx)
         if self.compressor.rounds > 1:
-            self.memory.update(handle.extra["compensated"], handle.name,
-                               _Averaged(self.compressor, coll.size()), reduced, ctx)
-        return self.compressor.decompress(reduced, ctx)
+            average = out / coll.size() if self.memory.needs_approximation else None
+            self.memory.update(handle.encoded.compensated, handle.name, self.compressor, reduced,
+                               phase.ctx, average)
+        return out

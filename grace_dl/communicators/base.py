@@ -1,24 +1,41 @@
 """The ``Communicator`` abstraction: one compressor, one memory, one way of moving payloads.
 
-``send(tensor, name)`` compensates with the memory, compresses, updates the memory and *starts*
-the collectives (it returns at once with a handle, so communication overlaps the rest of the
-backward pass); ``receive(handle)`` waits, decompresses, aggregates and averages. The object
-returned by ``grace_from_params`` is a communicator: it is what ``grace=`` takes.
+Every tensor takes the same path, and only this class defines it:
+
+1. **encode** (``send``): the memory compensates the gradient, the compressor compresses it
+   (``compress``), and, for single-round methods, the memory is updated once with the local
+   approximation (``approximate``, computed here once and reused).
+2. **issue** (``send``): the subclass starts its collectives on a ``Collectives`` and returns
+   its typed in-flight state, a ``Phase``. Members of a fusion group are held until the whole
+   group is encoded and then issued together on one ``GroupCollectives`` (``fuse``).
+3. **complete** (``receive``): the subclass waits, decompresses and aggregates, or starts
+   further collectives and returns the next ``Phase`` (two-phase's gather, PowerSGD's later
+   rounds, the PS broadcast); ``receive`` runs phases until a tensor comes out, then averages.
+
+``send`` returns at once with a ``Handle``, so communication overlaps the rest of the backward
+pass. The object returned by ``grace_from_params`` is a communicator: it is what ``grace=``
+takes (``grace_dl.contracts.Grace``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from grace_dl.backend import collectives_for, ops_for
+from grace_dl.backend import collectives_for
 from grace_dl.communicators import wire
+from grace_dl.compressors.base import Call
+from grace_dl.counters import ByteCounter
 
 AVERAGE = "average"
 SUM = "sum"
 OPS = (AVERAGE, SUM)
+
+__all__ = ["AVERAGE", "SUM", "OPS", "ByteCounter", "Communicator", "Encoded", "Handle", "Phase",
+           "Ready", "check_op", "fingerprint_of"]
 
 
 def check_op(op: str) -> str:
@@ -28,66 +45,74 @@ def check_op(op: str) -> str:
     return op
 
 
+def fingerprint_of(config: dict) -> str:
+    """A short digest of a configuration dictionary (what ranks compare)."""
+    text = json.dumps(config, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Encoded:
+    """One tensor after encode: the payload that travels and what stays on this rank."""
+
+    name: str
+    payload: list
+    ctx: Any
+    compensated: Any
+    call: Call
+    #: what this rank counts as sent (None until known: multi-round methods, no memory)
+    approximation: Any = None
+
+
+class Phase:
+    """In-flight state of one tensor's exchange. Each communicator defines its phases as
+    dataclasses deriving from this; ``complete`` turns one into the next or into a tensor."""
+
+
+@dataclass
+class Ready(Phase):
+    """Nothing left to wait for: ``value`` is the aggregated (summed) tensor."""
+
+    value: Any
+
+
 @dataclass
 class Handle:
     """What ``send`` gives back; pass it to ``receive``."""
 
     name: str
     op: str
-    ctx: Any
-    pending: Any          # the subclass's in-flight collectives
-    coll: Any             # the Collectives the tensor travels on
-    extra: dict = field(default_factory=dict)
-
-
-class ByteCounter:
-    """Bytes a communicator really moved for this rank: per tensor name and per step.
-
-    ``sent`` counts what this rank puts on the wire, ``received`` what it gets back from
-    the others (its own contribution excluded). ``end_step`` closes a step."""
-
-    def __init__(self):
-        self.sent = defaultdict(int)
-        self.received = defaultdict(int)
-        self.steps: list[dict] = []
-
-    def add(self, name: str, sent: int = 0, received: int = 0) -> None:
-        self.sent[name] += int(sent)
-        self.received[name] += int(received)
-
-    def end_step(self) -> dict:
-        summary = {"sent": sum(self.sent.values()), "received": sum(self.received.values()),
-                   "per_tensor": {k: (self.sent[k], self.received[k]) for k in self.sent}}
-        self.steps.append(summary)
-        self.sent.clear()
-        self.received.clear()
-        return summary
-
-    def reset(self) -> None:
-        self.sent.clear()
-        self.received.clear()
-        self.steps.clear()
+    coll: Any                       # the Collectives the tensor travels on
+    encoded: Encoded
+    phase: Phase | None = None      # None while held for its fusion group
+    received: bool = field(default=False)
 
 
 class Communicator(ABC):
-    """Base of every communicator. Subclasses implement ``_start`` and ``_finish`` and may
-    restrict the compressors they carry by overriding ``check_compressor``."""
+    """Base of every communicator. Subclasses implement ``issue`` and ``complete`` (and may
+    override ``compress``/``approximate`` to change what one payload is, as two-phase does)
+    and restrict the compressors they carry by overriding ``refusal``."""
 
     #: registry name, set by ``register_communicator``
     name: str = ""
 
     def __init__(self, compressor, memory, process_set=None):
         self.check_compressor(compressor)
+        reason = memory.refusal(compressor)
+        if reason is not None:
+            raise ValueError(f"memory {getattr(memory, 'registry_name', type(memory).__name__)!r}"
+                             f" cannot serve compressor {wire.describe(compressor)}: {reason}")
         self.compressor = compressor
         self.memory = memory
         self.process_set = process_set
         self.bytes = ByteCounter()
+        self.fusion = None
 
     # ------------------------------------------------------------------ compatibility
     @classmethod
     def refusal(cls, compressor) -> str | None:
-        """Why this communicator cannot carry ``compressor`` (None when it can). Subclasses
-        that restrict what they carry override this one method."""
+        """Why this communicator cannot carry ``compressor`` (None when it can). The one
+        method a subclass overrides to restrict what it carries."""
         return None
 
     @classmethod
@@ -101,66 +126,95 @@ class Communicator(ABC):
     def check_op(self, op: str) -> str:
         return check_op(op)
 
+    # ------------------------------------------------------------------ fusion
+    def fuse(self, groups) -> None:
+        """Carry the payloads of each group's tensors in one collective per (kind, dtype) per
+        step. ``groups``: lists of tensor names, or ``{label: names}``; tensors in no group
+        travel alone (``grace_dl.communicators.fusion``)."""
+        from grace_dl.communicators.fusion import Fusion
+
+        self.fusion = Fusion(groups) if groups else None
+
     # ------------------------------------------------------------------ the async pair
     def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
+        """Encode ``tensor`` and start its collectives (on ``collectives``, or Horovod's for
+        its framework and this communicator's process set); returns at once."""
         op = self.check_op(op)
         coll = self.collectives(tensor) if collectives is None else collectives
-        self.compressor.rank = coll.rank()
-        payload, ctx, compensated = self.encode(tensor, name)
-        handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=coll,
-                        extra={"compensated": compensated})
-        handle.pending = self._start(payload, handle)
+        handle = Handle(name=name, op=op, coll=coll,
+                        encoded=self.encode(tensor, name, Call(coll.rank(), coll.size())))
+        if self.fusion is not None and self.fusion.holds(name):
+            self.fusion.hold(self, handle)
+        else:
+            handle.phase = self.issue(handle.encoded, handle)
         return handle
 
-    def encode(self, tensor, name: str):
-        """Error-compensate, compress and update the memory: (payload, ctx, compensated).
-        For multi-round compressors the memory is updated in ``_finish`` instead."""
-        compensated = self.memory.compensate(tensor, name)
-        payload, ctx = self.compressor.compress(compensated, name)
-        if self.compressor.rounds == 1:
-            self.memory.update(compensated, name, self.compressor, payload, ctx)
-        return payload, ctx, compensated
-
     def receive(self, handle: Handle):
-        out = self._finish(handle)
+        """Wait for ``handle``'s exchange and return the aggregated tensor (divided by the
+        number of ranks for ``op="average"`` when the compressor averages)."""
+        if handle.received:
+            raise ValueError(f"handle for {handle.name!r} was already received")
+        if handle.phase is None:
+            self.fusion.flush(self, handle.name)
+        out = handle.phase
+        while isinstance(out, Phase):
+            out = out.value if isinstance(out, Ready) else self.complete(out, handle)
+        handle.phase, handle.received = None, True
         if handle.op == AVERAGE and self.compressor.average:
             out = out / handle.coll.size()
         return out
+
+    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
+        """``receive(send(...))``: the blocking form."""
+        return self.receive(self.send(tensor, name, op, collectives))
 
     def end_step(self) -> dict:
         """Close a training step in the byte counters; returns that step's summary. The
         framework glue calls it once per optimizer step."""
         return self.bytes.end_step()
 
-    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
-        """``receive(send(...))``: the blocking form."""
-        return self.receive(self.send(tensor, name, op, collectives))
-
     def collectives(self, tensor):
-        """The collectives ``tensor``'s payloads travel on: Horovod's, for its framework and
-        this communicator's process set. A subclass or a dispatcher may route them elsewhere
-        (a fused group, a host copy) by overriding this one method."""
+        """The collectives ``tensor``'s payloads travel on when ``send`` is given none:
+        Horovod's, for its framework and this communicator's process set."""
         return collectives_for(tensor, self.process_set)
 
+    # ------------------------------------------------------------------ phase 1: encode
+    def encode(self, tensor, name: str, call: Call) -> Encoded:
+        """Compensate, compress, and (single-round methods) update the memory once."""
+        compensated = self.memory.compensate(tensor, name)
+        payload, ctx = self.compress(compensated, name, call)
+        encoded = Encoded(name, payload, ctx, compensated, call)
+        if self.compressor.rounds == 1:
+            if self.memory.needs_approximation:
+                encoded.approximation = self.approximate(encoded)
+            self.memory.update(compensated, name, self.compressor, payload, ctx,
+                               encoded.approximation)
+        return encoded
+
+    def compress(self, compensated, name: str, call: Call):
+        """``(payload, ctx)`` for one tensor; two-phase compresses chunk by chunk."""
+        return self.compressor.compress(compensated, name, call)
+
+    def approximate(self, encoded: Encoded):
+        """This rank's own payload decompressed: what its error feedback counts as sent."""
+        return self.compressor.decompress(encoded.payload, encoded.ctx)
+
+    # ------------------------------------------------------------------ phases 2 and 3
     @abstractmethod
-    def _start(self, payload, handle: Handle):
-        """Start the collectives for ``payload``; return what ``_finish`` needs."""
+    def issue(self, encoded: Encoded, handle: Handle) -> Phase:
+        """Start the collectives for ``encoded`` on ``handle.coll``; return the phase
+        ``complete`` continues from."""
 
     @abstractmethod
-    def _finish(self, handle: Handle):
-        """Wait for the collectives and return the aggregated (summed) tensor."""
+    def complete(self, phase: Phase, handle: Handle):
+        """Wait for ``phase``'s collectives; return the next ``Phase`` (after starting its
+        collectives) or the aggregated, summed tensor."""
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def wire_name(name: str, part: str) -> str:
         """Collective name for one piece of one tensor's traffic."""
         return f"grace.{name}.{part}"
-
-    def count(self, name: str, tensors, sent: bool = True, received_from: int = 0) -> None:
-        """Add ``tensors``' bytes to the counters: as sent, and/or as received from
-        ``received_from`` other ranks."""
-        n = sum(int(ops_for(t).nbytes(t)) for t in tensors) if tensors else 0
-        self.bytes.add(name, sent=n if sent else 0, received=n * received_from)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
@@ -172,19 +226,18 @@ class Communicator(ABC):
 
     def config(self) -> dict:
         """Everything that must agree across ranks (see ``fingerprint``)."""
-        return {"communicator": self.name or type(self).__name__,
-                "compressor": type(self.compressor).__name__, **{
-                    f"compressor.{k}": v for k, v in self.compressor.config().items()},
-                "memory": type(self.memory).__name__, **{
-                    f"memory.{k}": v for k, v in self.memory.config().items()}}
+        config = {"communicator": self.name or type(self).__name__,
+                  "compressor": type(self.compressor).__name__,
+                  **{f"compressor.{k}": v for k, v in self.compressor.config().items()},
+                  "memory": type(self.memory).__name__,
+                  **{f"memory.{k}": v for k, v in self.memory.config().items()}}
+        if self.fusion is not None:
+            config["fusion"] = self.fusion.config()
+        return config
 
     def fingerprint(self) -> str:
         """A short digest of ``config()``; ranks compare it before the first step."""
-        import hashlib
-        import json
-
-        text = json.dumps(self.config(), sort_keys=True, default=repr)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return fingerprint_of(self.config())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.compressor!r}, {self.memory!r})"

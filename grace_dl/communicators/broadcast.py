@@ -7,8 +7,8 @@ A rank sends its own payload once (as root) and receives the N-1 others' (the co
 that; how the library relays a broadcast is not counted). Non-roots pass a buffer of the root's
 size, so when payload sizes differ across ranks (``equal_sizes`` False) an int32 allgather,
 ``grace.<tensor>.len``, first says every rank's part lengths (4 bytes per part per rank). It
-starts in ``send``; the broadcasts, which need its answer to size their buffers, start in
-``receive``. With equal sizes everything starts in ``send``.
+starts in ``send``; the broadcasts, which need its answer to size their buffers, are a second
+phase started in ``receive``. With equal sizes everything starts in ``send``.
 
 Carries every single-round compressor; the aggregation runs in rank order, so every rank gets
 the same bits.
@@ -16,11 +16,35 @@ the same bits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.allgather import gather_rounds_refusal
-from grace_dl.communicators.base import Communicator, Handle
+from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase
 from grace_dl.registry import register_communicator
+
+
+@dataclass
+class Sizing(Phase):
+    """Ragged payloads: the allgather of every rank's part lengths in flight."""
+
+    flats: list
+    shapes: list
+    lengths: Any
+    sent: Any
+
+
+@dataclass
+class Broadcasting(Phase):
+    """Every root's broadcast of every part in flight (``rounds[r][i]``)."""
+
+    flats: list
+    shapes: list
+    rounds: list
+    sent: Any
+    lengths: Any = None
 
 
 @register_communicator("broadcast")
@@ -39,48 +63,39 @@ class Broadcast(Communicator):
                  for i, f in enumerate(flats)]
                 for r in range(coll.size())]
 
-    def _start(self, payload, handle: Handle):
+    def issue(self, encoded: Encoded, handle: Handle) -> Phase:
         coll = handle.coll
-        ops = ops_for(payload[0])
-        flats, shapes = wire.flatten(payload)
+        ops = ops_for(encoded.payload[0])
+        flats, shapes = wire.flatten(encoded.payload)
         sent = wire.nbytes(flats)
-        pending = {"flats": flats, "shapes": shapes, "rounds": None, "lengths": None}
         if self.compressor.equal_sizes:
             # a non-root's own part has the root's shape: it serves as the receive buffer
-            pending["rounds"] = self._broadcasts(coll, handle.name, flats,
-                                                 lambda r, i: flats[i])
+            phase = Broadcasting(flats, shapes, self._broadcasts(coll, handle.name, flats,
+                                                                 lambda r, i: flats[i]), sent)
         else:
             numels = ops.numels(flats)
-            pending["lengths"] = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
             sent = sent + ops.nbytes(numels)
-        pending["sent"] = sent
+            phase = Sizing(flats, shapes,
+                           coll.allgather_async(numels, self.wire_name(handle.name, "len")), sent)
         wire.count(self, ops, handle.name, sent=sent)
-        return pending
+        return phase
 
-    def _finish(self, handle: Handle):
+    def complete(self, phase: Phase, handle: Handle):
         coll = handle.coll
-        pending = handle.pending
-        flats = pending["flats"]
         size = coll.size()
+        flats = phase.flats
         ops = ops_for(flats[0])
-        if pending["rounds"] is None:
-            lengths = ops.reshape(coll.synchronize(pending["lengths"]), (size, len(flats)))
+        if isinstance(phase, Sizing):
+            lengths = ops.reshape(coll.synchronize(phase.lengths), (size, len(flats)))
             rounds = self._broadcasts(
                 coll, handle.name, flats,
                 lambda r, i: ops.zeros((lengths[r][i],), ops.dtype(flats[i]), like=flats[i]))
-        else:
-            lengths, rounds = None, pending["rounds"]
-        received = [[coll.synchronize(h) for h in parts] for parts in rounds]
-        total = wire.nbytes([t for parts in received for t in parts])
-        if lengths is None:
-            wire.count(self, ops, handle.name, received=total - pending["sent"])
-        else:
-            wire.count(self, ops, handle.name,
-                       received=total + ops.nbytes(lengths) - pending["sent"])
-        equal = self.compressor.equal_sizes
-        decompressed = [
-            self.compressor.decompress(
-                [wire.unflatten(t, s, equal) for t, s in zip(parts, pending["shapes"])],
-                handle.ctx)
-            for parts in received]
-        return self.compressor.aggregate(decompressed)
+            return Broadcasting(flats, phase.shapes, rounds, phase.sent, lengths)
+        received = [[coll.synchronize(h) for h in parts] for parts in phase.rounds]
+        total = wire.nbytes([t for parts in received for t in parts]) - phase.sent
+        if phase.lengths is not None:
+            total = total + ops.nbytes(phase.lengths)
+        wire.count(self, ops, handle.name, received=total)
+        pieces = [[parts[i] for parts in received] for i in range(len(flats))]
+        return self.compressor.aggregate(
+            wire.decompress_each(self, pieces, phase.shapes, handle, size))

@@ -13,8 +13,8 @@ Convergence Speed"; CGX, Markov et al. 2022), with error feedback on both sides.
    re-compressed payload; each is decompressed and the chunks are joined in order.
 
 Ranks j >= m (tensors with fewer elements than ranks) own no chunk: they receive nothing in
-phase 1 and contribute an empty piece to phase 2. Phase 2 needs phase 1's result, so it starts
-in ``receive``.
+phase 1 and contribute an empty piece to phase 2. Phase 2 needs phase 1's result, so it is the
+second ``Phase``, started in ``receive``.
 
 Wire, per rank and step: it sends the N-1 other chunks' payloads and its re-compressed chunk,
 and receives N-1 payloads of its chunk plus the other m-1 re-compressed chunks: about
@@ -30,28 +30,31 @@ compression's error back in the next step. Server residuals are training state: 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import AVERAGE, Communicator, Handle
+from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase, Ready
+from grace_dl.compressors.base import Call
 from grace_dl.registry import register_communicator
 from grace_dl.state import State
 
 
-class _Chunks:
-    """The compressor as the memory sees it: payload and ctx are per-chunk lists, and
-    ``decompress`` rebuilds the whole tensor."""
+@dataclass
+class Scattering(Phase):
+    """Phase 1: the all-to-alls of every chunk's payload parts in flight. ``flat[j]`` is
+    chunk j's payload as (1-D parts, their shapes)."""
 
-    def __init__(self, compressor, shape):
-        self._compressor = compressor
-        self._shape = shape
+    exchanges: list
+    flat: list
 
-    def decompress(self, payloads, ctxs):
-        parts = [self._compressor.decompress(p, c) for p, c in zip(payloads, ctxs)]
-        ops = ops_for(parts[0])
-        return ops.reshape(ops.cat(parts), self._shape)
 
-    def __getattr__(self, attr):
-        return getattr(self._compressor, attr)
+@dataclass
+class Gathering(Phase):
+    """Phase 2: the allgathers of every rank's re-compressed chunk in flight."""
+
+    gathers: list
+    flat: list
 
 
 @register_communicator("twophase")
@@ -67,67 +70,73 @@ class TwoPhase(Communicator):
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
-        if getattr(compressor, "rounds", 1) > 1:
+        if compressor.rounds > 1:
             return "it needs several rounds (rounds > 1)"
-        if not getattr(compressor, "two_phase_safe", False):
+        if not compressor.two_phase_safe:
             return ("it cannot compress tensor chunks independently and re-compress their "
                     "aggregate (two_phase_safe is False)")
-        if not getattr(compressor, "equal_sizes", True):
+        if not compressor.equal_sizes:
             return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
-    # ------------------------------------------------------------------ phase 1
-    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
-        op = self.check_op(op)
-        coll = self.collectives(tensor) if collectives is None else collectives
-        ops = ops_for(tensor)
-        numel = ops.numel(tensor)
+    # ------------------------------------------------------------------ encode: per chunk
+    def compress(self, compensated, name: str, call: Call):
+        """Payload and ctx are per-chunk lists: chunk j compressed as ``<name>/chunk<j>``."""
+        ops = ops_for(compensated)
+        numel = ops.numel(compensated)
         if not isinstance(numel, int):
             raise ValueError(f"twophase needs a statically shaped tensor; {name!r} has shape "
-                             f"{ops.shape(tensor)}")
-        size, me = coll.size(), coll.rank()
-        self.compressor.rank = me
+                             f"{ops.shape(compensated)}")
         if numel == 0:  # nothing to move; every rank sees the same shape, so all skip
-            return Handle(name=name, op=op, ctx=None, pending=None, coll=coll,
-                          extra={"empty": tensor})
-        compensated = self.memory.compensate(tensor, name)
-        chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(numel, size))
-        compressed = [self.compressor.compress(c, f"{name}/chunk{j}")
+            return [], []
+        chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(numel, call.size))
+        compressed = [self.compressor.compress(c, f"{name}/chunk{j}", call)
                       for j, c in enumerate(chunks)]
-        payloads = [p for p, _ in compressed]
-        ctxs = [c for _, c in compressed]
-        self.memory.update(compensated, name, _Chunks(self.compressor, ops.shape(tensor)),
-                           payloads, ctxs)
+        return [p for p, _ in compressed], [c for _, c in compressed]
 
-        flat = [wire.flatten(p) for p in payloads]          # per chunk: (1-D parts, shapes)
-        m, n_parts = len(chunks), len(payloads[0])
+    def approximate(self, encoded: Encoded):
+        """The chunks' decompressions joined in the tensor's shape."""
+        like = encoded.compensated
+        if not encoded.payload:
+            return like
+        parts = [self.compressor.decompress(p, c) for p, c in zip(encoded.payload, encoded.ctx)]
+        ops = ops_for(parts[0])
+        return ops.reshape(ops.cat(parts), ops.shape(like))
+
+    # ------------------------------------------------------------------ phase 1
+    def issue(self, encoded: Encoded, handle: Handle) -> Phase:
+        if not encoded.payload:
+            return Ready(encoded.compensated)
+        coll = handle.coll
+        size, me = coll.size(), coll.rank()
+        ops = ops_for(encoded.compensated)
+        flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
+        m, n_parts = len(flat), len(flat[0][0])
         exchanges = []
         for i in range(n_parts):
             pieces = [flat[j][0][i] for j in range(m)]
             splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
             exchanges.append(coll.alltoall_async(ops.cat(pieces), splits,
-                                                 self.wire_name(name, f"a2a.p{i}")))
+                                                 self.wire_name(handle.name, f"a2a.p{i}")))
         sent = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         received = (size - 1) * wire.nbytes(flat[me][0]) if me < m else 0
-        wire.count(self, ops, name, sent=sent, received=received)
-        return Handle(name=name, op=op, ctx=ctxs, pending={"exchanges": exchanges, "flat": flat},
-                      coll=coll, extra={"compensated": compensated, "shape": ops.shape(tensor)})
-
-    def _start(self, payload, handle: Handle):  # send() is overridden
-        raise NotImplementedError
+        wire.count(self, ops, handle.name, sent=sent, received=received)
+        return Scattering(exchanges, flat)
 
     # ------------------------------------------------------------------ phases 2 and 3
-    def _finish(self, handle: Handle):
-        if handle.pending is None:
-            return handle.extra["empty"]
+    def complete(self, phase: Phase, handle: Handle):
+        if isinstance(phase, Scattering):
+            return self._reduce_and_gather(phase, handle)
+        return self._join(phase, handle)
+
+    def _reduce_and_gather(self, phase: Scattering, handle: Handle) -> Gathering:
         coll = handle.coll
         size, me = coll.size(), coll.rank()
-        flat = handle.pending["flat"]
-        ctxs = handle.ctx
+        flat, ctxs = phase.flat, handle.encoded.ctx
         m, n_parts = len(flat), len(flat[0][0])
         ops = ops_for(flat[0][0][0])
         mine = None
-        got = [coll.synchronize(h)[0] for h in handle.pending["exchanges"]]
+        got = [coll.synchronize(h)[0] for h in phase.exchanges]
         if me < m:
             # from each rank, part i of its payload for my chunk: the length of my own
             per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
@@ -137,7 +146,7 @@ class TwoPhase(Communicator):
                     [ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)],
                     ctxs[me])
                 for r in range(size)])
-            mine = self._recompress(reduced, f"{handle.name}/chunk{me}")
+            mine = self._recompress(reduced, f"{handle.name}/chunk{me}", handle.encoded.call)
 
         gathers = []
         for i in range(n_parts):
@@ -148,17 +157,24 @@ class TwoPhase(Communicator):
         sent = wire.nbytes(mine) if mine is not None else 0
         received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         wire.count(self, ops, handle.name, sent=sent, received=received)
+        return Gathering(gathers, flat)
 
-        gathered = [coll.synchronize(h) for h in gathers]
+    def _join(self, phase: Gathering, handle: Handle):
+        coll = handle.coll
+        size = coll.size()
+        flat, ctxs = phase.flat, handle.encoded.ctx
+        m, n_parts = len(flat), len(flat[0][0])
+        gathered = [coll.synchronize(h) for h in phase.gathers]
+        ops = ops_for(gathered[0])
         lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                    for i in range(n_parts)]
         pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
         chunks = [self.compressor.decompress(
             [ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)], ctxs[j])
             for j in range(m)]
-        return ops.reshape(ops.cat(chunks), handle.extra["shape"])
+        return ops.reshape(ops.cat(chunks), ops.shape(handle.encoded.compensated))
 
-    def _recompress(self, reduced, key: str):
+    def _recompress(self, reduced, key: str, call: Call):
         """Compress this rank's reduced chunk with server-side error feedback; returns its
         payload flattened for the wire."""
         ops = ops_for(reduced)
@@ -167,7 +183,7 @@ class TwoPhase(Communicator):
             compensated = reduced + ops.read(slot)
         else:
             compensated = reduced
-        payload, ctx = self.compressor.compress(compensated, f"{key}/server")
+        payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
         if self.server_error_feedback:
             ops.assign(slot, compensated - self.compressor.decompress(payload, ctx))
         return wire.flatten(payload)[0]

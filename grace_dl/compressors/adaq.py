@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
 
@@ -53,7 +53,7 @@ class AdaqCompressor(Compressor):
         mean = ops.sum(values) / ops.clamp(ops.sum(ops.ones_like(values)), 1.0)
         return top, ops.cast(mean, ops.dtype(flat))
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "adaq")

@@ -9,9 +9,23 @@ the wire) plus a *ctx* that stays on the local rank, and back. It is written onc
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from grace_dl.backend import ops_for
 from grace_dl.state import State
+
+
+@dataclass(frozen=True)
+class Call:
+    """Who is compressing: passed to ``compress`` by the communicator (never stored on the
+    compressor, which one object may serve several process sets or engines with)."""
+
+    rank: int = 0
+    size: int = 1
+
+
+#: the call context of a compression outside any communicator (tests, benchmarks)
+LOCAL = Call()
 
 
 class Compressor(ABC):
@@ -43,11 +57,16 @@ class Compressor(ABC):
     Training state (step counters, momenta, warm-start matrices) lives in ``self.state`` so
     that ``state_dict``/``load_state_dict`` carry it through checkpoints.
 
-    ``rank`` is the rank of the process compressing; communicators set it before they
-    compress. Draws that must agree across ranks (randomk's positions, PowerSGD's first Q)
-    leave it out of their key; draws that must be independent across ranks (the dither of
-    unbiased quantizers, so that their noise averages out over workers) pass it as the
-    ``stream`` of ``ops.uniform``.
+    ``compress`` receives a ``Call`` (the compressing rank and the job size). Draws that must
+    agree across ranks (randomk's positions, PowerSGD's first Q) leave the rank out of their
+    key; draws that must be independent across ranks (the dither of unbiased quantizers, so
+    that their noise averages out over workers) pass ``call.rank`` as the ``stream`` of
+    ``ops.uniform``.
+
+    Optional capabilities are methods with defaults here, so memories and the cost model call
+    them without probing: ``next_round`` (multi-round methods), ``sent_indices`` (which
+    positions a sparse payload carries), ``local_share`` (this rank's part of a multi-round
+    result), ``payload_nbytes`` / ``payload_nbytes_for_shape`` (bytes on the wire).
     """
 
     allreduce_safe: bool = False
@@ -56,7 +75,6 @@ class Compressor(ABC):
     two_phase_safe: bool = False
     rounds: int = 1
     unbiased: bool = False
-    rank: int = 0
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -64,8 +82,9 @@ class Compressor(ABC):
 
     # ------------------------------------------------------------------ the contract
     @abstractmethod
-    def compress(self, tensor, name: str):
-        """Compress ``tensor`` (identified across ranks and steps by ``name``).
+    def compress(self, tensor, name: str, call: Call = LOCAL):
+        """Compress ``tensor`` (identified across ranks and steps by ``name``) on the rank
+        ``call`` names.
 
         Returns ``(payload, ctx)``: ``payload`` is a list of tensors to communicate, ``ctx``
         anything the local rank needs to decompress (never communicated).
@@ -88,11 +107,29 @@ class Compressor(ABC):
         ``(payload, ctx)`` for another round, or ``None`` when ``reduced`` is final."""
         return None
 
+    def sent_indices(self, payload, ctx):
+        """Flat positions a sparse payload carries (int tensor), or ``None`` when the method
+        does not send positions; the ``dgc`` memory masks its momentum there."""
+        return None
+
+    def local_share(self, ctx):
+        """For multi-round methods: this rank's own share of the reduced result (what its
+        error feedback subtracts), or ``None`` to use the averaged result."""
+        return None
+
     def payload_nbytes(self, numel: int, dtype: str = "float32") -> int | None:
         """Bytes the payload of an ``numel``-element tensor has on the wire, from the method's
         formula; ``None`` where it depends on the data (threshold). Used by tests to check the
         honest-bytes promise and by the strategy cost model."""
         return None
+
+    def payload_nbytes_for_shape(self, shape, dtype: str = "float32") -> int | None:
+        """Like ``payload_nbytes`` for a tensor of ``shape``; methods whose bytes depend on
+        the layout (PowerSGD) override it."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        return self.payload_nbytes(numel, dtype)
 
     # ------------------------------------------------------------------ helpers for subclasses
     def next_step(self, name: str, tensor):
@@ -109,8 +146,7 @@ class Compressor(ABC):
 
     def config(self) -> dict:
         """The constructor arguments that define this compressor (for fingerprints/strategies)."""
-        return {k: v for k, v in vars(self).items()
-                if not k.startswith("_") and k not in ("state", "rank")}
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
+from grace_dl.compressors.base import LOCAL
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -49,7 +50,7 @@ class DgcCompressor(SparseCompressor):
             return self.compress_ratio ** (t / span)
         return self.compress_ratio ** (min(step, span) / span)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "dgc")

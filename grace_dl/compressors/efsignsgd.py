@@ -39,7 +39,7 @@ import math
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import signbits
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
 
@@ -56,7 +56,7 @@ class EFSignSGDCompressor(Compressor):
         super().__init__()
         self.lr = in_range("lr", lr, 0.0, None, lo_open=True)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         flat = ops.flatten(tensor)
         scale = ops.abs_sum(signbits.wide(ops, flat)) / max(ops.numel(flat), 1)

@@ -17,7 +17,7 @@ Reference: Micikevicius et al. 2018, "Mixed Precision Training"; Kalamkar et al.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 
 
@@ -29,7 +29,7 @@ class _HalfCompressor(Compressor):
     def __init__(self):
         super().__init__()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         dt = ops.dtype(tensor)
         flat = ops.flatten(tensor)

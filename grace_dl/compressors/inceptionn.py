@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -51,7 +51,7 @@ class InceptionnCompressor(Compressor):
         self.error_bound = in_range("error_bound", error_bound, 2.0**-120, 1.0)
         self._step = 2.0 ** math.floor(math.log2(self.error_bound))
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         d = self._step
         # q = |v| / d, exact (d is a power of two); NaN stays NaN and fails every "<" below.

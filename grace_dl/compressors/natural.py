@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
 
@@ -70,11 +70,11 @@ class NaturalCompressor(Compressor):
     def __init__(self, seed: int = 0):
         super().__init__(seed)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         n = layout.numel
         u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
-                        stream=self.rank)
+                        stream=call.rank)
         bits = ops.bitcast(x, "int32")
         mag = bits & _MAG
         isnan = mag > _INF

@@ -7,7 +7,7 @@ Unbiased (exact), allreduce-safe.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 
 
@@ -20,7 +20,7 @@ class NoneCompressor(Compressor):
     def __init__(self):
         super().__init__()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         return [ops.flatten(tensor)], ops.shape(tensor)
 

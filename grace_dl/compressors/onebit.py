@@ -27,7 +27,7 @@ import math
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import signbits
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 
 
@@ -42,7 +42,7 @@ class OneBitCompressor(Compressor):
     def __init__(self):
         super().__init__()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         flat = ops.flatten(tensor)
         neg = flat < 0

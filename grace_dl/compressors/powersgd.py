@@ -46,14 +46,13 @@ there: run the first ``start_step`` steps eagerly or use ``start_step=0`` in gra
 
 from __future__ import annotations
 
-from grace_dl import seeding
+from grace_dl import dtypes, seeding
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range, one_of
 
 EPSILON = 1e-20
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float64": 8}
 LAYOUTS = ("torch", "tensorflow")
 
 
@@ -120,7 +119,7 @@ class PowerSGDCompressor(Compressor):
         started: r*(n+m)*itemsize, or n*m*itemsize for a tensor that goes uncompressed.
         ``layout`` ("torch" or "tensorflow") says which axis is the output one."""
         one_of("layout", layout, LAYOUTS)
-        itemsize = _ITEMSIZE.get(dtype, 4)
+        itemsize = dtypes.itemsize(dtype)
         plan = self.matrix_shape(shape, layout)
         if plan is None:
             numel = 1
@@ -131,7 +130,7 @@ class PowerSGDCompressor(Compressor):
         return r * (n + m) * itemsize
 
     # ------------------------------------------------------------------ the three phases
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         shape = ops.shape(tensor)
         if not all(isinstance(d, int) for d in shape):

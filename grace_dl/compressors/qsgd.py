@@ -23,7 +23,7 @@ non-finite and the whole bucket decodes to NaN.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.compressors.flat import bits_for, flat_f32, pack, restore, unpack
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -44,12 +44,12 @@ class QSGDCompressor(Compressor):
     def _buckets(self, n):
         return -(-n // self.bucket_size)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         n, b, s = layout.numel, self.bucket_size, float(self.quantum_num)
         nb = self._buckets(n)
         u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
-                        stream=self.rank)
+                        stream=call.rank)
 
         xb = ops.reshape(ops.pad(x, nb * b - n), (nb, b))
         norms = ops.norm(xb, axis=1)

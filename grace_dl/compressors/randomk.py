@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
 
@@ -33,7 +33,7 @@ class RandomKCompressor(Compressor):
         super().__init__(seed=in_range("seed", seed, 0, None, kind=int))
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         """Payload ``[values]``; ctx ``(shape, numel, positions)`` (int64, local only)."""
         ops = ops_for(tensor)
         n = ops.numel(tensor)

@@ -24,7 +24,7 @@ import math
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import signbits
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 
 
@@ -39,7 +39,7 @@ class SignSGDCompressor(Compressor):
     def __init__(self):
         super().__init__()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         return self._encode(ops, ops.flatten(tensor)), (ops.shape(tensor), ops.dtype(tensor))
 

@@ -16,6 +16,7 @@ the voted signs would fold them into a momentum of its own.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
+from grace_dl.compressors.base import LOCAL
 from grace_dl.compressors.signsgd import SignSGDCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -29,7 +30,7 @@ class SignumCompressor(SignSGDCompressor):
         super().__init__()
         self.momentum = in_range("momentum", momentum, 0.0, 1.0, hi_open=True)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         flat = ops.flatten(tensor)
         slot = self.state.zeros(f"momentum/{name}", ops, flat)

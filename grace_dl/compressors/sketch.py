@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.compressors.buckets import bucketize
 from grace_dl.compressors.flat import bits_for, flat_f32, pack, restore, unpack
 from grace_dl.registry import register_compressor
@@ -52,7 +52,7 @@ class SketchCompressor(Compressor):
         above = ops.gather(ranked, ops.from_numpy(hi, like=x))
         return below + (above - below) * w
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         n, q = layout.numel, self.quantiles
         step = self.next_step(name, tensor)

@@ -17,6 +17,7 @@ import math
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import Compressor
+from grace_dl.dtypes import itemsize  # noqa: F401  (re-exported for the sparsifiers)
 
 INDEX_DTYPE = "int32"
 MAX_NUMEL = 2**31 - 1
@@ -24,14 +25,6 @@ MAX_NUMEL = 2**31 - 1
 APPROX_MIN_NUMEL = 65536
 SAMPLE_MIN = 8192
 SAMPLE_DIVISOR = 256
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1,
-             "int16": 2, "int32": 4, "int64": 8}
-
-
-def itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
-
 
 def count_for(ratio: float, n: int) -> int:
     """Entries a ratio keeps of ``n``: ``max(1, ceil(ratio * n))`` for ``n > 0``, else 0."""

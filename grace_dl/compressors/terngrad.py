@@ -16,7 +16,7 @@ and the whole tensor decodes to NaN.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
 
@@ -29,11 +29,11 @@ class TernGradCompressor(Compressor):
     def __init__(self, seed: int = 0):
         super().__init__(seed)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         n = layout.numel
         u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
-                        stream=self.rank)
+                        stream=call.rank)
         if n == 0:
             scaler = ops.zeros((1,), "float32", like=x)
         else:

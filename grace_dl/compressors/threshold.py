@@ -17,6 +17,7 @@ import math
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
+from grace_dl.compressors.base import LOCAL
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -34,7 +35,7 @@ class ThresholdCompressor(SparseCompressor):
         if math.isinf(self.threshold):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "threshold")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
+from grace_dl.compressors.base import LOCAL
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range, one_of
@@ -38,7 +39,7 @@ class TopKCompressor(SparseCompressor):
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
         self.approximate = one_of("approximate", approximate, (False, True))
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "topk")

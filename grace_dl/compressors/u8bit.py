@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
 
@@ -67,7 +67,7 @@ class U8bitCompressor(Compressor):
     def __init__(self):
         super().__init__()
 
-    def compress(self, tensor, name):
+    def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         if layout.numel == 0:
             scaler = ops.zeros((1,), "float32", like=x)

@@ -13,6 +13,10 @@ from grace_dl.state import State
 
 
 class Memory(ABC):
+    #: whether ``update`` reads its ``approximation`` (the communicator skips computing it
+    #: otherwise)
+    needs_approximation: bool = True
+
     def __init__(self):
         self.state = State()
 
@@ -21,8 +25,23 @@ class Memory(ABC):
         """Return the tensor to compress: ``tensor`` corrected by the stored error for ``name``."""
 
     @abstractmethod
-    def update(self, tensor, name: str, compressor, payload, ctx) -> None:
-        """Record what compressing ``tensor`` (the compensated one) into ``payload`` lost."""
+    def update(self, tensor, name: str, compressor, payload, ctx, approximation=None) -> None:
+        """Record what compressing ``tensor`` (the compensated one) into ``payload`` lost.
+
+        ``approximation`` is what the communicator counts as sent for this rank, computed once
+        by it: ``compressor.decompress(payload, ctx)`` for single-round methods, the chunks'
+        decompressions joined for two-phase, the ranks' average for multi-round methods.
+        Called outside a communicator without it, ``sent`` decompresses the payload."""
+
+    @staticmethod
+    def sent(compressor, payload, ctx, approximation):
+        """``approximation``, or the payload decompressed when none was given."""
+        return compressor.decompress(payload, ctx) if approximation is None else approximation
+
+    def refusal(self, compressor) -> str | None:
+        """Why this memory cannot serve ``compressor`` (None when it can); the communicator
+        raises it at construction."""
+        return None
 
     def state_dict(self) -> dict:
         return self.state.state_dict()

@@ -14,7 +14,7 @@ Momentum is applied here, before sparsification, so the optimizer should run pla
 (momentum 0) when this memory is used. Clipping is by L2 norm of the local gradient, before it
 enters the momentum (the paper's local clipping; pass the global max-norm scaled by
 ``N ** -0.5`` for N ranks to match it). Positions come from the compressor's
-``sent_indices(payload, ctx)`` (every grace_dl sparsifier has it); for any other compressor the
+``sent_indices(payload, ctx)`` (every grace_dl sparsifier has it); where that is ``None`` the
 nonzero entries of the decompressed payload are taken as sent. A NaN or infinite gradient norm
 makes the clipped gradient NaN.
 """
@@ -56,15 +56,14 @@ class DgcMemory(Memory):
         ops.assign(velocity, v)
         return v
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
-        sent = compressor.decompress(payload, ctx)
-        ops.assign(self.state.zeros(f"velocity/{name}", ops, tensor), tensor - sent)
+        approximation = self.sent(compressor, payload, ctx, approximation)
+        ops.assign(self.state.zeros(f"velocity/{name}", ops, tensor), tensor - approximation)
         n = ops.numel(tensor)
-        if hasattr(compressor, "sent_indices"):
-            positions = compressor.sent_indices(payload, ctx)
-        else:
-            positions = ops.nonzero(ops.flatten(sent) != 0)
+        positions = compressor.sent_indices(payload, ctx)
+        if positions is None:
+            positions = ops.nonzero(ops.flatten(approximation) != 0)
         hit = ops.scatter(positions, ops.ones_like(ops.cast(positions, "float32")), n)
         momentum = self.state.zeros(f"momentum/{name}", ops, tensor)
         u = ops.read(momentum)

@@ -32,11 +32,14 @@ class EFSignSGDMemory(Memory):
         ops = ops_for(tensor)
         return ops.read(self.state.zeros(name, ops, tensor)) + tensor * self.lr
 
-    def update(self, tensor, name, compressor, payload, ctx):
-        other = getattr(compressor, "lr", self.lr)
+    def refusal(self, compressor) -> str | None:
+        other = compressor.config().get("lr", self.lr)
         if other != self.lr:
-            raise ValueError(f"memory efsignsgd has lr={self.lr!r} but its compressor "
-                             f"{type(compressor).__name__} has lr={other!r}; they must match")
+            return (f"memory efsignsgd has lr={self.lr!r} but its compressor "
+                    f"{type(compressor).__name__} has lr={other!r}; they must match")
+        return None
+
+    def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
-        sent = compressor.decompress(payload, ctx)
+        sent = self.sent(compressor, payload, ctx, approximation)
         ops.assign(self.state.zeros(name, ops, tensor), tensor - sent)

@@ -8,8 +8,10 @@ from grace_dl.registry import register_memory
 
 @register_memory("none")
 class NoneMemory(Memory):
+    needs_approximation = False
+
     def compensate(self, tensor, name):
         return tensor
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         pass

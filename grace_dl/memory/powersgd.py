@@ -9,8 +9,8 @@ sum_w P_hat Q_w^T (divided by the number of ranks W for ``op=average``), so
 sum_w e_w = sum_w M_w - W * average: over all ranks, nothing sent is lost, and the residual is
 local (it does not depend on the other ranks' gradients beyond the shared P_hat). This follows
 the paper; PyTorch's DDP hook keeps M_w - average instead, which has the same sum over ranks
-(memory ``residual`` gives that one: the allreduce communicator hands it a compressor view whose
-``decompress`` averages). A tensor that went uncompressed leaves a zero residual.
+(memory ``residual`` gives that one: the allreduce communicator hands it the ranks' average as
+the approximation). A tensor that went uncompressed leaves a zero residual.
 
 With a single-round compressor this is plain error feedback (e = x - decompress(payload)).
 """
@@ -18,6 +18,7 @@ With a single-round compressor this is plain error feedback (e = x - decompress(
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
+from grace_dl.compressors.base import Compressor
 from grace_dl.memory.base import Memory
 from grace_dl.registry import register_memory
 
@@ -31,17 +32,20 @@ class PowerSGDMemory(Memory):
         ops = ops_for(tensor)
         return ops.read(self.state.zeros(name, ops, tensor)) + tensor
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def refusal(self, compressor) -> str | None:
+        if compressor.rounds > 1 and \
+                type(compressor).local_share is Compressor.local_share:
+            return (f"memory 'powersgd' needs a compressor with local_share() (powersgd) or a "
+                    f"single-round one, got {type(compressor).__name__} with "
+                    f"rounds={compressor.rounds}")
+        return None
+
+    def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
         slot = self.state.zeros(name, ops, tensor)
-        share = getattr(compressor, "local_share", None)
-        if share is not None:
-            sent = share(ctx)
-            ops.assign(slot, ops.zeros_like(tensor) if sent is None else tensor - sent)
-        elif compressor.rounds == 1:
-            ops.assign(slot, tensor - compressor.decompress(payload, ctx))
-        else:
-            raise ValueError(
-                f"memory 'powersgd' needs a compressor with local_share() (powersgd) or a "
-                f"single-round one, got {type(compressor).__name__} with "
-                f"rounds={compressor.rounds}")
+        if compressor.rounds == 1:
+            sent = self.sent(compressor, payload, ctx, approximation)
+            ops.assign(slot, tensor - sent)
+            return
+        sent = compressor.local_share(ctx)
+        ops.assign(slot, ops.zeros_like(tensor) if sent is None else tensor - sent)

@@ -30,7 +30,7 @@ class ResidualMemory(Memory):
             return residual + tensor
         return residual * self.beta + tensor * self.gamma
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
-        sent = compressor.decompress(payload, ctx)
+        sent = self.sent(compressor, payload, ctx, approximation)
         ops.assign(self.state.zeros(name, ops, tensor), tensor - sent)

@@ -32,7 +32,7 @@ from grace_dl.strategy.cost_model import (
     Throughput,
     predict,
 )
-from grace_dl.strategy.pipeline import LEGACY_NAMES, Pipeline, _class, _construct
+from grace_dl.strategy.pipeline import LEGACY_NAMES, Pipeline
 from grace_dl.strategy.resource_spec import ResourceSpec
 from grace_dl.strategy.variables import Variable, variables_of
 from grace_dl.validate import in_range, one_of
@@ -63,22 +63,15 @@ class StrategyBuilder(ABC):
         variables = variables_of(named_parameters_or_shapes)
         resources = ResourceSpec.coerce(resource_spec)
         pipelines = self.choose(variables, resources)
-        unfusable = {p for p in set(pipelines) if _own_send(p.build())}
-        return assemble(variables, pipelines, self.chunk_size, self.spec, resources,
-                        unfusable=unfusable)
-
-
-def _own_send(comm) -> bool:
-    from grace_dl.strategy.dispatcher import _own_send
-
-    return _own_send(comm)
+        for pipeline in set(pipelines):
+            pipeline.build()  # bad values and refused pairings fail here, naming them
+        return assemble(variables, pipelines, self.chunk_size, self.spec, resources)
 
 
 def assemble(variables, pipelines, chunk_size: int = 1, spec: int = 0, resources=None,
-             ps_destination: str | None = None, unfusable=()):
-    """A ``Strategy`` with one AllReduce (or PS) node per variable, groups chunked per pipeline
-    (``unfusable`` pipelines, whose communicators start their own collectives, get a group per
-    variable)."""
+             ps_destination: str | None = None):
+    """A ``Strategy`` with one AllReduce (or PS) node per variable, groups of up to
+    ``chunk_size`` variables per pipeline."""
     strategy = pb.Strategy(version=VERSION,
                            id=datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ"))
     if resources is not None:
@@ -94,7 +87,7 @@ def assemble(variables, pipelines, chunk_size: int = 1, spec: int = 0, resources
             node.PSSynchronizer.sync = True
             continue
         current = groups.get(pipeline)
-        if current is None or current[1] >= (1 if pipeline in unfusable else chunk_size):
+        if current is None or current[1] >= chunk_size:
             current = groups[pipeline] = [next_group, 0]
             next_group += 1
         current[1] += 1
@@ -208,9 +201,7 @@ class Auto(StrategyBuilder):
                 raise ValueError(f"Auto has no cost model for communicator {p.communicator!r}; "
                                  f"modelled: {list(PATTERNS)}")
             p.build()
-        self._compressors = {
-            p: _construct(_class("compressor", p.compressor), "compressor", p.compressor,
-                          p.params("compressor")) for p in self.candidates}
+        self._compressors = {p: p.build_compressor() for p in self.candidates}
         if throughput is None or isinstance(throughput, Throughput):
             self.throughput = throughput
         else:

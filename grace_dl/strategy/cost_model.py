@@ -49,7 +49,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from grace_dl.strategy.pipeline import PS, Pipeline, _class, _construct
+from grace_dl.dtypes import itemsize
+from grace_dl.strategy.pipeline import PS, Pipeline
 
 FORMAT = "grace_dl.compression_throughput/1"
 PATTERNS = ("allreduce", "allgather", "broadcast", "twophase", PS)
@@ -145,20 +146,8 @@ class Prediction:
         return self.communication_s + self.compute_s
 
 
-def _itemsize(dtype: str) -> int:
-    return {"float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
-
-
 def payload_bytes(compressor, shape: tuple, dtype: str) -> int | None:
-    by_shape = getattr(compressor, "payload_nbytes_for_shape", None)
-    if callable(by_shape):
-        nbytes = by_shape(tuple(shape), dtype)
-        if nbytes is not None:
-            return int(nbytes)
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = compressor.payload_nbytes(numel, dtype)
+    nbytes = compressor.payload_nbytes_for_shape(tuple(shape), dtype)
     return None if nbytes is None else int(nbytes)
 
 
@@ -167,8 +156,7 @@ def predict(pipeline: Pipeline, shape: tuple, dtype: str, net: Network,
     """Predicted time of ``pipeline`` for one variable; ``None`` when its payload size cannot be
     known in advance. ``compressor``: an already built instance (saves rebuilding it)."""
     if compressor is None:
-        compressor = _construct(_class("compressor", pipeline.compressor), "compressor",
-                                pipeline.compressor, pipeline.params("compressor"))
+        compressor = pipeline.build_compressor()
     nbytes = payload_bytes(compressor, shape, dtype)
     if nbytes is None:
         return None
@@ -177,7 +165,7 @@ def predict(pipeline: Pipeline, shape: tuple, dtype: str, net: Network,
         numel *= d
     workers = net.workers
     pattern = pipeline.communicator
-    comm = communication_time(pattern, nbytes, numel * _itemsize(dtype), net)
+    comm = communication_time(pattern, nbytes, numel * itemsize(dtype), net)
     compress, decompress = throughput.costs(pipeline.compressor, pipeline.params("compressor"))
     if pattern == "allreduce":
         compute = compress(numel) + decompress(numel)

@@ -12,17 +12,16 @@ which pipeline carried it shows in its bytes).
   their parameters), built as ``grace_from_params`` would; memories and compressors key their
   state by tensor name, so variables sharing a pipeline never share state. A gradient whose name
   has no node raises ``ValueError`` naming it and the strategy's variables.
-* **Groups** (``AllReduceSynchronizer.group``): one fused collective per group, kind and dtype
-  per step (``grace_dl.strategy.fusion``). All nodes of a group must name the same pipeline and
-  spec. Every rank must send every member each step (the optimizers send zeros for parameters
-  without a gradient, as Horovod does); if ``receive`` comes before a group is complete, the
-  members sent so far go out together. A communicator that overrides ``send`` and starts its
-  own collectives (``twophase``) cannot be held back: its nodes need groups of their own.
+* **Groups** (``AllReduceSynchronizer.group``): the core's fusion (``Communicator.fuse``,
+  ``grace_dl.communicators.fusion``): one fused collective per group, kind and dtype per step.
+  All nodes of a group must name the same pipeline and spec. Every rank must send every member
+  each step (the optimizers send zeros for parameters without a gradient, as Horovod does); if
+  ``receive`` comes before a group is complete, the members sent so far go out together.
 * **Spec**: ``AUTO`` leaves payloads where the gradient is, ``RING`` moves them to host memory
-  for Gloo/MPI and back (not for ``twophase``, for the same reason), ``NCCL`` keeps them on the
-  GPU and rejects a gradient that is not on one.
+  for Gloo/MPI and back (``HostCollectives``), ``NCCL`` keeps them on the GPU and rejects a
+  gradient that is not on one.
 * **PSSynchronizer** (``sync: true``, ``staleness: 0``): reduce to ``reduction_destination`` and
-  broadcast (``grace_dl.strategy.ps``). ``sync: false`` or ``staleness > 0`` raise "not
+  broadcast (the core's ``ps`` communicator). ``sync: false`` or ``staleness > 0`` raise "not
   supported": Horovod's collectives are synchronous.
 * **Order.** The first ``receive`` of a step finishes every outstanding handle in the strategy's
   node order, so collectives started while finishing (later PowerSGD rounds, the PS broadcast)
@@ -36,13 +35,12 @@ which pipeline carried it shows in its bytes).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 
 from grace_dl.backend import collectives_for, ops_for
-from grace_dl.communicators.base import AVERAGE, ByteCounter, Communicator, Handle, check_op
+from grace_dl.communicators.base import AVERAGE, ByteCounter, Handle, check_op, fingerprint_of
+from grace_dl.communicators.fusion import AUTO, NCCL, RING, HostCollectives
 from grace_dl.strategy import strategy_pb2 as pb
-from grace_dl.strategy.fusion import AUTO, NCCL, RING, GroupCollectives
 from grace_dl.strategy.pipeline import Pipeline
 from grace_dl.strategy.serialize import coerce, to_bytes
 
@@ -62,19 +60,6 @@ class Route:
     spec: int
     shape: tuple
     comm: object = None
-
-
-class _Group:
-    def __init__(self, label: str):
-        self.label = label
-        self.members: list[str] = []
-        self.waiting: dict[str, tuple] = {}
-
-
-def _own_send(comm) -> bool:
-    """Whether ``comm`` overrides ``send`` (twophase): it then starts its collectives itself,
-    which the dispatcher can neither hold back for fusion nor move to host memory."""
-    return type(comm).send is not Communicator.send
 
 
 def strategy_digest(strategy) -> str:
@@ -134,9 +119,10 @@ class StrategyDispatcher:
         self.bytes = ByteCounter()
         self._process_set = process_set
         self._routes: dict[str, Route] = {}
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, list[str]] = {}
         self._comms: dict[str, object] = {}
         self._outstanding: dict[str, Handle] = {}
+        self._results: dict[str, object] = {}
         self._verified = False
         self._build(process_set)
         if variables is not None:
@@ -168,22 +154,18 @@ class StrategyDispatcher:
                 comm = pipeline.build(process_set, root=root or 0)
                 comm.bytes = self.bytes
                 self._comms[key] = comm
-            route = Route(index, node.var_name, pipeline, root, group, spec, tuple(node.shape),
-                          self._comms[key])
-            if _own_send(route.comm) and spec == RING:
-                raise ValueError(f"node {node.var_name!r}: communicator {pipeline.communicator!r} "
-                                 f"starts its own collectives, so spec RING cannot move its "
-                                 f"payloads; use spec AUTO")
-            self._routes[node.var_name] = route
-            self._groups.setdefault(group, _Group(group)).members.append(node.var_name)
+            self._routes[node.var_name] = Route(index, node.var_name, pipeline, root, group, spec,
+                                                tuple(node.shape), self._comms[key])
+            self._groups.setdefault(group, []).append(node.var_name)
         if not self._routes:
             raise ValueError("the strategy has no nodes")
-        for group in self._groups.values():
-            comm = self._routes[group.members[0]].comm
-            if len(group.members) > 1 and _own_send(comm):
-                raise ValueError(f"group {group.label[1:]} fuses {group.members} but their "
-                                 f"communicator {comm.name!r} starts its own collectives and "
-                                 f"cannot be fused; give each of its nodes its own group")
+        by_comm: dict[int, dict[str, list[str]]] = {}
+        for label, members in self._groups.items():
+            if len(members) > 1:
+                comm = self._routes[members[0]].comm
+                by_comm.setdefault(id(comm), {})[label] = members
+        for comm in self._comms.values():
+            comm.fuse(by_comm.get(id(comm)))
 
     @property
     def process_set(self):
@@ -257,30 +239,20 @@ class StrategyDispatcher:
             raise ValueError(f"gradient {name!r} sent again before its handle was received")
         if not self._verified:
             self.verify(tensor=tensor)
-        group = self._groups[route.group]
-        comm = route.comm
-        if _own_send(comm):
-            handle = comm.send(tensor, name, op, collectives)
-            self._outstanding[name] = handle
-            return handle
         coll = collectives_for(tensor, self._process_set) if collectives is None else collectives
-        comm.compressor.rank = coll.rank()
-        payload, ctx, compensated = comm.encode(tensor, name)
-        handle = Handle(name=name, op=op, ctx=ctx, pending=None, coll=None,
-                        extra={"compensated": compensated})
+        if route.spec == RING:
+            coll = HostCollectives(coll)
+        handle = route.comm.send(tensor, name, op, coll)
         self._outstanding[name] = handle
-        group.waiting[name] = (payload, handle, coll)
-        if len(group.waiting) == len(group.members):
-            self._start(group)
         return handle
 
     def receive(self, handle: Handle):
-        if "result" not in handle.extra:
+        if handle.name not in self._results:
             if self._outstanding.get(handle.name) is not handle:
                 raise ValueError(f"handle for {handle.name!r} was already received or is not "
                                  f"from this dispatcher")
             self._drain()
-        return handle.extra.pop("result")
+        return self._results.pop(handle.name)
 
     def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
         return self.receive(self.send(tensor, name, op, collectives))
@@ -288,29 +260,17 @@ class StrategyDispatcher:
     def end_step(self) -> dict:
         return self.bytes.end_step()
 
-    def _start(self, group: _Group) -> None:
-        waiting, group.waiting = group.waiting, {}
-        first_name = next(iter(waiting))
-        route = self._routes[first_name]
-        coll = GroupCollectives(waiting[first_name][2], group.label, route.spec,
-                                collecting=len(group.members) > 1,
-                                equal_sizes=route.comm.compressor.equal_sizes,
-                                counter=self.bytes)
-        for name in group.members:
-            if name in waiting:
-                payload, handle, _ = waiting[name]
-                handle.coll = coll
-                handle.pending = self._routes[name].comm._start(payload, handle)
-        coll.close()
+    def fuse(self, groups) -> None:
+        """A strategy's fusion groups come from its nodes (``AllReduceSynchronizer.group``)."""
+        if groups:
+            raise ValueError("a strategy sets its fusion groups per node "
+                             "(AllReduceSynchronizer.group); pass groups=None with it")
 
     def _drain(self) -> None:
-        for group in self._groups.values():
-            if group.waiting:
-                self._start(group)
         pending = sorted(self._outstanding.values(), key=lambda h: self._routes[h.name].index)
         self._outstanding.clear()
         for handle in pending:
-            handle.extra["result"] = self._routes[handle.name].comm.receive(handle)
+            self._results[handle.name] = self._routes[handle.name].comm.receive(handle)
 
     # ------------------------------------------------------------------ agreement
     def verify(self, framework: str | None = None, tensor=None) -> None:
@@ -346,8 +306,7 @@ class StrategyDispatcher:
                 "pipelines": {key: comm.config() for key, comm in sorted(self._comms.items())}}
 
     def fingerprint(self) -> str:
-        text = json.dumps(self.config(), sort_keys=True, default=repr)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return fingerprint_of(self.config())
 
     def __repr__(self) -> str:
         return (f"StrategyDispatcher({len(self._routes)} variables, {len(self._comms)} pipelines, "

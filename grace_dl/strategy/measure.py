@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from grace_dl.strategy.cost_model import FORMAT
-from grace_dl.strategy.pipeline import Pipeline, _class, _construct
+from grace_dl.strategy.pipeline import Pipeline
 from grace_dl.validate import in_range
 
 
@@ -52,8 +52,7 @@ def measure(candidates, sizes=(4096, 262144), repeats: int = 5,
         if key in seen:
             continue
         seen.add(key)
-        comp = _construct(_class("compressor", pipeline.compressor), "compressor",
-                          pipeline.compressor, pipeline.params("compressor"))
+        comp = pipeline.build_compressor()
         points = {}
         for n in (small, large):
             x = ops.from_numpy(rng.standard_normal(n).astype(np.float32))

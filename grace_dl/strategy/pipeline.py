@@ -9,16 +9,16 @@ turns it into a ready communicator.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
-from grace_dl.registry import lookup
+from grace_dl import params as grace_params
+from grace_dl.params import DEFAULTS, KINDS
 from grace_dl.strategy import strategy_pb2 as pb
 
-KINDS = ("compressor", "memory", "communicator")
-DEFAULTS = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
-#: the communicator a PSSynchronizer node gets (grace_dl.strategy.ps)
+#: the communicator a PSSynchronizer node gets (grace_dl.communicators.ps)
 PS = "ps"
+#: constructor arguments a strategy supplies itself, never parameters in a node
+SUPPLIED = ("process_set", "root")
 
 # AutoDist's AllReduceSynchronizer.Compressor enum, for strategies that only set it.
 LEGACY = {
@@ -68,33 +68,23 @@ class Pipeline:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_params(cls, params: dict, ps: bool = False) -> Pipeline:
-        """From GRACE keys: ``{"compressor": "topk", "memory": "residual", "communicator":
-        "allgather", "compress_ratio": 0.01}``. Every other key goes to each of the three
-        classes whose constructor takes it; a key none takes raises ``ValueError``."""
+        """From GRACE keys, routed exactly as ``grace_from_params`` routes them
+        (``grace_dl.params.route``): ``{"compressor": "topk", "memory": "residual",
+        "communicator": "allgather", "compress_ratio": 0.01}``. AutoDist's legacy compressor
+        names are accepted too."""
         if not isinstance(params, dict):
             raise ValueError(f"pipeline params must be a dict of GRACE keys, got {params!r}")
         params = dict(params)
-        default_comm = PS if ps else DEFAULTS["communicator"]
-        chosen = {kind: params.pop(kind, DEFAULTS[kind] if kind != "communicator"
-                                   else default_comm) for kind in KINDS}
-        if chosen["compressor"] in LEGACY_NAMES:
-            legacy_compressor, legacy_memory = LEGACY_NAMES[chosen["compressor"]]
-            chosen["compressor"] = legacy_compressor
-            if chosen["memory"] == "none":
-                chosen["memory"] = legacy_memory
-        params.pop("world_size", None)  # GRACE's key; Horovod knows the world size
-        accepted = {kind: _accepted(_class(kind, chosen[kind])) for kind in KINDS}
-        unknown = sorted(k for k in params if not any(k in a for a in accepted.values()))
-        if unknown:
-            raise ValueError(
-                f"unknown parameter(s) {unknown} for compressor={chosen['compressor']!r}, "
-                f"memory={chosen['memory']!r}, communicator={chosen['communicator']!r}; "
-                f"accepted: {sorted(set().union(*accepted.values()))}")
-        split = {kind: {k: v for k, v in params.items() if k in accepted[kind]}
-                 for kind in KINDS}
-        return cls(chosen["compressor"], _freeze(split["compressor"]),
-                   chosen["memory"], _freeze(split["memory"]),
-                   chosen["communicator"], _freeze(split["communicator"]))
+        legacy = LEGACY_NAMES.get(params.get("compressor"))
+        if legacy is not None:
+            params["compressor"] = legacy[0]
+            if params.get("memory", "none") == "none":
+                params["memory"] = legacy[1]
+        names, kwargs = grace_params.route(params, {"communicator": PS} if ps else None,
+                                           exclude=SUPPLIED)
+        return cls(names["compressor"], _freeze(kwargs["compressor"]),
+                   names["memory"], _freeze(kwargs["memory"]),
+                   names["communicator"], _freeze(kwargs["communicator"]))
 
     @classmethod
     def from_node(cls, node) -> Pipeline:
@@ -138,46 +128,15 @@ class Pipeline:
 
     def build(self, process_set=None, root: int = 0):
         """A ready communicator. Bad names or values raise ``ValueError`` naming them."""
-        classes = {kind: _class(kind, getattr(self, kind)) for kind in KINDS}
-        compressor = _construct(classes["compressor"], "compressor", self.compressor,
-                                self.params("compressor"))
-        memory = _construct(classes["memory"], "memory", self.memory, self.params("memory"))
-        kwargs = self.params("communicator")
+        supplied = {"process_set": process_set}
         if self.communicator == PS:
-            kwargs["root"] = root
-        try:
-            return classes["communicator"](compressor, memory, process_set=process_set, **kwargs)
-        except TypeError as err:
-            raise ValueError(f"communicator {self.communicator!r}: {err}; accepted parameters: "
-                             f"{sorted(_accepted(classes['communicator']))}") from err
+            supplied["root"] = root
+        return grace_params.build({kind: getattr(self, kind) for kind in KINDS},
+                                  {kind: self.params(kind) for kind in KINDS}, **supplied)
 
-
-# ------------------------------------------------------------------ classes and their arguments
-def _class(kind: str, name: str):
-    if kind == "communicator" and name == PS:
-        from grace_dl.strategy.ps import PSCommunicator
-
-        return PSCommunicator
-    return lookup(kind, name)
-
-
-def _accepted(cls) -> set[str]:
-    sig = inspect.signature(cls.__init__)
-    skip = {"self", "compressor", "memory", "process_set", "root"}
-    return {p for p, v in sig.parameters.items()
-            if p not in skip and v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)}
-
-
-def _construct(cls, kind: str, name: str, kwargs: dict):
-    unknown = sorted(set(kwargs) - _accepted(cls))
-    if unknown:
-        raise ValueError(f"{kind} {name!r} takes no parameter(s) {unknown}; accepted: "
-                         f"{sorted(_accepted(cls))}")
-    try:
-        return cls(**kwargs)
-    except TypeError as err:
-        raise ValueError(f"{kind} {name!r}: {err}; accepted parameters: "
-                         f"{sorted(_accepted(cls))}") from err
+    def build_compressor(self):
+        """The compressor alone (the cost model reads its byte formulas)."""
+        return grace_params.construct("compressor", self.compressor, self.params("compressor"))
 
 
 # ------------------------------------------------------------------ Param <-> Python

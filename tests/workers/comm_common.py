@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
+from grace_dl.compressors.base import Call
 from grace_dl.registry import BUILTIN, lookup
 
 STEPS = 2
@@ -66,12 +67,12 @@ class SimRank:
 
     def __init__(self, comp: str, rank: int = 0):
         self.compressor = lookup("compressor", comp)()
-        self.compressor.rank = rank
+        self.call = Call(rank=rank)
         self.memory = lookup("memory", MEMORY)()
 
     def compress(self, x, name):
         compensated = self.memory.compensate(x, name)
-        payload, ctx = self.compressor.compress(compensated, name)
+        payload, ctx = self.compressor.compress(compensated, name, self.call)
         self.memory.update(compensated, name, self.compressor, payload, ctx)
         return payload, ctx
 
@@ -98,7 +99,7 @@ def reference_allreduce(ranks, xs, name, op):
         sent = [r.compress(x, name) for r, x in zip(ranks, xs)]
     else:
         compensated = [r.memory.compensate(x, name) for r, x in zip(ranks, xs)]
-        sent = [r.compressor.compress(c, name) for r, c in zip(ranks, compensated)]
+        sent = [r.compressor.compress(c, name, r.call) for r, c in zip(ranks, compensated)]
     rounds = [sent[0][0]]
     while True:
         summed = [_sum([p[i] for p, _ in sent]) for i in range(len(sent[0][0]))]
@@ -156,7 +157,8 @@ def reference_twophase(ranks, xs, name, op, servers):
     for r, x in zip(ranks, xs):
         compensated = r.memory.compensate(x, name)
         chunks = ops.split(ops.flatten(compensated), sizes)
-        comp = [r.compressor.compress(c, f"{name}/chunk{j}") for j, c in enumerate(chunks)]
+        comp = [r.compressor.compress(c, f"{name}/chunk{j}", r.call)
+                for j, c in enumerate(chunks)]
         r.memory.update(compensated, name, _Chunks(r.compressor, ops.shape(x)),
                         [p for p, _ in comp], [c for _, c in comp])
         chunk_payloads.append(comp)
@@ -169,7 +171,7 @@ def reference_twophase(ranks, xs, name, op, servers):
         key = f"{name}/chunk{j}"
         residual = servers[j].get(key)
         compensated = reduced if residual is None else reduced + residual
-        p2, c2 = server.compressor.compress(compensated, f"{name}/chunk{j}/server")
+        p2, c2 = server.compressor.compress(compensated, f"{name}/chunk{j}/server", server.call)
         servers[j][key] = compensated - server.compressor.decompress(p2, c2)
         pieces.append(server.compressor.decompress(p2, ctx_j))
     out = ops.reshape(ops.cat(pieces), ops.shape(xs[0]))
