@@ -50,3 +50,23 @@ class Collectives(ABC):
 
     def barrier(self) -> None:
         """Block until every rank gets here (used by tests and set-up checks)."""
+
+
+class Wrapping(Collectives):
+    """Collectives that change how another's calls go out (fusion, host copies, counting):
+    the ranks, sizes and barrier are ``inner``'s."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def size(self) -> int:
+        return self.inner.size()
+
+    def rank(self) -> int:
+        return self.inner.rank()
+
+    def allreduce_nbytes(self, tensor):
+        return self.inner.allreduce_nbytes(tensor)
+
+    def barrier(self) -> None:
+        self.inner.barrier()

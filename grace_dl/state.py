@@ -70,6 +70,29 @@ class State:
                 _assign_numpy(var, value)
 
 
+class Stateful:
+    """Base of compressors and memories: training state in ``self.state`` (checkpointed by
+    ``state_dict``/``load_state_dict``), configuration in the public attributes (``config``,
+    which ranks compare and strategies record)."""
+
+    def __init__(self):
+        self.state = State()
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
+    def config(self) -> dict:
+        """The constructor arguments that define this object."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
+        return f"{type(self).__name__}({args})"
+
+
 def _to_numpy(var) -> np.ndarray:
     if hasattr(var, "detach"):  # torch
         t = var.detach()

@@ -260,4 +260,4 @@ def test_dispatcher_accepts_every_builder_output():
     for builder in (AllReduce(chunk_size=3), Uniform(TOPK, chunk_size=2),
                     SizeThreshold(500, TOPK), Auto(), PS(1)):
         d = from_strategy(builder.build(shapes, spec), variables=shapes)
-        assert {d.route(n).name for n in shapes} == set(shapes)
+        assert {d.node(n).name for n in shapes} == set(shapes)

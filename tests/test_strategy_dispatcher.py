@@ -31,7 +31,7 @@ def test_routes_and_shared_pipelines():
     assert d.communicator("b") is not d.communicator("w1")
     assert d.communicator("w1").bytes is d.bytes is d.communicator("b").bytes
     assert d.pipeline("w1").label() == "topk(compress_ratio=0.5)+residual+allgather"
-    assert d.route("w1:0").name == "w1"  # TF tensor names with ':0' resolve too
+    assert d.node("w1:0").name == "w1"  # TF tensor names with ':0' resolve too
     assert sorted(d.state_dict()) == ["none+none+allreduce",
                                       "topk(compress_ratio=0.5)+residual+allgather"]
 
@@ -125,7 +125,7 @@ def test_ps_destination_by_replica_name():
                   'reduction_destination: "b:GPU:0" } } graph_config { replicas: "a:GPU:0" '
                   'replicas: "b:GPU:0" } version: 1')
     d = from_strategy(s)
-    assert d.route("w").root == 1
+    assert d.node("w").root == 1
     assert sorted(d.state_dict()) == ["none+none+ps@1"]
 
 

@@ -113,6 +113,21 @@ def test_tf_matches_torch_for_the_same_gradients(tape, tmp_path):
         assert torch_rank["bytes_steps"] == tf_rank["bytes_steps"]
 
 
+def test_groups_fuse_payloads_into_fewer_collectives(tape):
+    """groups=2 on the tape: fewer collectives per step, the same bytes and gradients, on both
+    ranks, no warning."""
+    for res in tape:
+        alone, fused = res["groups"]["None"], res["groups"]["2"]
+        assert fused["calls_per_step"] < alone["calls_per_step"]
+        assert all(n.startswith("grace.fused.g") for n in fused["names"])
+        assert fused["sent"] == alone["sent"] and fused["warnings"] == []
+        for a, b in zip(fused["grads"], alone["grads"]):
+            _equal(a, b)
+    for a, b in zip(tape[0]["groups"]["2"]["grads"], tape[1]["groups"]["2"]["grads"]):
+        _equal(a, b)
+
+
+@pytest.mark.multiproc
 def test_indexed_slices_from_embedding(tape):
     for r in tape:
         assert r["emb_local_type"] == "IndexedSlices"

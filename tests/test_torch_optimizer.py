@@ -241,10 +241,18 @@ def test_process_set_is_passed_to_the_communicator(ranks):
 
 
 @pytest.mark.multiproc
-def test_groups_are_ignored_with_a_warning(ranks):
+@pytest.mark.parametrize("pipeline", ["none", "topk"])
+def test_groups_fuse_payloads_into_fewer_collectives(ranks, pipeline):
+    """groups=2 with grace: fewer collectives per step (fused per group, kind and dtype), the
+    same bytes, the same parameters bit for bit, identical on both ranks, and no warning."""
     for res in ranks:
-        assert any("groups=2 is ignored with grace=" in w for w in res["groups_warning"])
-        _equal(res["groups_grace"], res["none_pipeline"])
+        alone, fused = res["groups"][pipeline]["None"], res["groups"][pipeline]["2"]
+        assert fused["calls_per_step"] < alone["calls_per_step"]
+        assert all(n.startswith("grace.fused.g") for n in fused["names"])
+        assert fused["sent"] == alone["sent"]
+        assert fused["warnings"] == [] and alone["warnings"] == []
+        _equal(fused["params"], alone["params"])
+    _equal(ranks[0]["groups"][pipeline]["2"]["params"], ranks[1]["groups"][pipeline]["2"]["params"])
 
 
 @pytest.mark.multiproc

@@ -1,6 +1,7 @@
 """The ``Communicator`` abstraction: one compressor, one memory, one way of moving payloads.
 
-Every tensor takes the same path, and only this class defines it:
+Every tensor takes the same path, and only ``Router`` (the base of communicators and of the
+strategy dispatcher) defines it:
 
 1. **encode** (``send``): the memory compensates the gradient, the compressor compresses it
    (``compress``), and, for single-round methods, the memory is updated once with the local
@@ -35,7 +36,7 @@ SUM = "sum"
 OPS = (AVERAGE, SUM)
 
 __all__ = ["AVERAGE", "SUM", "OPS", "ByteCounter", "Communicator", "Encoded", "Handle", "Phase",
-           "Ready", "check_op", "fingerprint_of"]
+           "Ready", "Router", "check_op", "fingerprint_of"]
 
 
 def check_op(op: str) -> str:
@@ -82,13 +83,83 @@ class Handle:
 
     name: str
     op: str
-    coll: Any                       # the Collectives the tensor travels on
+    comm: Communicator              # the communicator that carries the tensor
+    coll: Any                       # the Collectives it travels on
     encoded: Encoded
     phase: Phase | None = None      # None while held for its fusion group
+    done: bool = False
+    value: Any = None
     received: bool = field(default=False)
 
 
-class Communicator(ABC):
+class Router:
+    """The send path every ``grace=`` object shares: ``send`` picks the communicator and
+    collectives for a named tensor (``route``), encodes it and issues it (or holds it for its
+    fusion group); ``receive`` runs its phases to the end. A communicator routes every tensor
+    to itself; a strategy dispatcher routes each to its node's pipeline."""
+
+    def route(self, tensor, name: str, collectives):
+        """``(communicator, collectives)`` for ``tensor``; ``collectives`` is the caller's
+        choice of engine, or None."""
+        raise NotImplementedError
+
+    def before_receive(self, handle: Handle) -> list:
+        """Handles to finish, in this order, before ``handle`` (a fixed order on every rank,
+        for communicators that start collectives while finishing)."""
+        return []
+
+    def check_op(self, op: str) -> str:
+        return check_op(op)
+
+    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
+        """Encode ``tensor`` and start its collectives (on ``collectives``, or Horovod's for
+        its framework and the process set); returns at once."""
+        op = self.check_op(op)
+        comm, coll = self.route(tensor, name, collectives)
+        handle = Handle(name=name, op=op, comm=comm, coll=coll,
+                        encoded=comm.encode(tensor, name, Call(coll.rank(), coll.size())))
+        if comm.fusion is not None and comm.fusion.holds(name):
+            comm.fusion.hold(comm, handle)
+        else:
+            handle.phase = comm.issue(handle.encoded, handle)
+        return handle
+
+    def receive(self, handle: Handle):
+        """Wait for ``handle``'s exchange and return the aggregated tensor (divided by the
+        number of ranks for ``op="average"`` when the compressor averages)."""
+        if handle.received:
+            raise ValueError(f"handle for {handle.name!r} was already received")
+        for other in self.before_receive(handle):
+            _finish(other)
+        handle.received = True
+        return _finish(handle)
+
+    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
+        """``receive(send(...))``: the blocking form."""
+        return self.receive(self.send(tensor, name, op, collectives))
+
+    def fingerprint(self) -> str:
+        """A short digest of ``config()``; ranks compare it before the first step."""
+        return fingerprint_of(self.config())
+
+
+def _finish(handle: Handle):
+    """Run ``handle``'s phases to the end (once) and return its averaged or summed result."""
+    if handle.done:
+        return handle.value
+    comm = handle.comm
+    if handle.phase is None:
+        comm.fusion.flush(comm, handle.name)
+    out = handle.phase
+    while isinstance(out, Phase):
+        out = out.value if isinstance(out, Ready) else comm.complete(out, handle)
+    if handle.op == AVERAGE and comm.compressor.average:
+        out = out / handle.coll.size()
+    handle.phase, handle.done, handle.value = None, True, out
+    return out
+
+
+class Communicator(Router, ABC):
     """Base of every communicator. Subclasses implement ``issue`` and ``complete`` (and may
     override ``compress``/``approximate`` to change what one payload is, as two-phase does)
     and restrict the compressors they carry by overriding ``refusal``."""
@@ -123,9 +194,6 @@ class Communicator(ABC):
         if reason is not None:
             raise wire.refuse(cls.name or cls.__name__, compressor, reason)
 
-    def check_op(self, op: str) -> str:
-        return check_op(op)
-
     # ------------------------------------------------------------------ fusion
     def fuse(self, groups) -> None:
         """Carry the payloads of each group's tensors in one collective per (kind, dtype) per
@@ -135,38 +203,10 @@ class Communicator(ABC):
 
         self.fusion = Fusion(groups) if groups else None
 
-    # ------------------------------------------------------------------ the async pair
-    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
-        """Encode ``tensor`` and start its collectives (on ``collectives``, or Horovod's for
-        its framework and this communicator's process set); returns at once."""
-        op = self.check_op(op)
-        coll = self.collectives(tensor) if collectives is None else collectives
-        handle = Handle(name=name, op=op, coll=coll,
-                        encoded=self.encode(tensor, name, Call(coll.rank(), coll.size())))
-        if self.fusion is not None and self.fusion.holds(name):
-            self.fusion.hold(self, handle)
-        else:
-            handle.phase = self.issue(handle.encoded, handle)
-        return handle
-
-    def receive(self, handle: Handle):
-        """Wait for ``handle``'s exchange and return the aggregated tensor (divided by the
-        number of ranks for ``op="average"`` when the compressor averages)."""
-        if handle.received:
-            raise ValueError(f"handle for {handle.name!r} was already received")
-        if handle.phase is None:
-            self.fusion.flush(self, handle.name)
-        out = handle.phase
-        while isinstance(out, Phase):
-            out = out.value if isinstance(out, Ready) else self.complete(out, handle)
-        handle.phase, handle.received = None, True
-        if handle.op == AVERAGE and self.compressor.average:
-            out = out / handle.coll.size()
-        return out
-
-    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
-        """``receive(send(...))``: the blocking form."""
-        return self.receive(self.send(tensor, name, op, collectives))
+    # ------------------------------------------------------------------ routing
+    def route(self, tensor, name: str, collectives):
+        """Every tensor travels on this communicator."""
+        return self, self.collectives(tensor) if collectives is None else collectives
 
     def end_step(self) -> dict:
         """Close a training step in the byte counters; returns that step's summary. The
@@ -234,10 +274,6 @@ class Communicator(ABC):
         if self.fusion is not None:
             config["fusion"] = self.fusion.config()
         return config
-
-    def fingerprint(self) -> str:
-        """A short digest of ``config()``; ranks compare it before the first step."""
-        return fingerprint_of(self.config())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.compressor!r}, {self.memory!r})"

@@ -31,7 +31,7 @@ GPU (the strategy dispatcher rejects a gradient that is not on one).
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.collectives import Collectives
+from grace_dl.collectives import Wrapping
 
 AUTO, NCCL, RING = 0, 1, 2
 
@@ -48,21 +48,9 @@ class _Call:
         self.done = False
 
 
-class HostCollectives(Collectives):
+class HostCollectives(Wrapping):
     """Spec ``RING``: ``inner``'s collectives on host copies of the tensors, results moved back
     to the device of the tensor they answer."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def size(self) -> int:
-        return self.inner.size()
-
-    def rank(self) -> int:
-        return self.inner.rank()
-
-    def allreduce_nbytes(self, tensor):
-        return self.inner.allreduce_nbytes(tensor)
 
     def allreduce_async(self, tensor, name: str):
         return (self.inner.allreduce_async(_host(tensor), name), tensor)
@@ -83,9 +71,6 @@ class HostCollectives(Collectives):
             return (_device(out[0], like), out[1])
         return _device(out, like)
 
-    def barrier(self) -> None:
-        self.inner.barrier()
-
 
 def _host(tensor):
     return ops_for(tensor).to_host(tensor)
@@ -93,6 +78,18 @@ def _host(tensor):
 
 def _device(tensor, like):
     return ops_for(tensor).to_device(tensor, like)
+
+
+def split_evenly(names: list, groups: int) -> list[list]:
+    """``names`` in order, cut into ``groups`` contiguous groups as even as possible (the
+    first ones one longer), as Horovod's ``groups=<int>`` splits its tensors."""
+    size, extra = divmod(len(names), groups)
+    out, start = [], 0
+    for i in range(min(groups, len(names))):
+        stop = start + size + (1 if i < extra else 0)
+        out.append(list(names[start:stop]))
+        start = stop
+    return out
 
 
 class Fusion:
@@ -157,12 +154,12 @@ class Fusion:
         return {label: list(names) for label, names in self.groups.items()}
 
 
-class GroupCollectives(Collectives):
+class GroupCollectives(Wrapping):
     """``Collectives`` for one fusion group's members during one step (see module doc)."""
 
     def __init__(self, inner, label: str, collecting: bool = False, equal_sizes: bool = True,
                  counter=None):
-        self.inner = inner
+        super().__init__(inner)
         self.label = label
         self.collecting = collecting
         self.equal_sizes = equal_sizes
@@ -171,15 +168,6 @@ class GroupCollectives(Collectives):
         self._batches = 0
 
     # ------------------------------------------------------------------ Collectives
-    def size(self) -> int:
-        return self.inner.size()
-
-    def rank(self) -> int:
-        return self.inner.rank()
-
-    def allreduce_nbytes(self, tensor):
-        return self.inner.allreduce_nbytes(tensor)
-
     def allreduce_async(self, tensor, name: str):
         return self._call(_Call("allreduce", tensor, name))
 
@@ -207,8 +195,6 @@ class GroupCollectives(Collectives):
             handle.resolve()
         return handle.value
 
-    def barrier(self) -> None:
-        self.inner.barrier()
 
     # ------------------------------------------------------------------ fusion
     def close(self) -> None:

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from grace_dl.backend import ops_for
-from grace_dl.state import State
+from grace_dl.state import Stateful
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Call:
 LOCAL = Call()
 
 
-class Compressor(ABC):
+class Compressor(Stateful, ABC):
     """Base class of every compression method.
 
     Subclasses implement ``compress`` and ``decompress`` and declare what the wire may do with
@@ -77,8 +77,8 @@ class Compressor(ABC):
     unbiased: bool = False
 
     def __init__(self, seed: int = 0):
+        super().__init__()
         self.seed = int(seed)
-        self.state = State()
 
     # ------------------------------------------------------------------ the contract
     @abstractmethod
@@ -137,17 +137,3 @@ class Compressor(ABC):
         seeded randomness so ranks agree without sharing an RNG."""
         return self.state.next_step(f"step/{name}", ops_for(tensor))
 
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict:
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state.load_state_dict(state)
-
-    def config(self) -> dict:
-        """The constructor arguments that define this compressor (for fingerprints/strategies)."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
-        return f"{type(self).__name__}({args})"

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from grace_dl.state import State
+from grace_dl.state import Stateful
 
 
-class Memory(ABC):
+class Memory(Stateful, ABC):
     #: whether ``update`` reads its ``approximation`` (the communicator skips computing it
     #: otherwise)
     needs_approximation: bool = True
-
-    def __init__(self):
-        self.state = State()
 
     @abstractmethod
     def compensate(self, tensor, name: str):
@@ -43,15 +40,3 @@ class Memory(ABC):
         raises it at construction."""
         return None
 
-    def state_dict(self) -> dict:
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state.load_state_dict(state)
-
-    def config(self) -> dict:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
-        return f"{type(self).__name__}({args})"

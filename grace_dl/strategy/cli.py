@@ -98,7 +98,7 @@ def _rows(dispatcher):
 
     rows = []
     for node in dispatcher.strategy.node_config:
-        r = dispatcher.route(node.var_name)
+        r = dispatcher.node(node.var_name)
         numel = 1
         for d in r.shape:
             numel *= d
@@ -139,7 +139,7 @@ def cmd_validate(args) -> int:
     if args.workers is not None:
         if replicas and replicas != args.workers:
             raise ValueError(f"the strategy lists {replicas} replicas, not {args.workers} workers")
-        roots = [r.root for r in map(dispatcher.route, (n.var_name for n in
+        roots = [r.root for r in map(dispatcher.node, (n.var_name for n in
                                                         strategy.node_config))
                  if r.root is not None and r.root >= args.workers]
         if roots:

@@ -38,7 +38,7 @@ import hashlib
 from dataclasses import dataclass
 
 from grace_dl.backend import collectives_for, ops_for
-from grace_dl.communicators.base import AVERAGE, ByteCounter, Handle, check_op, fingerprint_of
+from grace_dl.communicators.base import ByteCounter, Handle, Router
 from grace_dl.communicators.fusion import AUTO, NCCL, RING, HostCollectives
 from grace_dl.strategy import strategy_pb2 as pb
 from grace_dl.strategy.pipeline import Pipeline
@@ -106,7 +106,7 @@ def _check_node(node) -> None:
                              f"servers); set staleness: 0")
 
 
-class StrategyDispatcher:
+class StrategyDispatcher(Router):
     """Routes each named gradient to the pipeline its strategy node names (module doc)."""
 
     def __init__(self, strategy, process_set=None, variables=None):
@@ -122,7 +122,6 @@ class StrategyDispatcher:
         self._groups: dict[str, list[str]] = {}
         self._comms: dict[str, object] = {}
         self._outstanding: dict[str, Handle] = {}
-        self._results: dict[str, object] = {}
         self._verified = False
         self._build(process_set)
         if variables is not None:
@@ -203,7 +202,7 @@ class StrategyDispatcher:
             raise ValueError("strategy does not match the model: " + "; ".join(problems))
 
     # ------------------------------------------------------------------ routing
-    def route(self, name: str) -> Route:
+    def node(self, name: str) -> Route:
         route = self._routes.get(name)
         if route is None and name.endswith(":0"):
             route = self._routes.get(name[:-2])
@@ -215,24 +214,21 @@ class StrategyDispatcher:
         return route
 
     def pipeline(self, name: str) -> Pipeline:
-        return self.route(name).pipeline
+        return self.node(name).pipeline
 
     def communicator(self, name: str):
-        return self.route(name).comm
+        return self.node(name).comm
 
     # ------------------------------------------------------------------ the communicator protocol
-    def check_op(self, op: str) -> str:
-        return check_op(op)
-
-    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
-        op = self.check_op(op)
-        route = self.route(name)
+    def route(self, tensor, name: str, collectives):
+        """The communicator of ``name``'s node, on collectives that follow its spec."""
+        node = self.node(name)
         ops = ops_for(tensor)
         shape = ops.shape(tensor)
-        if route.shape and all(isinstance(d, int) for d in shape) and tuple(shape) != route.shape:
+        if node.shape and all(isinstance(d, int) for d in shape) and tuple(shape) != node.shape:
             raise ValueError(f"gradient {name!r} has shape {tuple(shape)}, its strategy node says "
-                             f"{route.shape}")
-        if route.spec == NCCL and ops.device_type(tensor) == "cpu":
+                             f"{node.shape}")
+        if node.spec == NCCL and ops.device_type(tensor) == "cpu":
             raise ValueError(f"node {name!r} has spec NCCL (payloads stay on the GPU) but its "
                              f"gradient is in host memory; use spec AUTO or RING")
         if name in self._outstanding:
@@ -240,22 +236,23 @@ class StrategyDispatcher:
         if not self._verified:
             self.verify(tensor=tensor)
         coll = collectives_for(tensor, self._process_set) if collectives is None else collectives
-        if route.spec == RING:
+        if node.spec == RING:
             coll = HostCollectives(coll)
-        handle = route.comm.send(tensor, name, op, coll)
-        self._outstanding[name] = handle
-        return handle
+        return node.comm, coll
 
-    def receive(self, handle: Handle):
-        if handle.name not in self._results:
-            if self._outstanding.get(handle.name) is not handle:
-                raise ValueError(f"handle for {handle.name!r} was already received or is not "
-                                 f"from this dispatcher")
-            self._drain()
-        return self._results.pop(handle.name)
+    def on_send(self, handle: Handle) -> None:
+        self._outstanding[handle.name] = handle
 
-    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
-        return self.receive(self.send(tensor, name, op, collectives))
+    def before_receive(self, handle: Handle) -> list:
+        """The first receive of a step finishes every outstanding handle in node order."""
+        if handle.done:
+            return []
+        if self._outstanding.get(handle.name) is not handle:
+            raise ValueError(f"handle for {handle.name!r} was already received or is not from "
+                             f"this dispatcher")
+        pending = sorted(self._outstanding.values(), key=lambda h: self._routes[h.name].index)
+        self._outstanding.clear()
+        return pending
 
     def end_step(self) -> dict:
         return self.bytes.end_step()
@@ -265,12 +262,6 @@ class StrategyDispatcher:
         if groups:
             raise ValueError("a strategy sets its fusion groups per node "
                              "(AllReduceSynchronizer.group); pass groups=None with it")
-
-    def _drain(self) -> None:
-        pending = sorted(self._outstanding.values(), key=lambda h: self._routes[h.name].index)
-        self._outstanding.clear()
-        for handle in pending:
-            self._results[handle.name] = self._routes[handle.name].comm.receive(handle)
 
     # ------------------------------------------------------------------ agreement
     def verify(self, framework: str | None = None, tensor=None) -> None:
@@ -304,9 +295,6 @@ class StrategyDispatcher:
         return {"strategy": strategy_digest(self.strategy), "version": self.strategy.version,
                 "nodes": len(self._routes),
                 "pipelines": {key: comm.config() for key, comm in sorted(self._comms.items())}}
-
-    def fingerprint(self) -> str:
-        return fingerprint_of(self.config())
 
     def __repr__(self) -> str:
         return (f"StrategyDispatcher({len(self._routes)} variables, {len(self._comms)} pipelines, "

@@ -40,6 +40,8 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from grace_dl.communicators.base import AVERAGE, SUM
+from grace_dl.communicators.fusion import split_evenly
+from grace_dl.contracts import check_grace
 from grace_dl.tensorflow import ops as tf_ops
 
 # Horovod's reduce ops that grace= can carry, and what they mean to a communicator.
@@ -177,16 +179,16 @@ class GraceReducer(_Reducer):
     ``op``: ``hvd.Average`` or ``hvd.Sum``. ``gradient_predivide_factor`` (Average only, as in
     Horovod) scales gradients by ``1/f`` before compression and the result by ``f`` after.
     ``process_set`` must be the grace object's own (set it when building the communicator).
+    ``groups``: Horovod's fusion groups, as the grace object's (``Communicator.fuse``): an int
+    splits the step's gradients, in order, into that many groups as even as possible; a list
+    of lists of variables names them. They are resolved to gradient names on the first step.
     """
 
     def __init__(self, grace, op=hvd.Average, gradient_predivide_factor: float = 1.0,
                  process_set=hvd.global_process_set, scale_local_gradients: bool = True,
-                 device: str = ""):
-        for method in ("send", "receive", "end_step", "fingerprint"):
-            if not callable(getattr(grace, method, None)):
-                raise ValueError(f"grace must be a grace_dl communicator (from grace_from_params) "
-                                 f"or a strategy dispatcher; {type(grace).__name__} has no "
-                                 f"{method}()")
+                 device: str = "", groups=None):
+        check_grace(grace)
+        self.groups = _check_groups(groups)
         self.grace = grace
         self.op = grace_op(op)
         self.predivide = float(gradient_predivide_factor)
@@ -212,6 +214,9 @@ class GraceReducer(_Reducer):
     @tf.autograph.experimental.do_not_convert
     def _reduce(self, grads, sources, positions, use_generic_names):
         names = [self.names(s, i) for s, i in zip(sources, positions)]
+        if self.groups is not None:
+            self.grace.fuse(_fusion_groups(self.groups, names, sources))
+            self.groups = None
         grads = [densify(g) for g in grads]
         _check_agreement(self.grace, [(n, tuple(s.shape), g.dtype.name)
                                       for n, g, s in zip(names, grads, sources)],
@@ -232,6 +237,31 @@ class GraceReducer(_Reducer):
         tf_ops.host_callback(lambda: grace.end_step())
         _warn_unused_restored_state(grace, names)
         return out
+
+
+def _check_groups(groups):
+    if groups is None or (isinstance(groups, list) and all(isinstance(g, (list, tuple))
+                                                           for g in groups)):
+        return groups
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(f"groups must be a positive integer or a list of lists of variables, "
+                         f"got {groups!r}")
+    return groups
+
+
+def _fusion_groups(groups, names, sources) -> list[list[str]]:
+    """``groups`` as lists of the gradient names this step sends."""
+    if isinstance(groups, int):
+        return split_evenly(names, groups)
+    by_var = {id(tf_variable(s)): n for s, n in zip(sources, names)}
+    out = []
+    for group in groups:
+        missing = [v for v in group if id(tf_variable(v)) not in by_var]
+        if missing:
+            raise ValueError(f"groups holds {len(missing)} variable(s) that get no gradient here, "
+                             f"e.g. {getattr(missing[0], 'path', missing[0])!r}")
+        out.append([by_var[id(tf_variable(v))] for v in group])
+    return out
 
 
 def _scale(grad, factor):

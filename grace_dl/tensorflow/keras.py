@@ -73,8 +73,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     optimizer, as Horovod's). ``op`` is ``hvd.Average`` or ``hvd.Sum``.
     ``backward_passes_per_step`` must be 1 (use the optimizer's ``gradient_accumulation_steps``);
     ``average_aggregated_gradients`` only matters with it and is accepted for compatibility.
-    With ``grace=``, ``compression``/``groups``/``num_groups`` are rejected (the grace object
-    compresses and groups) and sparse gradients are densified."""
+    With ``grace=``, ``compression`` is rejected (the grace object compresses), ``groups`` /
+    ``num_groups`` become the grace object's fusion groups (``GraceReducer``) and sparse
+    gradients are densified."""
     if not is_keras_optimizer(optimizer):
         raise ValueError(f"optimizer must be a keras.optimizers.Optimizer, got "
                          f"{type(optimizer).__name__}")
@@ -87,7 +88,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if num_groups and groups is None:
         groups = num_groups
     if grace is not None:
-        reject_horovod_only_options(compression=compression, groups=groups)
+        reject_horovod_only_options(compression=compression)
 
     config = optimizer.get_config()
     if name is not None:
@@ -102,7 +103,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                         gradient_predivide_factor=gradient_predivide_factor,
                                         process_set=process_set,
                                         scale_local_gradients=scale_local_gradients,
-                                        device=device_dense)
+                                        device=device_dense, groups=groups)
         opt.grace_state = checkpointable(grace)
     return opt
 

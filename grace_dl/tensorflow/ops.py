@@ -96,10 +96,6 @@ def full(shp, value, dt: str = "float32", like=None):
     return tf.fill(shp if not isinstance(shp, int) else [shp], tf.constant(value, _DTYPES[dt]))
 
 
-def arange(n, dt: str = "int64", like=None):
-    return tf.range(n, dtype=_DTYPES[dt])
-
-
 def from_numpy(arr, like=None):
     return tf.convert_to_tensor(arr)
 
@@ -108,14 +104,6 @@ def to_numpy(x) -> np.ndarray:
     if x.dtype == tf.bfloat16:
         x = tf.cast(x, tf.float32)
     return x.numpy()
-
-
-def scalar(x) -> float:
-    return x.numpy().item()
-
-
-def copy(x):
-    return tf.identity(x)
 
 
 # ------------------------------------------------------------------ devices
@@ -152,20 +140,10 @@ def to_device(x, like):
 abs = tf.math.abs  # noqa: A001
 sign = tf.math.sign
 sqrt = tf.math.sqrt
-floor = tf.math.floor
 ceil = tf.math.ceil
-round = tf.math.round  # noqa: A001  (half to even, as torch)
 maximum = tf.math.maximum
 minimum = tf.math.minimum
 isfinite = tf.math.is_finite
-
-
-def log2(x):
-    return tf.math.log(x) / tf.cast(math.log(2.0), x.dtype)
-
-
-def exp2(x):
-    return tf.math.pow(tf.cast(2.0, x.dtype), x)
 
 
 def clamp(x, lo=None, hi=None):
@@ -333,11 +311,6 @@ def uniform(seed: int, name: str, step, n: int, like=None, stream: int = 0):
                  seed, name, step)
 
 
-def normal(seed: int, name: str, step, shp, like=None):
-    return _draw(lambda s: seeding.normal(seed, name, s, shp), tf.float32, list(shp),
-                 seed, name, step)
-
-
 def choice(seed: int, name: str, step, n: int, k: int, like=None):
     return _draw(lambda s: seeding.choice(seed, name, s, n, k).astype(np.int64), tf.int64, [k],
                  seed, name, step)
@@ -497,13 +470,6 @@ def assign_lerp(var, value, weight: float):
     else:
         var.assign(value - (value - old) * tf.cast(1.0 - w, old.dtype))
     return var
-
-
-def counter(name: str | None = None):
-    """A step counter slot (int64 variable), starting at 0."""
-    with tf.init_scope():
-        return _ResourceVariable(tf.constant(0, tf.int64), trainable=False,
-                                 name=_var_name(name))
 
 
 def increment(counter_var):

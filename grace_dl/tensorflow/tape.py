@@ -74,9 +74,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     gradient goes through ``grace.send`` / ``grace.receive``: the compressor, memory and
     collective decide what crosses the wire. ``op`` is ``hvd.Average`` or ``hvd.Sum``;
     ``gradient_predivide_factor`` and ``scale_local_gradients`` behave as in Horovod;
-    ``device_dense`` places the compression. ``compression``, ``groups`` and ``num_groups`` are
-    Horovod's own compression and fusion and are rejected together with ``grace=`` (the grace
-    object does both). ``sparse_as_dense`` is implied: sparse gradients are densified.
+    ``device_dense`` places the compression. ``groups`` / ``num_groups`` become the grace
+    object's fusion groups (``GraceReducer``). ``compression`` is Horovod's own and is rejected
+    together with ``grace=``. ``sparse_as_dense`` is implied: sparse gradients are densified.
 
     With ``grace=None`` every argument means what it means to Horovod (its own reduction).
     """
@@ -90,10 +90,11 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                                  compression, sparse_as_dense, op, gradient_predivide_factor,
                                  groups, process_set, scale_local_gradients)
     else:
-        reject_horovod_only_options(compression=compression, groups=groups)
+        reject_horovod_only_options(compression=compression)
         reducer = GraceReducer(grace, op=op, gradient_predivide_factor=gradient_predivide_factor,
                                process_set=process_set,
-                               scale_local_gradients=scale_local_gradients, device=device_dense)
+                               scale_local_gradients=scale_local_gradients, device=device_dense,
+                               groups=groups)
     cls = _tape_class(type(gradtape))
     tape = cls.__new__(cls)
     tf.GradientTape.__init__(tape, persistent=gradtape._persistent,
@@ -130,15 +131,12 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
     return tape
 
 
-def reject_horovod_only_options(compression=hvd.Compression.none, groups=None, num_groups=0,
+def reject_horovod_only_options(compression=hvd.Compression.none,
                                 backward_passes_per_step=1) -> None:
     """Horovod options that ``grace=`` replaces: a clear error instead of ignoring them."""
     if compression is not hvd.Compression.none:
         raise ValueError(f"compression={compression!r} is Horovod's compression; with grace= the "
                          "grace object compresses: pass compression=hvd.Compression.none")
-    if groups is not None or num_groups:
-        raise ValueError(f"groups={groups!r}/num_groups={num_groups!r} are Horovod fusion "
-                         "groups; with grace= pass neither (a grace_dl strategy groups tensors)")
     if backward_passes_per_step != 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: with grace= only "
                          "1 is supported; accumulate locally with the Keras optimizer's "

@@ -96,10 +96,6 @@ def full(shp, value, dt: str = "float32", like=None):
     return torch.full(shp, value, dtype=_DTYPES[dt], device=None if like is None else like.device)
 
 
-def arange(n: int, dt: str = "int64", like=None):
-    return torch.arange(n, dtype=_DTYPES[dt], device=None if like is None else like.device)
-
-
 def from_numpy(arr, like=None):
     t = torch.from_numpy(np.ascontiguousarray(arr))
     return t if like is None or like.device.type == "cpu" else t.to(like.device)
@@ -110,14 +106,6 @@ def to_numpy(x) -> np.ndarray:
     if x.dtype == torch.bfloat16:
         x = x.float()
     return x.cpu().numpy()
-
-
-def scalar(x) -> float:
-    return x.item()
-
-
-def copy(x):
-    return x.clone()
 
 
 # ------------------------------------------------------------------ devices
@@ -142,11 +130,7 @@ def to_device(x, like):
 abs = torch.abs  # noqa: A001
 sign = torch.sign
 sqrt = torch.sqrt
-floor = torch.floor
 ceil = torch.ceil
-round = torch.round  # noqa: A001  (half to even, as TF)
-log2 = torch.log2
-exp2 = torch.exp2
 maximum = torch.maximum
 minimum = torch.minimum
 isfinite = torch.isfinite
@@ -313,10 +297,6 @@ def uniform(seed: int, name: str, step, n: int, like=None, stream: int = 0):
     return from_numpy(seeding.uniform(seed, name, int(step), n, stream), like)
 
 
-def normal(seed: int, name: str, step, shp, like=None):
-    return from_numpy(seeding.normal(seed, name, int(step), shp), like)
-
-
 def choice(seed: int, name: str, step, n: int, k: int, like=None):
     return from_numpy(seeding.choice(seed, name, int(step), n, k), like)
 
@@ -477,11 +457,6 @@ def assign_lerp(var, value, weight: float):
     For ``weight >= 0.5`` computed as ``value - (1 - weight) * (value - var)``, as torch.lerp."""
     var.lerp_(value, float(weight))
     return var
-
-
-def counter(name: str | None = None):
-    """A step counter slot, starting at 0."""
-    return torch.zeros((), dtype=torch.int64)
 
 
 def increment(counter_var):

@@ -24,11 +24,12 @@ What differs from Horovod, and why:
   before it enters the grace pipeline (memory, compressor, wire) and the aggregate by ``f``
   after ``receive`` (which already divides by the number of ranks). Error-feedback state thus
   lives in the pre-divided scale, exactly as Horovod's prescale/postscale factors wrap its sum.
-* ``num_groups``/``groups`` are validated as Horovod validates them, then ignored with a
-  ``UserWarning``: with ``grace`` every tensor is its own pipeline (compressors work per tensor;
-  a fused buffer would mix their statistics). A strategy's fusion ``group``
-  (``grace_dl.strategy``) fuses payloads explicitly; otherwise Horovod's tensor fusion batches
-  the small collectives.
+* ``num_groups``/``groups`` are validated as Horovod validates them and become the
+  communicator's fusion groups (``Communicator.fuse``): each tensor is still compressed on its
+  own (error feedback and compressor statistics stay per tensor), and the payloads of a group
+  travel in one collective per kind and dtype. ``groups=n`` splits the parameters, in name
+  order, into ``n`` groups as even as possible; a list of lists of parameters names them
+  (parameters in no list travel alone). A strategy sets its groups per node instead.
 * Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
   a sparse gradient raises ``ValueError`` rather than silently skipping compression.
 * Collectives are named after the parameters (``named_parameters``, else Horovod's
@@ -60,6 +61,8 @@ import numpy as np
 import torch
 
 from grace_dl.communicators.base import AVERAGE, SUM
+from grace_dl.communicators.fusion import split_evenly
+from grace_dl.contracts import check_grace
 
 GRACE_KEY = "grace"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -89,17 +92,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
             gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
             groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set)
 
-    for method in ("send", "receive", "end_step", "state_dict", "load_state_dict",
-                   "fingerprint"):
-        if not callable(getattr(grace, method, None)):
-            raise ValueError(f"grace must be a grace_dl communicator (e.g. from "
-                             f"grace_from_params) with a {method}() method, got {grace!r}")
+    check_grace(grace)
     if compression is not hvd.Compression.none:
         raise ValueError(f"compression={compression!r} cannot be combined with grace=; the "
                          f"grace communicator compresses (accepted: hvd.Compression.none)")
     grace_op = _grace_op(op, hvd)
-    if hasattr(grace, "check_op"):
-        grace.check_op(grace_op)
+    grace.check_op(grace_op)
     if isinstance(backward_passes_per_step, bool) or not isinstance(
             backward_passes_per_step, int) or backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got "
@@ -121,10 +119,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
         if groups is None:
             groups = num_groups
     _check_groups(groups)
-    if groups is not None:
-        warnings.warn(f"groups={groups!r} is ignored with grace=: every tensor is its own grace "
-                      f"pipeline; to fuse payloads of several tensors into one collective use a "
-                      f"strategy's fusion group (grace_dl.strategy)", UserWarning, stacklevel=2)
     _attach_process_set(grace, process_set, hvd)
 
     cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
@@ -225,8 +219,10 @@ class _GraceDistributedOptimizer:
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = bool(sparse_as_dense)
         self.process_set = process_set
-        self._groups = groups
         self._parameter_names = self._name_parameters(named_parameters)
+        fusion = self._fusion_groups(groups)
+        if fusion:
+            grace.fuse(fusion)
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: dict = {}
         self._hook_handles: list = []
@@ -269,6 +265,19 @@ class _GraceDistributedOptimizer:
         optimized = {id(v) for g in self.param_groups for v in g["params"]}
         return {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])
                 if id(v) in optimized}
+
+    def _fusion_groups(self, groups) -> list[list[str]]:
+        """``groups`` as lists of parameter names (see the module doc)."""
+        if groups is None:
+            return []
+        if isinstance(groups, int):
+            return split_evenly(sorted(name for p, name in self._parameter_names.items()
+                                       if p.requires_grad), groups)
+        unknown = [p for group in groups for p in group if p not in self._parameter_names]
+        if unknown:
+            raise ValueError(f"groups holds {len(unknown)} tensor(s) that are not parameters of "
+                             f"this optimizer")
+        return [[self._parameter_names[p] for p in group] for group in groups if group]
 
     def _check_ranks_agree(self) -> None:
         """Every rank must run the same pipelines on the same tensors, or collectives hang."""

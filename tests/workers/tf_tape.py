@@ -13,6 +13,7 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
+from counting import counting_hook
 
 import grace_dl.tensorflow.horovod as hvd
 import mp
@@ -153,6 +154,9 @@ def main():
     report["var_names"] = [v.path for v in model.trainable_variables]
     report["params"] = dict(TOPK)
 
+    # 4. groups=2: the grace object's fusion groups; fewer collectives, the same gradients.
+    report["groups"] = {str(g): grouped(g) for g in (None, 2)}
+
     # 5. Embedding (IndexedSlices gradients), eager and tf.function, topk and none.
     keras.utils.set_random_seed(3)
     emb = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4),
@@ -197,6 +201,25 @@ def main():
         errors.append(str(err))
     report["errors"] = errors
     return report
+
+
+def grouped(groups):
+    """Three eager steps of topk through a tape with ``groups``, collectives counted."""
+    model = mlp(5)
+    grc = grace_from_params(dict(TOPK))
+    calls = []
+    grc.collectives = counting_hook(grc, calls)
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(model, *batch(step))
+            out.append(numpy(hvd.DistributedGradientTape(tape, grace=grc, groups=groups)
+                             .gradient(loss, model.trainable_variables)))
+    return {"grads": out, "calls_per_step": len(calls) / 3, "names": sorted(set(calls)),
+            "sent": [s["sent"] for s in grc.bytes.steps],
+            "warnings": [str(w.message) for w in caught if w.category is UserWarning]}
 
 
 def resume():

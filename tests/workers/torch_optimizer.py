@@ -12,6 +12,7 @@ import warnings
 import horovod.torch as real_hvd
 import torch
 import torch_common as C
+from counting import counting_hook
 
 import grace_dl.torch.horovod as hvd
 import mp
@@ -128,12 +129,29 @@ out["ps_grace"] = C.params(m)
 out["ps_grace_steps"] = len(grc.bytes.steps)
 out["ps_attached"] = grc.process_set is RANK0
 
-# 8b. groups= with grace: validated, then ignored with a UserWarning; training is unchanged.
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    m = run(NONE, groups=2)[0]
-out["groups_warning"] = [str(w.message) for w in caught if w.category is UserWarning]
-out["groups_grace"] = C.params(m)
+# 8b. groups= with grace: the core's fusion. Collectives handed to Horovod are counted through
+# the communicator's one routing hook (``collectives(tensor)``).
+def counted(params, groups):
+    model = C.make_model()
+    grc = grace_from_params(dict(params))
+    calls = []
+    grc.collectives = counting_hook(grc, calls)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), groups=groups,
+                                       grace=grc)
+        for step in range(STEPS):
+            opt.zero_grad()
+            C.loss_of(model, rank, step).backward()
+            opt.step()
+    return {"params": C.params(model), "calls_per_step": len(calls) / STEPS,
+            "names": sorted(set(calls)), "sent": [s["sent"] for s in grc.bytes.steps],
+            "warnings": [str(w.message) for w in caught if w.category is UserWarning]}
+
+
+out["groups"] = {label: {str(g): counted(params, g) for g in (None, 2)}
+                 for label, params in (("none", NONE), ("topk", TOPK))}
 
 # 9. zero_grad() between backward() and step() is refused, as in Horovod.
 model = C.make_model()

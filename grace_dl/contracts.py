@@ -1,0 +1,220 @@
+"""The typed contracts of grace_dl: what ``grace=`` takes, and what a tensor-ops backend offers.
+
+``Grace`` is the protocol the torch ``DistributedOptimizer``, the TF tape and Keras optimizer
+and the DDP hook drive: every ``Communicator`` and the strategy dispatcher satisfy it.
+``OpsBackend`` is what ``grace_dl.torch.ops`` and ``grace_dl.tensorflow.ops`` both implement,
+name for name and parameter for parameter (``tests/test_contracts.py`` checks it): algorithms
+are written once against it, through ``grace_dl.backend.ops_for(tensor)``.
+
+Backend tensors are values: write ``x = x + y``, or use ``+=`` only on a tensor the function
+itself just made (torch's ``+=`` mutates in place, TF's rebinds the name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+GRACE_MEMBERS = ("send", "receive", "synchronize", "end_step", "check_op", "fuse", "state_dict",
+                 "load_state_dict", "config", "fingerprint", "bytes", "process_set")
+
+
+@runtime_checkable
+class Grace(Protocol):
+    """A ``grace=`` object. ``send`` starts a named tensor's exchange and returns at once;
+    ``receive`` returns its aggregate (averaged for ``op="average"``); ``end_step`` closes an
+    optimizer step in ``bytes``; ``fuse`` sets fusion groups (lists of tensor names);
+    ``fingerprint`` digests ``config()``, which ranks compare before the first step."""
+
+    bytes: Any
+    process_set: Any
+
+    def send(self, tensor, name: str, op: str = "average", collectives=None) -> Any: ...
+
+    def receive(self, handle) -> Any: ...
+
+    def synchronize(self, tensor, name: str, op: str = "average", collectives=None) -> Any: ...
+
+    def end_step(self) -> dict: ...
+
+    def check_op(self, op: str) -> str: ...
+
+    def fuse(self, groups) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def config(self) -> dict: ...
+
+    def fingerprint(self) -> str: ...
+
+
+def check_grace(obj) -> None:
+    """``ValueError`` naming what ``obj`` lacks, unless it is a ``Grace`` object."""
+    if isinstance(obj, Grace):
+        return
+    missing = [m for m in GRACE_MEMBERS if not hasattr(obj, m)]
+    raise ValueError(f"grace must be a grace_dl communicator (grace_from_params) or a strategy "
+                     f"dispatcher (from_strategy); {type(obj).__name__} lacks {missing}")
+
+
+class OpsBackend(Protocol):
+    """The tensor operations algorithms are written against (one module per framework)."""
+
+    def is_tensor(self, x) -> bool: ...
+
+    def dtype(self, x) -> str: ...
+
+    def cast(self, x, dt: str): ...
+
+    def is_floating(self, x) -> bool: ...
+
+    def shape(self, x) -> tuple: ...
+
+    def numel(self, x) -> int: ...
+
+    def nbytes(self, x) -> int: ...
+
+    def reshape(self, x, shp): ...
+
+    def flatten(self, x): ...
+
+    def transpose(self, x): ...
+
+    def permute(self, x, perm): ...
+
+    def zeros(self, shp, dt: str = "float32", like=None): ...
+
+    def zeros_like(self, x): ...
+
+    def ones_like(self, x): ...
+
+    def full(self, shp, value, dt: str = "float32", like=None): ...
+
+    def from_numpy(self, arr, like=None): ...
+
+    def to_numpy(self, x) -> Any: ...
+
+    def device_type(self, x) -> str: ...
+
+    def to_host(self, x):
+        """``x`` in host (CPU) memory; ``x`` itself when it is there already."""
+
+    def to_device(self, x, like):
+        """``x`` on ``like``'s device; ``x`` itself when it is there already."""
+
+    def abs(self, x): ...
+
+    def sign(self, x): ...
+
+    def sqrt(self, x): ...
+
+    def ceil(self, x): ...
+
+    def maximum(self, a, b): ...
+
+    def minimum(self, a, b): ...
+
+    def isfinite(self, x): ...
+
+    def clamp(self, x, lo=None, hi=None): ...
+
+    def where(self, cond, a, b): ...
+
+    def cond(self, pred, true_fn, false_fn): ...
+
+    def logical_and(self, a, b): ...
+
+    def bitcast(self, x, dt: str):
+        """Reinterpret the bits of ``x`` as dtype ``dt`` of the same width (float32 <-> int32)."""
+
+    def shift_left(self, x, n: int):
+        """``x << n`` for integer tensors."""
+
+    def shift_right(self, x, n: int):
+        """``x >> n`` for integer tensors (arithmetic for signed dtypes, as TF's)."""
+
+    def sum(self, x, axis=None): ...
+
+    def mean(self, x, axis=None): ...
+
+    def max(self, x, axis=None): ...
+
+    def min(self, x, axis=None): ...
+
+    def norm(self, x, axis=None):
+        """L2 norm (of everything, or along ``axis``)."""
+
+    def abs_sum(self, x): ...
+
+    def count_nonzero(self, x):
+        """Number of nonzero (True) elements, an int64 scalar tensor."""
+
+    def matmul(self, a, b): ...
+
+    def cat(self, xs, axis=0): ...
+
+    def stack(self, xs, axis=0): ...
+
+    def split(self, x, sizes): ...
+
+    def numels(self, xs):
+        """A 1-D int32 tensor holding the element count of each tensor in ``xs``."""
+
+    def split_by(self, x, lengths): ...
+
+    def slice(self, x, start: int, stop: int): ...
+
+    def pad(self, x, n: int):
+        """Append ``n`` zeros to a 1-D tensor."""
+
+    def topk(self, x, k: int):
+        """The ``k`` largest entries of a 1-D tensor: (values, int64 indices)."""
+
+    def gather(self, x, idx): ...
+
+    def scatter(self, idx, values, n: int):
+        """A dense 1-D tensor of length ``n``: zeros, with ``values`` at ``idx`` (idx distinct)."""
+
+    def scatter_add(self, idx, values, n: int):
+        """Like ``scatter`` but duplicate indices add up."""
+
+    def bincount(self, idx, n: int): ...
+
+    def nonzero(self, mask):
+        """int64 indices where a 1-D bool tensor is true."""
+
+    def sort(self, x):
+        """The elements of a 1-D tensor in ascending order."""
+
+    def bucketize(self, x, boundaries): ...
+
+    def uniform(self, seed: int, name: str, step, n: int, like=None, stream: int = 0): ...
+
+    def choice(self, seed: int, name: str, step, n: int, k: int, like=None): ...
+
+    def pack_bits(self, codes, bits: int):
+        """Pack unsigned codes (< 2**bits, any int dtype) into a uint8 tensor, ``bits`` each."""
+
+    def unpack_bits(self, packed, bits: int, n: int):
+        """Inverse of ``pack_bits``: the first ``n`` codes, as uint8."""
+
+    def packed_size(self, n: int, bits: int) -> int:
+        """Bytes that ``pack_bits`` produces for ``n`` codes."""
+
+    def pack_mask(self, mask): ...
+
+    def unpack_lookup(self, packed, bits: int, n, table): ...
+
+    def variable(self, value, dt: str, like=None, name: str | None = None): ...
+
+    def read(self, var): ...
+
+    def assign(self, var, value): ...
+
+    def assign_lerp(self, var, value, weight: float): ...
+
+    def increment(self, counter_var):
+        """Add one to a counter slot; returns the new value (a Python int here)."""
+
+    def host_callback(self, fn, *values) -> None: ...
