@@ -59,7 +59,7 @@ def time_compress(grc, model, repeats: int) -> float:
         return 0.0
     grads = [(n, p.grad.detach().clone()) for n, p in model.named_parameters()]
     if hasattr(grc, "route"):  # a strategy dispatcher: each gradient's own pipeline
-        compressors = {n: grc.route(n).comm.compressor for n, _ in grads}
+        compressors = {n: grc.node(n).comm.compressor for n, _ in grads}
     else:
         compressors = dict.fromkeys((n for n, _ in grads), grc.compressor)
     times = []

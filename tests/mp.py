@@ -53,7 +53,9 @@ def command(script, np: int = 2, launcher: str = "gloo", args=()) -> list[str]:
 
 def run(script, np: int = 2, launcher: str = "gloo", args=(), timeout: float = 300,
         env: dict | None = None) -> list:
-    """Launch ``script`` on ``np`` ranks; return each rank's ``report``ed object."""
+    """Launch ``script`` on ``np`` ranks; return each rank's ``report``ed object. The timeout is
+    multiplied by ``GRACE_TEST_TIMEOUT_SCALE`` (default 1) on a machine shared with other work."""
+    timeout = timeout * float(os.environ.get("GRACE_TEST_TIMEOUT_SCALE", "1"))
     with tempfile.TemporaryDirectory(prefix="grace_mp_") as out_dir:
         cmd = command(script, np, launcher, args)
         try:

@@ -11,7 +11,8 @@
 * ``strategy.proto`` / ``strategy_pb2``: the messages (``Strategy``, ``Node``, synchronizers);
 * ``builders``: ``AllReduce``, ``Uniform``, ``SizeThreshold``, ``PS``, ``Auto`` (cost model in
   ``cost_model``), fed by ``resource_spec`` (AutoDist's YAML);
-* ``dispatcher``: ``from_strategy``, the ``grace=`` object that routes each gradient;
+* ``dispatcher``: ``from_strategy``, the ``grace=`` object that routes each gradient to its
+  node's pipeline (the send path, fusion and the PS communicator are the core's);
 * ``consensus``: ``broadcast_strategy`` and the cross-rank agreement check;
 * ``serialize``: text and binary files; ``python -m grace_dl strategy build|show|validate``.
 """

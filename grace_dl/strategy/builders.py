@@ -15,8 +15,8 @@ raises ``ValueError`` at build time, not on the first step.
 
 **Fusion groups.** ``chunk_size`` consecutive variables *of the same pipeline* share a group
 (one fused collective per group and step). With one pipeline for all variables this is
-AutoDist's ``group = index // chunk_size``; ``chunk_size=1`` means no fusion. Pipelines whose
-communicator starts its own collectives (``twophase``) cannot be fused and get a group each.
+AutoDist's ``group = index // chunk_size``; ``chunk_size=1`` means no fusion. Every
+communicator fuses (``grace_dl.communicators.fusion``); a strategy only says which variables.
 """
 
 from __future__ import annotations
