@@ -103,6 +103,9 @@ class Router:
         choice of engine, or None."""
         raise NotImplementedError
 
+    def on_send(self, handle: Handle) -> None:
+        """Called with every handle ``send`` makes (a dispatcher tracks what is in flight)."""
+
     def before_receive(self, handle: Handle) -> list:
         """Handles to finish, in this order, before ``handle`` (a fixed order on every rank,
         for communicators that start collectives while finishing)."""
@@ -122,6 +125,7 @@ class Router:
             comm.fusion.hold(comm, handle)
         else:
             handle.phase = comm.issue(handle.encoded, handle)
+        self.on_send(handle)
         return handle
 
     def receive(self, handle: Handle):
