@@ -9,12 +9,12 @@ returned by ``grace_from_params`` is a communicator: it is what ``grace=`` takes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators import wire
+from grace_dl.counters import ByteCounter  # noqa: F401 - re-exported (dispatcher imports it here)
 
 AVERAGE = "average"
 SUM = "sum"
@@ -38,35 +38,6 @@ class Handle:
     pending: Any          # the subclass's in-flight collectives
     coll: Any             # the Collectives the tensor travels on
     extra: dict = field(default_factory=dict)
-
-
-class ByteCounter:
-    """Bytes a communicator really moved for this rank: per tensor name and per step.
-
-    ``sent`` counts what this rank puts on the wire, ``received`` what it gets back from
-    the others (its own contribution excluded). ``end_step`` closes a step."""
-
-    def __init__(self):
-        self.sent = defaultdict(int)
-        self.received = defaultdict(int)
-        self.steps: list[dict] = []
-
-    def add(self, name: str, sent: int = 0, received: int = 0) -> None:
-        self.sent[name] += int(sent)
-        self.received[name] += int(received)
-
-    def end_step(self) -> dict:
-        summary = {"sent": sum(self.sent.values()), "received": sum(self.received.values()),
-                   "per_tensor": {k: (self.sent[k], self.received[k]) for k in self.sent}}
-        self.steps.append(summary)
-        self.sent.clear()
-        self.received.clear()
-        return summary
-
-    def reset(self) -> None:
-        self.sent.clear()
-        self.received.clear()
-        self.steps.clear()
 
 
 class Communicator(ABC):
