@@ -177,7 +177,7 @@ def test_randomk_positions_do_not_depend_on_the_rank():
     ({"quantum_num": 0}, "quantum_num must be in \\[1, 127\\], got 0"),
     ({"quantum_num": 128}, "quantum_num must be in \\[1, 127\\], got 128"),
     ({"quantum_num": 2.5}, "quantum_num must be an integer, got 2.5"),
-    ({"quantum_num": "many"}, "quantum_num must be a int, got 'many'"),
+    ({"quantum_num": "many"}, "quantum_num must be an integer \\(not str\\), got 'many'"),
     ({"bucket_size": 0}, "bucket_size must be in \\[1, inf\\], got 0"),
 ])
 def test_qsgd_rejects_bad_parameters(kwargs, match):

@@ -132,7 +132,7 @@ def test_declared_properties():
 @pytest.mark.parametrize("kwargs,match", [
     ({"momentum": 1.0}, r"momentum must be in \[0.0, 1.0\)"),
     ({"momentum": -0.1}, "momentum must be in"),
-    ({"momentum": "fast"}, "momentum must be a float, got 'fast'"),
+    ({"momentum": "fast"}, "momentum must be a number \\(not str\\), got 'fast'"),
 ])
 def test_signum_rejects_bad_momentum(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from grace_dl import validate
 from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators import wire
 from grace_dl.counters import ByteCounter  # noqa: F401 - re-exported (dispatcher imports it here)
@@ -51,7 +52,7 @@ class Communicator(ABC):
         self.check_compressor(compressor)
         self.compressor = compressor
         self.memory = memory
-        self.process_set = process_set
+        self.process_set = validate.process_set(process_set)
         self.bytes = ByteCounter()
 
     # ------------------------------------------------------------------ compatibility

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 
 from grace_dl.backend import ops_for
 from grace_dl.state import State
+from grace_dl.validate import seed as check_seed
 
 
 class Compressor(ABC):
@@ -59,7 +60,7 @@ class Compressor(ABC):
     rank: int = 0
 
     def __init__(self, seed: int = 0):
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.state = State()
 
     # ------------------------------------------------------------------ the contract
