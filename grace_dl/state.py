@@ -116,3 +116,24 @@ def _assign_numpy(var, value: np.ndarray) -> None:
         import tensorflow as tf
 
         var.assign(tf.cast(value, var.dtype))
+
+
+def unclaimed_keys(state: dict, names) -> list[str]:
+    """Keys of a (nested) state dict that belong to none of the tensor ``names``: a slot key is
+    a name, or a name joined with ``/`` to a prefix (``step/``) or suffix (``/chunk0``)."""
+    names = set(names)
+    out = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out += [f"{key}/{k}" for k in unclaimed_keys(value, names)]
+        elif not _claimed(str(key), names):
+            out.append(str(key))
+    return out
+
+
+def _claimed(key: str, names: set) -> bool:
+    if key in names:
+        return True
+    parts = key.split("/")
+    return any("/".join(parts[i:j]) in names
+               for i in range(len(parts)) for j in range(i + 1, len(parts) + 1))

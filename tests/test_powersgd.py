@@ -402,7 +402,7 @@ def test_start_step_in_graph_mode_raises_a_clear_error():
     ({"min_compression_rate": -1}, "min_compression_rate must be in \\[0.0, inf\\], got -1"),
     ({"start_step": -2}, "start_step must be in \\[0, inf\\], got -2"),
     ({"seed": -1}, "seed must be in"),
-    ({"compress_rank": "two"}, "compress_rank must be a int, got 'two'"),
+    ({"compress_rank": "two"}, "compress_rank must be an integer \\(not str\\), got 'two'"),
 ])
 def test_bad_parameters_are_rejected_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -131,6 +131,21 @@ def test_qsgd_nan_poisons_only_its_bucket(fw):
     assert np.isfinite(out[:100]).all() and np.isfinite(out[200:]).all()
 
 
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("big", [1e20, -3e25, 3e37])
+def test_qsgd_large_finite_value_keeps_its_bucket_finite(fw, big):
+    # Its square overflows float32: the bucket norm must not.
+    x = gaussian(300, 7)
+    x[130] = big
+    payload, out = run(QSGDCompressor(bucket_size=100), x, fw)
+    assert np.isfinite(out).all()
+    assert out[130] == pytest.approx(big, rel=1e-5)
+    exact = np.linalg.norm(x[100:200].astype(np.float64))
+    assert to_np(payload[1])[1] == pytest.approx(exact, rel=1e-5)
+    same, _ = run(QSGDCompressor(bucket_size=100), gaussian(300, 7), fw)
+    assert to_np(payload[1])[[0, 2]] == pytest.approx(to_np(same[1])[[0, 2]], rel=1e-6)
+
+
 def test_qsgd_draws_are_keyed_by_seed_name_and_step():
     x = gaussian(500, 8)
     first = run(QSGDCompressor(quantum_num=3, seed=1), x)[1]
@@ -176,7 +191,7 @@ def test_randomk_positions_do_not_depend_on_the_rank():
     ({"quantum_num": 0}, "quantum_num must be in \\[1, 127\\], got 0"),
     ({"quantum_num": 128}, "quantum_num must be in \\[1, 127\\], got 128"),
     ({"quantum_num": 2.5}, "quantum_num must be an integer, got 2.5"),
-    ({"quantum_num": "many"}, "quantum_num must be a int, got 'many'"),
+    ({"quantum_num": "many"}, "quantum_num must be an integer \\(not str\\), got 'many'"),
     ({"bucket_size": 0}, "bucket_size must be in \\[1, inf\\], got 0"),
 ])
 def test_qsgd_rejects_bad_parameters(kwargs, match):

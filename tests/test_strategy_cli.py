@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from grace_dl.strategy import load
 from grace_dl.strategy.cli import main
 from grace_dl.strategy.pipeline import Pipeline
@@ -95,3 +97,48 @@ def test_measure_writes_a_throughput_file_auto_reads(tmp_path, capsys):
     Auto(throughput=tp).build({"w": (512, 512)}, ResourceSpec.local(4, bandwidth_gbps=1))
     assert main(["measure", "--sizes", "8192,256"]) == 1
     assert "increasing" in capsys.readouterr().err
+
+
+def test_bad_command_lines_give_one_line_errors_not_tracebacks(tmp_path, capsys):
+    shapes = _shapes(tmp_path)
+    for argv, words in (
+            (["build", "--model", "nosuchmod:f"], "cannot import 'nosuchmod'"),
+            (["build", "--model", "os:nosuchfunction"], "module 'os' has no 'nosuchfunction'"),
+            (["build", "--model", "os:sep"], "is a str, not a function returning a model"),
+            (["build", "--model", "os:getcwd"], "returned a str, not a torch module"),
+            (["build", "--variables", shapes, "-o", "/nonexistent/dir/x.pbtxt"],
+             "directory '/nonexistent/dir' does not exist")):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["validate", "s.pbtxt", "--workers", "0"],
+                                  ["build", "--chunk-size", "0"],
+                                  ["measure", "--repeats", "-1"]])
+def test_counts_must_be_positive(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["[1.5, 2]", "[true, 3]", "[2, \"x\"]", "[-1, 3]"])
+def test_variables_file_shapes_must_be_non_negative_integers(tmp_path, capsys, shape):
+    path = tmp_path / "shapes.yaml"
+    path.write_text(f"w: {shape}\n")
+    assert main(["build", "--variables", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "variable 'w'" in err and ("sequence of ints" in err or "negative" in err), err
+
+
+def test_negative_fusion_group_is_refused(tmp_path, capsys):
+    out = tmp_path / "s.pbtxt"
+    assert main(["build", "--variables", _shapes(tmp_path), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "group: 0" in text or "AllReduceSynchronizer {" in text
+    out.write_text(text.replace("AllReduceSynchronizer {", "AllReduceSynchronizer {\n    group: -1",
+                                1))
+    capsys.readouterr()
+    assert main(["validate", str(out)]) == 1
+    assert "fusion group must be >= 0, got -1" in capsys.readouterr().err

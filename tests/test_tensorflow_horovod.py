@@ -140,8 +140,8 @@ def test_indexed_slices_from_embedding(tape):
 def test_disagreeing_ranks_raise_everywhere(tape):
     for r in tape:
         assert len(r["errors"]) == 2
-        assert "grace configuration differs across ranks" in r["errors"][0]
-        assert "reduce different gradients" in r["errors"][1] and "extra" in r["errors"][1]
+        assert "ranks disagree on the grace configuration" in r["errors"][0]
+        assert "disagree on the gradients" in r["errors"][1] and "extra" in r["errors"][1]
 
 
 def test_checkpoint_restore_in_fresh_process_continues_exactly(tape, resumed):

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from grace_dl import validate
 from grace_dl.backend import collectives_for
 from grace_dl.communicators import wire
 from grace_dl.compressors.base import Call
@@ -179,7 +180,7 @@ class Communicator(Router, ABC):
                              f" cannot serve compressor {wire.describe(compressor)}: {reason}")
         self.compressor = compressor
         self.memory = memory
-        self.process_set = process_set
+        self.process_set = validate.process_set(process_set)
         self.bytes = ByteCounter()
         self.fusion = None
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from grace_dl.backend import ops_for
 from grace_dl.state import Stateful
+from grace_dl.validate import seed as check_seed
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Compressor(Stateful, ABC):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
 
     # ------------------------------------------------------------------ the contract
     @abstractmethod

@@ -36,7 +36,7 @@ class DgcCompressor(SparseCompressor):
     unbiased = False
 
     def __init__(self, compress_ratio: float = 0.01, warmup_steps: int = 0, seed: int = 0):
-        super().__init__(seed=in_range("seed", seed, 0, None, kind=int))
+        super().__init__(seed)
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
         self.warmup_steps = in_range("warmup_steps", warmup_steps, 0, None, kind=int)
 

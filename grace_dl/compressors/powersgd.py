@@ -51,6 +51,7 @@ from grace_dl.backend import ops_for
 from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range, one_of
+from grace_dl.validate import seed as check_seed
 
 EPSILON = 1e-20
 LAYOUTS = ("torch", "tensorflow")
@@ -86,7 +87,7 @@ class PowerSGDCompressor(Compressor):
 
     def __init__(self, compress_rank: int = 1, min_compression_rate: float = 2.0,
                  start_step: int = 0, seed: int = 0):
-        seed = in_range("seed", seed, 0, 2**32 - 1, kind=int)
+        seed = check_seed(seed)
         super().__init__(seed)
         self.compress_rank = in_range("compress_rank", compress_rank, 1, None, kind=int)
         self.min_compression_rate = in_range("min_compression_rate", min_compression_rate,

@@ -17,7 +17,9 @@ Buckets are independent, so any 1-D chunk compresses on its own (two-phase safe)
 Elias coding of the levels is not used: it gives variable sizes and a serial decoder.
 
 All-zero buckets send norm 0 and decode to exact zeros; a NaN or Inf in a bucket makes its norm
-non-finite and the whole bucket decodes to NaN.
+non-finite and the whole bucket decodes to NaN. A finite bucket whose sum of squares overflows
+float32 (an element >= ~1e19) has its norm recomputed from the bucket scaled by its largest
+magnitude, so one large value does not turn its bucket into NaN.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class QSGDCompressor(Compressor):
                         stream=call.rank)
 
         xb = ops.reshape(ops.pad(x, nb * b - n), (nb, b))
-        norms = ops.norm(xb, axis=1)
+        norms = _bucket_norms(ops, xb, nb)
         scale = ops.where(norms > 0, s / norms, ops.zeros_like(norms))
         # floor(s*v/||v|| + u) + s: the stochastic level, shifted to [0, 2s].
         t = ops.slice(ops.flatten(xb * ops.reshape(scale, (nb, 1))), 0, n)
@@ -76,3 +78,16 @@ class QSGDCompressor(Compressor):
     def payload_nbytes(self, numel, dtype="float32"):
         return -(-numel * self._bits // 8) + 4 * self._buckets(numel)
 
+
+
+def _bucket_norms(ops, xb, nb):
+    """The L2 norm of each row of ``xb``, without float32 overflow for large finite rows: only
+    when some norm comes out non-finite are the rows rescaled by their largest magnitude."""
+    norms = ops.norm(xb, axis=1)
+
+    def rescaled():
+        peak = ops.max(ops.abs(xb), axis=1)
+        peak = ops.where(peak > 0, peak, ops.ones_like(peak))
+        return ops.norm(xb / ops.reshape(peak, (nb, 1)), axis=1) * peak
+
+    return ops.cond(ops.isfinite(ops.sum(norms)), lambda: norms, rescaled)

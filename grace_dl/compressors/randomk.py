@@ -30,7 +30,7 @@ class RandomKCompressor(Compressor):
     unbiased = False
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0):
-        super().__init__(seed=in_range("seed", seed, 0, None, kind=int))
+        super().__init__(seed)
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
 
     def compress(self, tensor, name, call=LOCAL):

@@ -5,11 +5,11 @@ Bits are packed 8 per byte, little-endian within a byte (``ops.pack_bits`` layou
 uint8 for ``n`` elements.
 
 The sign of zero: a 1-bit code cannot carry -1, 0 and +1, so zero joins the positives and decodes
-to the positive value (+1, +scale, or the mean of the non-negative entries). This is GRACE's
-``tensor >= 0`` convention, costs one comparison per element, and is harmless: a zero gradient
-entry gets a step as large as any other in signSGD anyway, and error feedback (efsignsgd, onebit
-with residual memory) carries the difference to the next step. Where the aggregate can express 0
-(majority vote over ranks), ties do give 0.
+to the positive value (+scale, or the mean of the non-negative entries). This is GRACE's
+``tensor >= 0`` convention, costs one comparison per element, and is harmless where a scale or
+error feedback follows (efsignsgd, onebit: an all-zero tensor has scale 0, and the memory carries
+the difference to the next step). The pure-sign methods (signsgd, signum) have neither, so they
+send a second bit plane marking exact zeros: a parameter without a gradient must not move.
 
 NaN cannot be told apart in one bit either; each method makes it propagate through what it sends
 besides the bits: the fp32 means/scale (a NaN or Inf input makes them non-finite), or, for the

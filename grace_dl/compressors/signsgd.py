@@ -2,20 +2,23 @@
 "signSGD: Compressed Optimisation for Non-Convex Problems"; Bernstein, Zhao, Azizzadenesheli,
 Anandkumar 2019, "signSGD with Majority Vote is Communication Efficient and Fault Tolerant").
 
-Each rank sends the sign of its gradient; the aggregate is the majority vote, the sign of the sum
-of the ranks' signs (+1, -1, or 0 where the vote ties), and it is *not* divided by the number of
-ranks (``average = False``).
+Each rank sends the sign of its gradient, -1, 0 or +1; the aggregate is the majority vote, the
+sign of the sum of the ranks' signs (+1, -1, or 0 where the vote ties or every rank's entry is
+zero), and it is *not* divided by the number of ranks (``average = False``). Zero is sent as
+zero, not as +1: a parameter with no gradient (unused this step, frozen, an embedding row no
+sample looked up) gets a vote of 0 and does not move, as under plain Horovod.
 
-Wire, for ``n`` elements: one uint8 tensor of ``ceil(n/8) + 1`` bytes, the packed signs (1 bit
-per element, bit 1 = negative, zero counts as positive: see ``signbits``) followed by one status
-byte that is 1 when the input held a NaN or an Inf. So 1 bit/element plus 8 bits per tensor; any
-dtype in, the same bytes out. Decompression gives +-1 in the input's dtype, or NaN everywhere when
-the status byte is set, so a NaN/Inf gradient is not silently turned into a vote.
+Wire, for ``n`` elements: one uint8 tensor of ``2 * ceil(n/8) + 1`` bytes: the packed sign bits
+(1 bit per element, bit 1 = negative: see ``signbits``), the packed zero bits (bit 1 = the element
+is exactly zero), then one status byte that is 1 when the input held a NaN or an Inf. So 2
+bits/element plus 8 bits per tensor; any dtype in, the same bytes out. Decompression gives
+-1, 0, +1 in the input's dtype, or NaN everywhere when the status byte is set, and the vote keeps
+a NaN (in torch as in TF), so a NaN/Inf gradient is not silently turned into a vote.
 
 Biased (it keeps only signs); not allreduce-safe (signs must be gathered, not summed, for the
 vote); every rank sends the same size; two-phase safe: the vote is elementwise, so chunks vote
 independently (the second phase re-sends the voted signs, the parameter-server scheme of the
-paper; a tie then travels as +1).
+paper; a tie travels as 0).
 """
 
 from __future__ import annotations
@@ -45,23 +48,30 @@ class SignSGDCompressor(Compressor):
 
     @staticmethod
     def _encode(ops, flat):
-        return [ops.cat([signbits.encode(ops, flat), signbits.status(ops, flat)])]
+        return [ops.cat([signbits.encode(ops, flat), ops.pack_mask(flat == 0),
+                         signbits.status(ops, flat)])]
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
         packed = payload[0]
         ops = ops_for(packed)
-        nbytes = ops.numel(packed) - 1
-        bits = ops.slice(packed, 0, nbytes)
-        nan = signbits.nan_if(ops, ops.slice(packed, nbytes, nbytes + 1))
+        nbytes = (ops.numel(packed) - 1) // 2
         n = math.prod(shape)
-        table = ops.cat([nan + 1.0, nan - 1.0])
-        return ops.reshape(signbits.decode(ops, bits, n, table, dtype), shape)
+        nan = signbits.nan_if(ops, ops.slice(packed, 2 * nbytes, 2 * nbytes + 1))
+        signs = signbits.decode(ops, ops.slice(packed, 0, nbytes), n,
+                                ops.cat([nan + 1.0, nan - 1.0]), dtype)
+        nonzero = signbits.decode(ops, ops.slice(packed, nbytes, 2 * nbytes), n,
+                                  ops.cat([nan + 1.0, nan]), dtype)
+        return ops.reshape(signs * nonzero, shape)
 
     def aggregate(self, tensors):
-        """Majority vote: the sign of the sum of the ranks' +-1 (0 where the vote ties)."""
-        return ops_for(tensors[0]).sign(super().aggregate(tensors))
+        """Majority vote: the sign of the sum of the ranks' -1/0/+1 (0 where the vote ties);
+        NaN where a rank sent NaN (``torch.sign`` alone would make it 0)."""
+        total = super().aggregate(tensors)
+        ops = ops_for(total)
+        return ops.where(total == total, ops.sign(total), total)
 
     def payload_nbytes(self, numel, dtype="float32"):
-        """``ceil(numel / 8)`` sign bytes + 1 status byte, whatever the input dtype."""
-        return math.ceil(numel / 8) + 1
+        """``ceil(numel / 8)`` sign bytes + as many zero bytes + 1 status byte, whatever the
+        input dtype."""
+        return 2 * math.ceil(numel / 8) + 1

@@ -35,7 +35,7 @@ class TopKCompressor(SparseCompressor):
     unbiased = False
 
     def __init__(self, compress_ratio: float = 0.01, approximate: bool = True, seed: int = 0):
-        super().__init__(seed=in_range("seed", seed, 0, None, kind=int))
+        super().__init__(seed)
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
         self.approximate = one_of("approximate", approximate, (False, True))
 

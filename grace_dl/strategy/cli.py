@@ -49,11 +49,36 @@ def _variables(args):
         module, _, attr = args.model.partition(":")
         if not attr:
             raise ValueError(f"--model must look like package.module:function, got {args.model!r}")
-        model = getattr(importlib.import_module(module), attr)()
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except ImportError as err:
+            raise ValueError(f"--model {args.model!r}: cannot import {module!r} ({err})") \
+                from None
+        except AttributeError:
+            raise ValueError(f"--model {args.model!r}: module {module!r} has no {attr!r}") \
+                from None
+        if not callable(factory):
+            raise ValueError(f"--model {args.model!r} is a {type(factory).__name__}, not a "
+                             f"function returning a model")
+        model = factory()
         if hasattr(model, "named_parameters"):
             return list(model.named_parameters())
-        return list(model.trainable_variables)
+        if hasattr(model, "trainable_variables"):
+            return list(model.trainable_variables)
+        raise ValueError(f"--model {args.model!r} returned a {type(model).__name__}, not a torch "
+                         f"module (named_parameters) or a Keras model (trainable_variables)")
     return None
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _builder(args):
@@ -77,9 +102,16 @@ def _builder(args):
                          throughput=args.throughput)
 
 
+def _check_output(path) -> None:
+    """Fail before the work, not after it, when ``-o`` cannot be written."""
+    if path and not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"-o {path!r}: directory {str(Path(path).parent)!r} does not exist")
+
+
 def cmd_build(args) -> int:
     from grace_dl.strategy.serialize import save, to_text
 
+    _check_output(args.output)
     variables = _variables(args)
     if variables is None:
         raise ValueError("build needs --variables or --model")
@@ -162,6 +194,7 @@ def cmd_measure(args) -> int:
             from None
     if len(sizes) != 2:
         raise ValueError(f"--sizes must be two comma-separated integers, got {args.sizes!r}")
+    _check_output(args.output)
     document = measure.measure(candidates, sizes, args.repeats, args.framework)
     if args.output:
         measure.write(document, args.output)
@@ -185,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
     model_args(b)
     b.add_argument("--builder", choices=BUILDERS, default="uniform")
     b.add_argument("--params", help="JSON object of GRACE keys (compressor, memory, ...)")
-    b.add_argument("--chunk-size", type=int, help="variables per fusion group")
+    b.add_argument("--chunk-size", type=_positive_int, help="variables per fusion group")
     b.add_argument("--spec", default="AUTO", help="AUTO, NCCL or RING")
     b.add_argument("--min-elements", type=int, help="size-threshold: smallest compressed tensor")
     b.add_argument("--destination", type=int, default=0, help="ps: the reducing rank")
@@ -203,13 +236,14 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a strategy (and against a model)")
     v.add_argument("strategy")
     model_args(v)
-    v.add_argument("--workers", type=int, help="number of Horovod ranks it will run on")
+    v.add_argument("--workers", type=_positive_int,
+                   help="number of Horovod ranks it will run on")
     v.set_defaults(func=cmd_validate)
 
     m = sub.add_parser("measure", help="measure compression cost for Auto's cost model")
     m.add_argument("--candidates", help="JSON list of GRACE key objects (default: Auto's)")
     m.add_argument("--sizes", default="4096,262144", help="two tensor sizes to fit a line")
-    m.add_argument("--repeats", type=int, default=5)
+    m.add_argument("--repeats", type=_positive_int, default=5)
     m.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
     m.add_argument("-o", "--output", help="JSON file to write; else stdout")
     m.set_defaults(func=cmd_measure)
@@ -222,4 +256,8 @@ def main(argv=None) -> int:
         return args.func(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # an output file that cannot be written, an unreadable input
+        print(f"error: {err.strerror or err}: {err.filename or ''}".rstrip(": "),
+              file=sys.stderr)
         return 1

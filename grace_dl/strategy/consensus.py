@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 
 import numpy as np
 
+from grace_dl import agreement
 from grace_dl.backend import framework_of
 from grace_dl.strategy.serialize import coerce, from_bytes, to_bytes
 
@@ -45,20 +45,11 @@ def _eager(framework: str):
     return contextlib.nullcontext()
 
 
-def _gather_bytes(ops, coll, data: bytes, name: str) -> list[bytes]:
-    """Every rank's ``data`` (lengths may differ), in rank order."""
-    size = coll.size()
-    length = ops.from_numpy(np.array([len(data)], np.int64))
-    lengths = ops.to_numpy(coll.synchronize(coll.allgather_async(length, f"{name}.len")))
-    buf = np.frombuffer(data, np.uint8) if data else np.zeros(0, np.uint8)
-    gathered = ops.to_numpy(coll.synchronize(coll.allgather_async(ops.from_numpy(buf.copy()),
-                                                                  name)))
-    out, offset = [], 0
-    for r in range(size):
-        n = int(lengths[r])
-        out.append(gathered[offset:offset + n].tobytes())
-        offset += n
-    return out
+def _allgather(ops, coll):
+    """``grace_dl.agreement``'s ``allgather(array, name)`` over ``coll``."""
+    def gather(array, name):
+        return ops.to_numpy(coll.synchronize(coll.allgather_async(ops.from_numpy(array), name)))
+    return gather
 
 
 def verify(dispatcher, framework: str | None = None, tensor=None) -> None:
@@ -66,13 +57,11 @@ def verify(dispatcher, framework: str | None = None, tensor=None) -> None:
     the strategy's replicas and PS ranks fit the job)."""
     framework, ops, coll = _backend(framework, tensor, dispatcher.process_set)
     with _eager(framework):
-        mine = dispatcher.fingerprint().encode()
-        everyone = _gather_bytes(ops, coll, mine, "grace.strategy.fingerprint")
-        if len(set(everyone)) > 1:
-            summaries = _gather_bytes(ops, coll, json.dumps(dispatcher.summary()).encode(),
-                                      "grace.strategy.summary")
-            raise ValueError(_mismatch([e.decode() for e in everyone],
-                                       [json.loads(s) for s in summaries], coll.rank()))
+        agreement.check({"strategy": dispatcher.fingerprint(), "summary": dispatcher.summary()},
+                        _allgather(ops, coll), "grace.strategy.fingerprint", coll.rank(),
+                        mismatch=lambda everyone, rank: _mismatch(
+                            [e["strategy"] for e in everyone], [e["summary"] for e in everyone],
+                            rank))
     size = coll.size()
     replicas = list(dispatcher.strategy.graph_config.replicas)
     if replicas and len(replicas) != size:

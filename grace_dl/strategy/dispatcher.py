@@ -94,6 +94,9 @@ def _check_node(node) -> None:
         raise ValueError(f"node {node.var_name!r}: variable partitioning (partitioner "
                          f"{node.partitioner!r}, {len(node.part_config)} part_config) is not "
                          f"supported by grace_dl; remove it")
+    if which == "AllReduceSynchronizer" and node.AllReduceSynchronizer.group < 0:
+        raise ValueError(f"node {node.var_name!r}: fusion group must be >= 0, got "
+                         f"{node.AllReduceSynchronizer.group}")
     if which == "PSSynchronizer":
         ps = node.PSSynchronizer
         if not ps.sync:

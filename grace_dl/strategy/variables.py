@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from math import prod
 
@@ -40,15 +41,24 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _is_dim(d) -> bool:
+    """An integer dimension (NumPy's too; not ``True``, not ``1.5``)."""
+    return isinstance(d, numbers.Integral) and not isinstance(d, bool) or \
+        type(d).__name__ == "Dimension" and d.value is not None
+
+
 def _shape(value, name: str) -> tuple:
     shape = getattr(value, "shape", value)
     if isinstance(shape, int):
         shape = (shape,)
     try:
-        dims = tuple(int(d) for d in shape)
-    except (TypeError, ValueError):
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or not all(_is_dim(d) for d in dims):
         raise ValueError(f"variable {name!r}: shape must be a sequence of ints or a tensor, "
                          f"got {value!r}") from None
+    dims = tuple(int(d) for d in dims)
     if any(d < 0 for d in dims):
         raise ValueError(f"variable {name!r}: negative dimension in shape {dims}")
     return dims

@@ -18,6 +18,10 @@ give each rank its own checkpoint directory, or save on every rank.
 
 Save eagerly (``Checkpoint.save`` / ``CheckpointManager.save`` outside ``tf.function``), as
 usual.
+
+The entry also records the grace ``fingerprint()`` and the rank and job size that wrote it;
+restoring it into another configuration (topk state into randomk), another rank, or a job of
+another size raises ``ValueError``, as the torch optimizer's ``load_state_dict`` does.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import json
 
 import numpy as np
 import tensorflow as tf
+
+STATE, META = "state", "meta"
 
 
 class GraceCheckpoint(tf.train.experimental.PythonState):
@@ -40,10 +46,36 @@ class GraceCheckpoint(tf.train.experimental.PythonState):
         self.grace = grace
 
     def serialize(self) -> bytes:
-        return dumps(self.grace.state_dict())
+        return dumps({STATE: self.grace.state_dict(), META: {
+            k: np.asarray(v) for k, v in self._identity().items()}})
 
     def deserialize(self, string_value) -> None:
-        self.grace.load_state_dict(loads(string_value))
+        saved = loads(string_value)
+        meta = {k: v.item() for k, v in saved.get(META, {}).items()}
+        mine = self._identity()
+        if meta.get("fingerprint") != mine["fingerprint"]:
+            raise ValueError(f"checkpoint grace state is for configuration "
+                             f"{meta.get('fingerprint')}, this grace is {mine['fingerprint']} "
+                             f"({self.grace!r}); restore it into the grace it was saved from")
+        if meta.get("size") != mine["size"]:
+            raise ValueError(f"checkpoint grace state was written by a job of {meta.get('size')} "
+                             f"ranks; this job has {mine['size']}")
+        if meta.get("rank") != mine["rank"]:
+            raise ValueError(f"checkpoint grace state was written by rank {meta.get('rank')}, "
+                             f"this is rank {mine['rank']}: grace state is per rank, give each "
+                             f"rank its own checkpoint")
+        self.grace.load_state_dict(saved.get(STATE, {}))
+
+    def _identity(self) -> dict:
+        import horovod.tensorflow as hvd
+
+        fingerprint = getattr(self.grace, "fingerprint", None)
+        out = {"fingerprint": fingerprint() if callable(fingerprint) else "", "rank": 0,
+               "size": 1}
+        if hvd.is_initialized():
+            ps = getattr(self.grace, "process_set", None) or hvd.global_process_set
+            out["rank"], out["size"] = ps.rank(), ps.size()
+        return out
 
 
 def checkpointable(grace) -> GraceCheckpoint:

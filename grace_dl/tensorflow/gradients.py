@@ -18,9 +18,12 @@ densified (``tf.convert_to_tensor``, duplicate rows summed) and compressed like 
 gradient; the reduced gradient comes back dense. Compressors decide what travels, so a sparse
 embedding gradient under ``topk`` still sends only k values and k indices.
 
-**Agreement.** The first time a grace object meets a set of gradients, ranks exchange its
-``fingerprint()`` together with the (name, shape, dtype) list they are about to send; any
-difference raises ``ValueError`` on every rank (instead of a Horovod hang). Inside
+**Agreement.** Every time gradients are reduced through a grace object (each eager step; each
+trace of a ``tf.function``), ranks compare its ``fingerprint()`` and the (name, shape, dtype)
+list they are about to send (one 16-byte allgather; ``grace_dl.agreement``): a gradient that is
+None on one rank only, or a different configuration, raises ``ValueError`` on every rank instead
+of a Horovod hang or dtype error. A ``grace=None`` reducer joins that check on its first call, so
+a job with ``grace=`` on some ranks only fails on every rank at the first step. Inside
 ``tf.function`` the exchange runs eagerly at trace time (``tf.init_scope``).
 
 **Byte counters.** ``grace.end_step()`` is called once per step, after the step's gradients
@@ -31,14 +34,12 @@ of the traced step (after the communicators' own run-time byte counts), so
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
 import warnings
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
@@ -46,7 +47,6 @@ from grace_dl.tensorflow import ops as tf_ops
 
 # Horovod's reduce ops that grace= can carry, and what they mean to a communicator.
 _OPS = {int(hvd.Average): AVERAGE, int(hvd.Sum): SUM}
-_agreement_calls = itertools.count()
 
 
 def grace_op(op) -> str:
@@ -157,11 +157,16 @@ class HorovodReducer(_Reducer):
         if isinstance(groups, list):
             groups = [[tf_variable(v) for v in group] for group in groups]
         self.groups = groups
+        self._agreed = False
         self._fn = hvd._make_allreduce_grads_fn(name, device_dense, device_sparse, compression,
                                                 sparse_as_dense, op, gradient_predivide_factor,
                                                 groups, process_set)
 
     def _reduce(self, grads, sources, positions, use_generic_names):
+        if not self._agreed:  # once: grace ranks check every call, so a mix fails on call 1
+            self._agreed = True
+            if self.process_set.size() > 1:
+                _check_agreement(None, None, self.process_set)
         # Horovod looks at the variables only to match fusion groups.
         variables = ([tf_variable(v) for v in sources] if isinstance(self.groups, list)
                      else None)
@@ -220,7 +225,7 @@ class GraceReducer(_Reducer):
         grads = [densify(g) for g in grads]
         _check_agreement(self.grace, [(n, tuple(s.shape), g.dtype.name)
                                       for n, g, s in zip(names, grads, sources)],
-                         self.process_set)
+                         self.process_set)  # every call: a None gradient may differ per rank
         out = []
         with tf.device(self.device):
             handles = []
@@ -276,7 +281,6 @@ class _PerGrace:
     def __init__(self, grace):
         self.grace = grace          # keeps id(grace) from being reused while we hold it
         self.names = Names()
-        self.agreed: set[str] = set()
         self.restore_checked = False
 
 
@@ -320,29 +324,15 @@ def _warn_unused_restored_state(grace, names) -> None:
 
 
 def _check_agreement(grace, signature, process_set) -> None:
-    """Ranks compare ``grace.fingerprint()`` and the gradients they send; ``ValueError`` on
-    every rank if any differ."""
-    agreed = _entry(grace).agreed
-    digest = hashlib.sha256(json.dumps(signature).encode()).hexdigest()[:16]
-    if digest in agreed:
-        return
-    mine = {"fingerprint": grace.fingerprint(), "tensors": signature}
-    with tf.init_scope():
-        everyone = hvd.allgather_object(mine, name=f"grace.agreement.{next(_agreement_calls)}",
-                                        process_set=process_set)
-    for rank, theirs in enumerate(everyone):
-        if theirs["fingerprint"] != everyone[0]["fingerprint"]:
-            raise ValueError(
-                f"grace configuration differs across ranks: rank 0 has fingerprint "
-                f"{everyone[0]['fingerprint']}, rank {rank} has {theirs['fingerprint']} (this "
-                f"rank's config: {_config(grace)}); build the grace object identically everywhere")
-        if theirs["tensors"] != everyone[0]["tensors"]:
-            diff = sorted(set(map(tuple, theirs["tensors"]))
-                          ^ set(map(tuple, everyone[0]["tensors"])), key=repr)
-            raise ValueError(
-                f"ranks 0 and {rank} reduce different gradients (name, shape, dtype); they "
-                f"differ in {diff[:6]}; every rank must train the same variables")
-    agreed.add(digest)
+    """Ranks compare ``grace.fingerprint()`` (``None`` for ``grace=None``) and the gradients
+    they send; ``ValueError`` on every rank if any differ (``grace_dl.agreement``)."""
+    labels = {"grace configuration": None if grace is None else {
+        "fingerprint": grace.fingerprint(), "config": _config(grace)}}
+    if signature is not None:
+        labels["gradients (name, shape, dtype)"] = [[n, list(s), d] for n, s, d in signature]
+    rank = process_set.rank() if process_set.rank() is not None else hvd.rank()
+    agreement.check(labels, agreement.allgather_for("tensorflow", process_set),
+                    "grace.tensorflow.agreement", rank)
 
 
 def _config(grace):

@@ -51,8 +51,6 @@ state-initialising step of Horovod's function without communicating.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import warnings
 from contextlib import contextmanager
@@ -60,9 +58,11 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
+from grace_dl.state import unclaimed_keys
 
 GRACE_KEY = "grace"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -86,6 +86,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
     op = hvd.Average if op is None else op
     process_set = hvd.global_process_set if process_set is None else process_set
     if grace is None:
+        _check_no_grace_agrees(process_set, hvd)
         return hvd.DistributedOptimizer(
             optimizer, named_parameters=named_parameters, compression=compression,
             backward_passes_per_step=backward_passes_per_step, op=op,
@@ -199,9 +200,34 @@ def _to_numpy(tree):
     return tree
 
 
-def _digest(obj) -> bytes:
-    text = json.dumps(obj, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()[:16].encode()
+def _grace_label(grace):
+    """What ranks compare about the ``grace=`` argument (``None``: Horovod's optimizer)."""
+    if grace is None:
+        return None
+    config = getattr(grace, "config", None)
+    return {"fingerprint": grace.fingerprint(),
+            "config": config() if callable(config) else repr(grace)}
+
+
+def _check_no_grace_agrees(process_set, hvd) -> None:
+    """A ``grace=None`` rank takes part in the grace ranks' agreement check, so a job where only
+    some ranks pass ``grace=`` fails on every rank instead of hanging."""
+    if process_set.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+        rank = process_set.rank()
+        agreement.check({"grace configuration": None},
+                        agreement.allgather_for("torch", process_set),
+                        "grace.optimizer.agreement", hvd.rank() if rank is None else rank)
+
+
+def _check_names(saved: dict, names) -> None:
+    """Saved grace state must belong to parameters this optimizer has, or it would be dropped."""
+    unclaimed = unclaimed_keys(saved, names)
+    if unclaimed:
+        raise ValueError(f"checkpoint grace state for {sorted(unclaimed)[:5]} (of "
+                         f"{len(unclaimed)} entries) matches no parameter name of this optimizer "
+                         f"({sorted(names)[:5]}...); the model was named differently when it was "
+                         f"saved (wrapped in another module?): pass named_parameters with the "
+                         f"saved names")
 
 
 class _GraceDistributedOptimizer:
@@ -281,25 +307,15 @@ class _GraceDistributedOptimizer:
 
     def _check_ranks_agree(self) -> None:
         """Every rank must run the same pipelines on the same tensors, or collectives hang."""
-        layout = sorted((name, list(p.shape), str(p.dtype), bool(p.requires_grad))
+        layout = sorted([name, list(p.shape), str(p.dtype), bool(p.requires_grad)]
                         for p, name in self._parameter_names.items())
-        options = [self.op, self.gradient_predivide_factor, self.backward_passes_per_step,
-                   self.sparse_as_dense]
-        mine = self.grace.fingerprint().encode()[:16].ljust(16, b"-") + \
-            _digest([layout, options])
-        gathered = self._hvd.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
-                                       name="grace.optimizer.fingerprint",
-                                       process_set=self.process_set)
-        rows = [bytes(row.tolist()) for row in gathered.reshape(-1, len(mine))]
-        if len(set(rows)) > 1:
-            what = "grace configuration" if len({r[:16] for r in rows}) > 1 else \
-                "parameters (names, shapes, dtypes) or optimizer options"
-            raise ValueError(
-                f"ranks disagree on the {what}: fingerprints per rank "
-                f"{[r.decode() for r in rows]}; this rank's grace config is "
-                f"{getattr(self.grace, 'config', lambda: repr(self.grace))()} and its options "
-                f"op={self.op!r}, gradient_predivide_factor={self.gradient_predivide_factor}, "
-                f"backward_passes_per_step={self.backward_passes_per_step}")
+        labels = {"grace configuration": _grace_label(self.grace), "parameters": layout,
+                  "optimizer options": {
+                      "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
+                      "backward_passes_per_step": self.backward_passes_per_step,
+                      "sparse_as_dense": self.sparse_as_dense}}
+        agreement.check(labels, agreement.allgather_for("torch", self.process_set),
+                        "grace.optimizer.agreement", self._rank())
 
     def _register_hooks(self) -> None:
         for group in self.param_groups:
@@ -440,7 +456,11 @@ class _GraceDistributedOptimizer:
         """Restore the wrapped optimizer and, if the checkpoint has it, this rank's grace state."""
         state_dict = dict(state_dict)
         entry = state_dict.pop(GRACE_KEY, None)
-        if entry is not None:
+        if entry is None:
+            warnings.warn(f"the checkpoint has no {GRACE_KEY!r} entry (saved from a plain "
+                          f"optimizer?): grace state (residuals, momenta, step counters) starts "
+                          f"fresh", RuntimeWarning, stacklevel=2)
+        else:
             rank, size = self._rank(), self._size()
             if entry.get("size") != size:
                 raise ValueError(f"checkpoint grace state was written by a job of "
@@ -454,6 +474,7 @@ class _GraceDistributedOptimizer:
                 raise ValueError(f"checkpoint grace state is for configuration "
                                  f"{entry.get('fingerprint')}, this grace is "
                                  f"{self.grace.fingerprint()} ({self.grace!r})")
+            _check_names(ranks[rank], self._parameter_names.values())
             self.grace.load_state_dict(_to_numpy(ranks[rank]))
         self._handles = {}
         self._synchronized = False
