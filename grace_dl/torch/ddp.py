@@ -148,7 +148,11 @@ class GraceState:
         self._names: dict[int, str] = {}        # id(parameter) -> name, as met
         self._order: list[str] = []             # names in the order they were first met
         self._index: dict[str, int] = {}        # name -> position in _order
-        self._pending: list = []                # (future, handles, buffer, shapes) this step
+        self._units: list = []                  # this step's grace tensors (see _send)
+        self._buckets: list = []                # this step's (future, buffer, names, unit)
+        self._deferred: dict = {}               # name -> gradient held for _start_deferred
+        self._target = None                     # a loaded checkpoint's grouping (bucket mode)
+        self._layout: list = []                 # the grouping of the last completed step
         self._checked = False
         self._step_names: list[str] = []
         self.last_step_names: list[str] = []    # the grace tensors of the last step, in order
@@ -196,65 +200,93 @@ class GraceState:
         self._checked = True
 
     # ------------------------------------------------------------------ the step
+    # A *unit* is one grace tensor: (handle, parameter names in its order, their numels,
+    # whether it is a whole bucket in the bucket's own order). A bucket's result is its units'
+    # outputs put back in the bucket's parameter order.
+    def _start_unit(self, tensor, name, names, numels, whole):
+        handle = self.grace.send(tensor, name, self.op, self.collectives)
+        self._units.append((handle, names, numels, whole))
+        self._step_names.append(name)
+        return len(self._units) - 1
+
     def _send(self, bucket):
         params = bucket.parameters()
         names = [self._name_of(p) for p in params]
         if not self._checked:
             self._check_ranks_agree(bucket, names)
         buffer = bucket.buffer()
-        coll = self.collectives
+        devices = [buffer.device] if buffer.device.type == "cuda" else None
+        fut = torch.futures.Future(devices=devices)
+        direct = None
         if self.per_parameter:
-            grads = bucket.gradients()
-            handles = [(self.grace.send(g.detach(), n, self.op, coll), None)
-                       for g, n in zip(grads, names)]
-            self._step_names.extend(names)
+            for g, n in zip(bucket.gradients(), names):
+                self._start_unit(g.detach(), n, [n], [g.numel()], False)
         else:
             # canonical order: descending first-met index, DDP's rebuilt (ready) order for
             # most models; a bucket in another order (the first iteration's) is permuted
             order = sorted(range(len(names)), key=lambda i: -self._index[names[i]])
-            if order == list(range(len(names))):
-                tensor, perm = buffer.detach(), None
+            canonical = [names[i] for i in order]
+            grads = bucket.gradients()
+            if self._target is not None and canonical not in self._target:
+                # first iteration after a resume, DDP's layout is not the saved one: wait for
+                # the whole step and regroup as the checkpointed run did (_complete)
+                self._deferred.update({n: g.detach() for n, g in zip(names, grads)})
+            elif order == list(range(len(names))):
+                direct = self._start_unit(buffer.detach(), self.bucket_name(canonical),
+                                          canonical, [g.numel() for g in grads], True)
             else:
-                grads = bucket.gradients()
                 tensor = torch.cat([grads[i].detach().reshape(-1) for i in order])
-                perm = (order, [grads[i].numel() for i in order])
-            name = self.bucket_name([names[i] for i in order])
-            handles = [(self.grace.send(tensor, name, self.op, coll), perm)]
-            self._step_names.append(name)
-        devices = [buffer.device] if buffer.device.type == "cuda" else None
-        fut = torch.futures.Future(devices=devices)
-        self._pending.append((fut, handles, buffer))
+                self._start_unit(tensor, self.bucket_name(canonical), canonical,
+                                 [grads[i].numel() for i in order], False)
+        self._buckets.append((fut, buffer, names, direct))
         return fut
 
+    def _start_deferred(self) -> None:
+        """Send the deferred gradients grouped as the saved layout groups them (in its order);
+        any left over (parameters the checkpoint did not know) go as one unit."""
+        deferred, self._deferred = self._deferred, {}
+        for group in self._target:
+            if group and all(n in deferred for n in group):
+                grads = [deferred.pop(n) for n in group]
+                self._start_unit(torch.cat([g.reshape(-1) for g in grads]),
+                                 self.bucket_name(group), group, [g.numel() for g in grads],
+                                 False)
+        if deferred:
+            rest = sorted(deferred, key=lambda n: -self._index[n])
+            grads = [deferred[n] for n in rest]
+            self._start_unit(torch.cat([g.reshape(-1) for g in grads]), self.bucket_name(rest),
+                             rest, [g.numel() for g in grads], False)
+
     def _complete(self) -> None:
-        pending, self._pending = self._pending, []
         try:
-            for fut, handles, buffer in pending:
-                outs = []
-                for handle, perm in handles:
-                    out = self.grace.receive(handle)
-                    if perm is None:
-                        outs.append(out)
-                    else:  # canonical order back to the bucket's
-                        order, numels = perm
-                        pieces = torch.split(out.reshape(-1), numels)
-                        back = [None] * len(order)
-                        for k, i in enumerate(order):
-                            back[i] = pieces[k]
-                        outs.extend(back)
-                if len(outs) == 1 and outs[0].shape == buffer.shape:
-                    result = outs[0]
+            if self._deferred:
+                self._start_deferred()
+            units, buckets = self._units, self._buckets
+            whole, pieces = {}, {}
+            for i, (handle, names, numels, is_whole) in enumerate(units):
+                out = self.grace.receive(handle)
+                if is_whole:
+                    whole[i] = out
                 else:
-                    result = torch.cat([o.reshape(-1) for o in outs])
+                    pieces.update(zip(names, torch.split(out.reshape(-1), numels)))
+            for fut, buffer, names, direct in buckets:
+                if direct is not None:
+                    result = whole[direct].reshape(buffer.shape)
+                else:
+                    result = torch.cat([pieces[n].reshape(-1) for n in names])
                 fut.set_result(result.to(buffer.dtype))
             self.grace.end_step()
             self.iteration += 1
             self.last_step_names, self._step_names = self._step_names, []
+            self._layout = [names for _, names, _, _ in units]
+            self._target = None  # DDP's own (rebuilt) layout from now on
         except BaseException as err:
-            for fut, _, _ in pending:
+            for fut, _, _, _ in self._buckets:
                 if not fut.done():
                     fut.set_exception(err)
             raise
+        finally:
+            self._units, self._buckets, self._deferred = [], [], {}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -263,6 +295,7 @@ class GraceState:
         return {"grace": self.grace.state_dict(), "fingerprint": self.grace.fingerprint(),
                 "granularity": self.granularity, "per_parameter": self.per_parameter,
                 "op": self.op, "iteration": self.iteration, "names": list(self._order),
+                "layout": [list(g) for g in self._layout],
                 "rank": self.collectives.rank() if dist.is_initialized() else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -279,10 +312,13 @@ class GraceState:
             if state.get(key, mine) != mine:
                 raise ValueError(f"state_dict was written with {key}={state.get(key)!r}, this "
                                  f"state has {key}={mine!r}")
-        if self._pending:
+        if self._buckets:
             raise RuntimeError("load_state_dict() called in the middle of a step")
         self.grace.load_state_dict(_to_numpy(state["grace"]))
         self.iteration = int(state.get("iteration", 0))
+        layout = state.get("layout") or None
+        self._target = None if self.per_parameter or layout is None else \
+            [list(g) for g in layout]
 
 
 def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -291,8 +327,8 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
     if not isinstance(state, GraceState):
         raise ValueError(f"comm_hook's state must be a grace_dl.torch.ddp.GraceState, got "
                          f"{type(state).__name__}")
-    if bucket.index() == 0 and state._pending:
-        state._pending.clear()
+    if bucket.index() == 0 and state._buckets:
+        state._units, state._buckets, state._deferred = [], [], {}
         state._step_names.clear()
         raise RuntimeError("a DDP step started before the previous one handed over its last "
                            "bucket; the grace hook expects every bucket of a step in order")

@@ -33,7 +33,7 @@ from grace_dl.torch.distributed import DistCollectives
 PIPELINES = {
     "none": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
     "fp16": {"compressor": "fp16", "memory": "none", "communicator": "allreduce"},
-    "topk": {"compressor": "topk", "compress_ratio": 0.05, "memory": "residual",
+    "topk": {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
              "communicator": "allgather"},
     "powersgd": {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
                  "communicator": "allreduce"},
@@ -210,15 +210,19 @@ def mode_resume(pipelines, steps) -> dict:
     all_batches = list(b for _, b in zip(range(2 * steps), batches(data, 10)))
     out = {}
 
-    def train(model, opt, chunk):
+    def train(model, opt, chunk, state=None):
+        names = []
         for x, y in chunk:
             opt.zero_grad()
             loss_fn(model(x), y).backward()
             opt.step()
+            if state is not None:
+                names.append(list(state.last_step_names))
+        return names
 
     for pipeline in pipelines:
         model, opt, state = make(pipeline)
-        train(model, opt, all_batches)
+        names_per_step = train(model, opt, all_batches, state)
         straight = params_of(model)
         names_straight = list(state.last_step_names)
 
@@ -233,8 +237,10 @@ def mode_resume(pipelines, steps) -> dict:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         state.load_state_dict(ckpt["grace"])
-        train(model, opt, all_batches[steps:])
+        names_resumed = train(model, opt, all_batches[steps:], state)
         out[pipeline] = {"straight": straight, "resumed": params_of(model),
+                         "names_per_step": names_per_step, "names_resumed_per_step":
+                         names_resumed,
                          "names": names_straight, "names_resumed": list(state.last_step_names),
                          "iteration": state.iteration}
         # without the hook state the run differs (the test checks state matters)
