@@ -14,6 +14,13 @@ Pipelines: ``ddp`` (no hook), ``torch-fp16`` (``default_hooks.fp16_compress_hook
 grace hooks ``grace-fp16``, ``grace-powersgd`` (rank 2), ``grace-topk`` (1%, residual,
 allgather), ``grace-qsgd-2phase`` (64 levels, residual, twophase) through
 ``grace_dl.torch.ddp``.
+
+Every pipeline runs with **one DDP bucket** (``bucket_cap_mb_list=[100]``). With DDP's default
+two buckets here, PyTorch's ``powerSGD_hook`` aborted on gloo ("Received data size doesn't
+match expected size. Is there a distributed collective mismatch"): it starts each bucket's
+second allreduce from a future callback, on another thread than the next bucket's first, so
+the ranks can issue them in different orders. (grace's hook starts later rounds in bucket
+order when the last bucket arrives, so it does not depend on that.)
 """
 
 from __future__ import annotations
@@ -95,7 +102,7 @@ def modelled_bytes(pipeline: str, model: nn.Module, size: int) -> float:
 
 def run_time(args) -> dict:
     torch.manual_seed(0)
-    model = DDP(mlp_5m())
+    model = DDP(mlp_5m(), bucket_cap_mb_list=[100])  # one bucket: see the module docstring
     state = attach(model, args.pipeline)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.CrossEntropyLoss()

@@ -31,7 +31,8 @@ What goes on the wire, per call (``N`` ranks of the group):
   ``(received, received_splits)`` like Horovod's.
 
 Ranks and roots are relative to the process group, as ``size()``/``rank()`` are. CUDA tensors
-work with NCCL (one GPU per rank) and with gloo where gloo supports the op on CUDA.
+work with NCCL (one GPU per rank) and with gloo; on NCCL a CPU tensor travels through the
+current CUDA device and comes back to the CPU.
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ class DistCollectives(Collectives):
     def rank(self) -> int:
         return dist.get_rank(self._group())
 
+    def _wire(self, tensor):
+        """(``tensor`` on a device the group's backend can move, function back). NCCL moves
+        only CUDA tensors: a CPU tensor (a communicator's int32 lengths, say) travels through
+        the current CUDA device and comes back to the CPU."""
+        if tensor.device.type == "cpu" and dist.get_backend(self._group()) == "nccl":
+            return tensor.to(torch.device("cuda", torch.cuda.current_device())), \
+                (lambda t: t.cpu())
+        return tensor, (lambda t: t)
+
     def _global_rank(self, rank: int) -> int:
         group = self._group()
         if group is None or group is dist.group.WORLD:
@@ -115,9 +125,10 @@ class DistCollectives(Collectives):
             raise ValueError(f"allreduce cannot sum {dt} tensors (name {name!r}); summable: "
                              f"{[str(d) for d in (*_SUMMABLE, *_SUM_AS)]}")
         # always a fresh buffer: the collective works in place, the caller's tensor stays
-        wire = tensor.detach().to(wire_dt, copy=True).contiguous()
+        moved, back = self._wire(tensor.detach())
+        wire = moved.to(wire_dt, copy=True).contiguous()
         work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self._group(), async_op=True)
-        return _Pending(work, (lambda: wire.to(dt)) if wire_dt != dt else (lambda: wire))
+        return _Pending(work, lambda: back(wire.to(dt)))
 
     def allreduce_nbytes(self, tensor) -> int:
         return tensor.numel() * _SUM_AS.get(tensor.dtype, tensor.dtype).itemsize
@@ -126,7 +137,8 @@ class DistCollectives(Collectives):
     def allgather_async(self, tensor, name: str):
         group = self._group()
         size = self.size()
-        raw, trailing = _as_bytes(tensor.detach())
+        moved, back = self._wire(tensor.detach())
+        raw, trailing = _as_bytes(moved)
         rows = torch.tensor([raw.shape[0]], dtype=torch.int64, device=raw.device)
         all_rows = [torch.empty_like(rows) for _ in range(size)]
         dist.all_gather(all_rows, rows, group=group)       # waited for: sizes the buffers
@@ -144,7 +156,7 @@ class DistCollectives(Collectives):
 
         def finish():
             joined = torch.cat([o[:n] for o, n in zip(outs, counts)])
-            return _from_bytes(joined, dtype, trailing)
+            return back(_from_bytes(joined, dtype, trailing))
 
         return _Pending(work, finish)
 
@@ -152,19 +164,22 @@ class DistCollectives(Collectives):
         if not 0 <= int(root) < self.size():
             raise ValueError(f"broadcast root must be a rank in [0, {self.size()}), got "
                              f"{root!r} (name {name!r})")
-        raw, trailing = _as_bytes(tensor.detach())
+        moved, back = self._wire(tensor.detach())
+        raw, trailing = _as_bytes(moved)
         # a non-root receives into a copy: the caller's tensor is never overwritten
         buf = raw if self.rank() == root else raw.clone()
         work = dist.broadcast(buf, src=self._global_rank(int(root)), group=self._group(),
                               async_op=True)
         dtype = tensor.dtype
-        return _Pending(work, lambda: _from_bytes(buf, dtype, trailing).reshape(tensor.shape))
+        return _Pending(work, lambda: back(_from_bytes(buf, dtype, trailing)
+                                           .reshape(tensor.shape)))
 
     def alltoall_async(self, tensor, splits, name: str):
         group = self._group()
         size = self.size()
         splits = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
-        raw, trailing = _as_bytes(tensor.detach())
+        moved, back = self._wire(tensor.detach())
+        raw, trailing = _as_bytes(moved)
         if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != raw.shape[0]:
             raise ValueError(f"alltoall splits must be {size} non-negative row counts summing "
                              f"to {raw.shape[0]} (name {name!r}), got {splits}")
@@ -178,7 +193,7 @@ class DistCollectives(Collectives):
                                       input_split_sizes=splits, group=group, async_op=True)
         dtype = tensor.dtype
         recv_splits = torch.tensor(received_splits, dtype=torch.int32)
-        return _Pending(work, lambda: (_from_bytes(out, dtype, trailing), recv_splits))
+        return _Pending(work, lambda: (back(_from_bytes(out, dtype, trailing)), recv_splits))
 
     # ------------------------------------------------------------------ waiting
     def synchronize(self, handle):

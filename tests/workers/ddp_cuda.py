@@ -104,7 +104,12 @@ def main() -> int:
         assert res.device == device and torch.equal(res, t)
         b = torch.tensor([True, False, True], device=device)
         assert torch.equal(coll.synchronize(coll.allgather_async(b, "b")), b)
-        return "float32 3x2, bool"
+        lengths = torch.tensor([3, 5], dtype=torch.int32)  # a CPU tensor, as allgather's lengths
+        got = coll.synchronize(coll.allgather_async(lengths, "len"))
+        assert got.device.type == "cpu" and torch.equal(got, lengths)
+        total = coll.synchronize(coll.allreduce_async(lengths, "len.sum"))
+        assert total.device.type == "cpu" and torch.equal(total, lengths)
+        return "float32 3x2, bool, int32 on the CPU"
 
     def broadcast():
         t = torch.full((5,), 3.0, device=device)
