@@ -2,6 +2,8 @@
 
     with EmulatedCluster(n_hosts=2, mbit=100) as cluster:
         subprocess.run(cluster.horovodrun(["python", "train.py"]), env=cluster.env())
+        # torch.distributed: one torchrun per host, started together (benchmarks/ddp.py)
+        procs = [subprocess.Popen(c, env=cluster.env()) for c in cluster.torchrun(["train.py"])]
 
 Topology: a switch namespace holds a Linux bridge; each host namespace has one ``eth0`` (a veth
 whose peer is a bridge port) with address ``10.77.<id>.<i+1>/24``. Each link is shaped in both
@@ -175,6 +177,16 @@ class EmulatedCluster:
         return self.in_host(0, [str(Path(sys.executable).parent / "horovodrun"),
                                 "-np", str(self.n_hosts * slots), "-H", hosts, "--gloo",
                                 "--network-interface", "eth0", *argv])
+
+    def torchrun(self, argv: list[str], port: int = 29511, nproc: int = 1) -> list[list[str]]:
+        """One ``torchrun`` per host (static rendezvous on host 0's address), ``nproc`` ranks
+        each: start them all, then wait for them all. Set ``GLOO_SOCKET_IFNAME=eth0``."""
+        launcher = str(Path(sys.executable).parent / "torchrun")
+        return [self.in_host(i, [launcher, f"--nnodes={self.n_hosts}", f"--node-rank={i}",
+                                 f"--nproc-per-node={nproc}",
+                                 f"--master-addr={self.addresses[0]}", f"--master-port={port}",
+                                 *argv])
+                for i in range(self.n_hosts)]
 
     def mpirun(self, argv: list[str], slots: int = 1) -> list[str]:
         """Open MPI's ``mpirun`` across the hosts (TCP over eth0 only)."""

@@ -1,0 +1,348 @@
+"""A PyTorch DDP communication hook that carries gradients through a grace_dl communicator:
+every compressor, memory and communicator of ``grace_from_params``, on ``torch.distributed``,
+no Horovod.
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from grace_dl import grace_from_params
+    from grace_dl.torch import ddp as grace_ddp
+
+    dist.init_process_group("gloo")            # torchrun sets the rendezvous variables
+    model = DDP(net)
+    state = grace_ddp.GraceState(grace_from_params({"compressor": "topk", "memory": "residual",
+                                                    "communicator": "allgather",
+                                                    "compress_ratio": 0.01}),
+                                 process_group=None)          # None: the default group
+    model.register_comm_hook(state, grace_ddp.comm_hook)
+    ...                                        # checkpoint: state.state_dict() per rank
+
+Shaped like PyTorch's own ``PowerSGDState`` + ``powerSGD_hook``: one state object holding the
+options and the training state, one hook function.
+
+**What the hook sends.** DDP calls the hook once per gradient bucket, in bucket order (the
+same on every rank), with the bucket's flat buffer of summed-over-micro-batches gradients. The
+hook hands it to the communicator's ``send`` with ``DistCollectives`` on the state's process
+group (``grace_dl.torch.distributed``: what goes on the wire there), which compensates with the
+memory, compresses and *starts* the collectives, then returns an unfinished future. When DDP
+hands over the last bucket (``bucket.is_last()``), the hook ``receive``\\ s every bucket of the
+step in bucket order (multi-round PowerSGD and two-phase start their later collectives there,
+in the same order on every rank), completes the futures with the averaged gradients, and
+closes the step in ``grc.bytes`` (``grc.end_step()``). Communication of early buckets thus
+overlaps the rest of the backward pass; the wire traffic is the communicator's (see its
+module docstring), and ``grc.bytes.steps[-1]`` says how many bytes this rank moved.
+
+**Granularity.** ``"bucket"``: one grace tensor per bucket (a flat 1-D buffer), so a
+compressor sees whole buckets and the number of collectives is the number of buckets
+(sparsifiers, quantizers, signs, fp16: their payload does not depend on layer shapes; topk's k
+is then a fraction of the bucket, not of each layer). ``"parameter"``: one grace tensor per
+parameter, in the bucket's order, shaped like the parameter (DDP's views into the bucket); the
+result is concatenated back into the bucket's layout. ``"auto"`` (default): ``"parameter"``
+for compressors that need layer shapes (PowerSGD's matrices: compressors with a
+``matrix_shape`` method) and for ``grace`` objects without a single ``compressor`` (strategy
+dispatchers, which route per parameter name); ``"bucket"`` otherwise.
+
+**Names.** Grace state (residuals, PowerSGD's Q, step counters) is keyed by tensor name. A
+parameter's name is its name in ``named_parameters`` if given, else ``param<i>``, ``i`` being
+the order in which the hook first met it (deterministic: DDP computes the same first bucket
+layout on every rank and in every run of the same script). A bucket's name is
+``bucket<n>:<digest>`` of its parameters' names, so it follows the bucket's content, not its
+index.
+
+**DDP's behaviours.**
+
+* *First-iteration bucket rebuild*: DDP re-buckets after the first iteration, in the order
+  gradients became ready. Bucket names follow content, so a rebuilt bucket simply starts its
+  own state (a fresh residual, which error feedback tolerates); per-parameter state does not
+  notice the rebuild at all.
+* ``no_sync()``: DDP does not call the hook inside it; gradients accumulate locally and the
+  next synchronised backward hands the accumulated buckets over. Nothing is compressed or
+  counted for the skipped passes.
+* ``find_unused_parameters=True``: DDP fills unused parameters' slots of the bucket with zeros
+  before calling the hook; the hook compresses and sends them like any gradient (every rank
+  must take part in every collective).
+
+**Averaging.** ``op="average"`` (default) gives DDP's result: the sum over ranks divided by the
+group size (for ``none``/``allreduce`` it equals DDP's own allreduce; compressors that already
+normalise, like signSGD's majority vote, are not divided). ``op="sum"`` leaves the sum.
+
+**Checkpoints.** ``state.state_dict()`` is this rank's grace state (NumPy arrays, step
+counters, the parameter naming and the fingerprint of the configuration); save it on every rank
+and pass it to ``load_state_dict`` of a fresh ``GraceState`` before the first step. In
+``"parameter"`` granularity a resumed run continues bit for bit. In ``"bucket"`` granularity it
+does when DDP's first-iteration layout equals the rebuilt one (as for models whose gradients
+become ready in reverse registration order, e.g. ``nn.Sequential``); otherwise the resumed
+run's first iteration finds the state of the saved run's first iteration for its buckets.
+
+**Agreement.** The first hook call of a ``GraceState`` all-gathers a digest of the grace
+configuration, the granularity, the op and the bucket's layout; ranks that differ raise
+``ValueError`` on every rank instead of hanging in a collective.
+
+DDP checks the hook's annotations, so this module does not use postponed evaluation
+(``from __future__ import annotations``).
+"""
+
+import hashlib
+import json
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from grace_dl.communicators.base import AVERAGE, check_op
+from grace_dl.torch.distributed import DistCollectives
+
+GRANULARITIES = ("auto", "bucket", "parameter")
+_REQUIRED = ("send", "receive", "end_step", "state_dict", "load_state_dict", "fingerprint")
+
+
+def _digest(obj, n: int = 16) -> str:
+    text = json.dumps(obj, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def needs_shapes(grace) -> bool:
+    """Whether ``grace`` must see each parameter with its own shape (``"auto"`` granularity)."""
+    compressor = getattr(grace, "compressor", None)
+    if compressor is None:
+        return True
+    return callable(getattr(compressor, "matrix_shape", None))
+
+
+class GraceState:
+    """Options and state of ``comm_hook``; pass it to ``DDP.register_comm_hook``.
+
+    ``grace``: a communicator from ``grace_from_params`` (or a strategy dispatcher).
+    ``process_group``: the group DDP reduces over (``None``: the default group), and the one
+    the grace collectives run on. ``granularity``: ``"auto"``, ``"bucket"`` or ``"parameter"``
+    (module docstring). ``named_parameters``: ``model.named_parameters()`` of the *wrapped*
+    module, to key state by real names (needed by strategy dispatchers, which route by name);
+    without it parameters are named ``param<i>``. ``op``: ``"average"`` (DDP's) or ``"sum"``.
+    """
+
+    def __init__(self, grace, process_group=None, granularity: str = "auto",
+                 named_parameters=None, op: str = AVERAGE):
+        for method in _REQUIRED:
+            if not callable(getattr(grace, method, None)):
+                raise ValueError(f"grace must be a grace_dl communicator (e.g. from "
+                                 f"grace_from_params) with a {method}() method, got {grace!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got "
+                             f"{granularity!r}")
+        self.op = check_op(op)
+        if hasattr(grace, "check_op"):
+            grace.check_op(self.op)
+        self.grace = grace
+        self.process_group = process_group
+        self.collectives = DistCollectives(process_group)
+        self.granularity = granularity
+        self.per_parameter = granularity == "parameter" or (
+            granularity == "auto" and needs_shapes(grace))
+        self.iteration = 0          # synchronised backward passes completed
+        self._given_names: dict[int, str] | None = None
+        if named_parameters is not None:
+            pairs = list(named_parameters)
+            if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):
+                raise ValueError("named_parameters must be a sequence of (name, parameter) "
+                                 "tuples, as model.named_parameters() gives")
+            self._given_names = {id(p): n for n, p in pairs}
+        self._names: dict[int, str] = {}        # id(parameter) -> name, as met
+        self._order: list[str] = []             # names in the order they were first met
+        self._index: dict[str, int] = {}        # name -> position in _order
+        self._units: list = []                  # this step's grace tensors (see _send)
+        self._buckets: list = []                # this step's (future, buffer, names, unit)
+        self._deferred: dict = {}               # name -> gradient held for _start_deferred
+        self._target = None                     # a loaded checkpoint's grouping (bucket mode)
+        self._layout: list = []                 # the grouping of the last completed step
+        self._checked = False
+        self._step_names: list[str] = []
+        self.last_step_names: list[str] = []    # the grace tensors of the last step, in order
+
+    # ------------------------------------------------------------------ naming
+    def _name_of(self, p) -> str:
+        name = self._names.get(id(p))
+        if name is None:
+            if self._given_names is not None:
+                name = self._given_names.get(id(p))
+                if name is None:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} in a DDP bucket "
+                                     f"is not in named_parameters: pass the named_parameters "
+                                     f"of the module DDP wraps")
+            else:
+                name = f"param{len(self._order)}"
+            self._names[id(p)] = name
+            self._index[name] = len(self._order)
+            self._order.append(name)
+        return name
+
+    @staticmethod
+    def bucket_name(names) -> str:
+        return f"bucket{len(names)}:{_digest(list(names), 12)}"
+
+    # ------------------------------------------------------------------ agreement
+    def _check_ranks_agree(self, bucket, names) -> None:
+        buffer = bucket.buffer()
+        layout = [names, [list(g.shape) for g in bucket.gradients()], str(buffer.dtype)]
+        mine = (self.grace.fingerprint().encode()[:16].ljust(16, b"-")
+                + _digest([layout, self.op, self.per_parameter]).encode())
+        local = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(buffer.device)
+        size = self.collectives.size()
+        rows = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(rows, local, group=self.process_group)
+        got = [bytes(r.cpu().tolist()) for r in rows]
+        if len(set(got)) > 1:
+            what = ("grace configuration" if len({g[:16] for g in got}) > 1 else
+                    "first bucket (parameter names/shapes), granularity or op")
+            raise ValueError(
+                f"ranks disagree on the {what}: digests per rank {[g.decode() for g in got]}; "
+                f"this rank's grace config is "
+                f"{getattr(self.grace, 'config', lambda: repr(self.grace))()}, granularity "
+                f"{self.granularity!r}, op {self.op!r}")
+        self._checked = True
+
+    # ------------------------------------------------------------------ the step
+    # A *unit* is one grace tensor: (handle, parameter names in its order, their numels,
+    # whether it is a whole bucket in the bucket's own order). A bucket's result is its units'
+    # outputs put back in the bucket's parameter order.
+    def _start_unit(self, tensor, name, names, numels, whole):
+        handle = self.grace.send(tensor, name, self.op, self.collectives)
+        self._units.append((handle, names, numels, whole))
+        self._step_names.append(name)
+        return len(self._units) - 1
+
+    def _send(self, bucket):
+        params = bucket.parameters()
+        names = [self._name_of(p) for p in params]
+        if not self._checked:
+            self._check_ranks_agree(bucket, names)
+        buffer = bucket.buffer()
+        devices = [buffer.device] if buffer.device.type == "cuda" else None
+        fut = torch.futures.Future(devices=devices)
+        direct = None
+        if self.per_parameter:
+            for g, n in zip(bucket.gradients(), names):
+                self._start_unit(g.detach(), n, [n], [g.numel()], False)
+        else:
+            # canonical order: descending first-met index, DDP's rebuilt (ready) order for
+            # most models; a bucket in another order (the first iteration's) is permuted
+            order = sorted(range(len(names)), key=lambda i: -self._index[names[i]])
+            canonical = [names[i] for i in order]
+            grads = bucket.gradients()
+            if self._target is not None and canonical not in self._target:
+                # first iteration after a resume, DDP's layout is not the saved one: wait for
+                # the whole step and regroup as the checkpointed run did (_complete)
+                self._deferred.update({n: g.detach() for n, g in zip(names, grads)})
+            elif order == list(range(len(names))):
+                direct = self._start_unit(buffer.detach(), self.bucket_name(canonical),
+                                          canonical, [g.numel() for g in grads], True)
+            else:
+                tensor = torch.cat([grads[i].detach().reshape(-1) for i in order])
+                self._start_unit(tensor, self.bucket_name(canonical), canonical,
+                                 [grads[i].numel() for i in order], False)
+        self._buckets.append((fut, buffer, names, direct))
+        return fut
+
+    def _start_deferred(self) -> None:
+        """Send the deferred gradients grouped as the saved layout groups them (in its order);
+        any left over (parameters the checkpoint did not know) go as one unit."""
+        deferred, self._deferred = self._deferred, {}
+        for group in self._target:
+            if group and all(n in deferred for n in group):
+                grads = [deferred.pop(n) for n in group]
+                self._start_unit(torch.cat([g.reshape(-1) for g in grads]),
+                                 self.bucket_name(group), group, [g.numel() for g in grads],
+                                 False)
+        if deferred:
+            rest = sorted(deferred, key=lambda n: -self._index[n])
+            grads = [deferred[n] for n in rest]
+            self._start_unit(torch.cat([g.reshape(-1) for g in grads]), self.bucket_name(rest),
+                             rest, [g.numel() for g in grads], False)
+
+    def _complete(self) -> None:
+        try:
+            if self._deferred:
+                self._start_deferred()
+            units, buckets = self._units, self._buckets
+            whole, pieces = {}, {}
+            for i, (handle, names, numels, is_whole) in enumerate(units):
+                out = self.grace.receive(handle)
+                if is_whole:
+                    whole[i] = out
+                else:
+                    pieces.update(zip(names, torch.split(out.reshape(-1), numels)))
+            for fut, buffer, names, direct in buckets:
+                if direct is not None:
+                    result = whole[direct].reshape(buffer.shape)
+                else:
+                    result = torch.cat([pieces[n].reshape(-1) for n in names])
+                fut.set_result(result.to(buffer.dtype))
+            self.grace.end_step()
+            self.iteration += 1
+            self.last_step_names, self._step_names = self._step_names, []
+            self._layout = [names for _, names, _, _ in units]
+            self._target = None  # DDP's own (rebuilt) layout from now on
+        except BaseException as err:
+            for fut, _, _, _ in self._buckets:
+                if not fut.done():
+                    fut.set_exception(err)
+            raise
+        finally:
+            self._units, self._buckets, self._deferred = [], [], {}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's hook state: the grace state (NumPy arrays), the parameter naming, the
+        iteration count and the configuration's fingerprint."""
+        return {"grace": self.grace.state_dict(), "fingerprint": self.grace.fingerprint(),
+                "granularity": self.granularity, "per_parameter": self.per_parameter,
+                "op": self.op, "iteration": self.iteration, "names": list(self._order),
+                "layout": [list(g) for g in self._layout],
+                "rank": self.collectives.rank() if dist.is_initialized() else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``; raises ``ValueError`` if it was written for another grace
+        configuration, granularity or op."""
+        if not isinstance(state, dict) or "grace" not in state:
+            raise ValueError(f"not a GraceState state_dict (keys "
+                             f"{sorted(state) if isinstance(state, dict) else type(state)}); "
+                             f"expected keys include 'grace' and 'fingerprint'")
+        if state.get("fingerprint") != self.grace.fingerprint():
+            raise ValueError(f"state_dict is for grace configuration {state.get('fingerprint')}, "
+                             f"this one is {self.grace.fingerprint()} ({self.grace!r})")
+        for key, mine in (("per_parameter", self.per_parameter), ("op", self.op)):
+            if state.get(key, mine) != mine:
+                raise ValueError(f"state_dict was written with {key}={state.get(key)!r}, this "
+                                 f"state has {key}={mine!r}")
+        if self._buckets:
+            raise RuntimeError("load_state_dict() called in the middle of a step")
+        self.grace.load_state_dict(_to_numpy(state["grace"]))
+        self.iteration = int(state.get("iteration", 0))
+        layout = state.get("layout") or None
+        self._target = None if self.per_parameter or layout is None else \
+            [list(g) for g in layout]
+
+
+def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: compress and send ``bucket`` through ``state.grace``; the
+    returned future resolves to the bucket's averaged gradients (see the module docstring)."""
+    if not isinstance(state, GraceState):
+        raise ValueError(f"comm_hook's state must be a grace_dl.torch.ddp.GraceState, got "
+                         f"{type(state).__name__}")
+    if bucket.index() == 0 and state._buckets:
+        state._units, state._buckets, state._deferred = [], [], {}
+        state._step_names.clear()
+        raise RuntimeError("a DDP step started before the previous one handed over its last "
+                           "bucket; the grace hook expects every bucket of a step in order")
+    fut = state._send(bucket)
+    if bucket.is_last():
+        state._complete()
+    return fut
+
+
+def _to_numpy(tree):
+    if isinstance(tree, dict):
+        return {k: _to_numpy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_numpy(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    return np.asarray(tree) if isinstance(tree, np.generic) else tree

@@ -1,0 +1,203 @@
+"""grace_dl.torch.ddp (the DDP communication hook) and grace_dl.torch.distributed (the
+torch.distributed collectives): argument checks in this process, and real
+``torchrun --nproc-per-node 2`` jobs on gloo (tests/workers/ddp_check.py), no Horovod."""
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mp
+from grace_dl import grace_from_params
+
+N = 2
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def torchrun(*args, timeout: float = 300) -> list:
+    """``torchrun --standalone --nproc-per-node 2 tests/workers/ddp_check.py ARGS``; each
+    rank's reported object, by rank. A hung collective fails the test after ``timeout``."""
+    with tempfile.TemporaryDirectory(prefix="grace_ddp_") as out_dir:
+        cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={N}",
+               str(mp.WORKERS / "ddp_check.py"), *map(str, args)]
+        env = mp._env(out_dir, {"GLOO_SOCKET_IFNAME": "lo"})
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=timeout, cwd=str(mp.ROOT))
+        except subprocess.TimeoutExpired as err:
+            out = err.stdout or ""
+            out = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-6000:]
+            raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{out}") from None
+        if proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
+                                 f"--- stdout ---\n{proc.stdout[-6000:]}\n"
+                                 f"--- stderr ---\n{proc.stderr[-8000:]}")
+        results = []
+        for r in range(N):
+            path = Path(out_dir) / f"rank{r}.pkl"
+            assert path.exists(), f"rank {r} reported nothing\n{proc.stderr[-4000:]}"
+            results.append(pickle.loads(path.read_bytes()))
+        return results
+
+
+def _equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _differ(a: dict, b: dict):
+    assert any(not np.array_equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- in-process checks
+def test_importing_the_ddp_path_never_imports_horovod():
+    code = ("import sys, grace_dl, grace_dl.torch.ddp, grace_dl.torch.distributed\n"
+            "from grace_dl import grace_from_params\n"
+            "for c in ['topk', 'powersgd', 'qsgd', 'signsgd', 'fp16']:\n"
+            "    for m in ['allgather', 'twophase', 'allreduce', 'broadcast']:\n"
+            "        try:\n"
+            "            grace_from_params({'compressor': c, 'communicator': m})\n"
+            "        except ValueError:\n"
+            "            pass\n"
+            "assert 'horovod' not in sys.modules, [m for m in sys.modules if 'horovod' in m]\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(mp.ROOT)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_state_rejects_bad_arguments_naming_them():
+    from grace_dl.torch import ddp as grace_ddp
+
+    grc = grace_from_params({"compressor": "topk", "communicator": "allgather"})
+    with pytest.raises(ValueError, match=r"granularity must be one of .*'bucket'.*got 'layer'"):
+        grace_ddp.GraceState(grc, granularity="layer")
+    with pytest.raises(ValueError, match=r"op must be one of .*got 'max'"):
+        grace_ddp.GraceState(grc, op="max")
+    with pytest.raises(ValueError, match=r"grace must be a grace_dl communicator.*send"):
+        grace_ddp.GraceState(object())
+    with pytest.raises(ValueError, match="named_parameters must be a sequence"):
+        grace_ddp.GraceState(grc, named_parameters=[1, 2])
+    with pytest.raises(ValueError, match="GraceState"):
+        grace_ddp.comm_hook(object(), None)
+
+
+def test_auto_granularity_follows_the_compressor():
+    from grace_dl.torch import ddp as grace_ddp
+
+    per_param = grace_ddp.GraceState(grace_from_params({"compressor": "powersgd",
+                                                        "memory": "powersgd"}))
+    bucket = grace_ddp.GraceState(grace_from_params({"compressor": "topk",
+                                                     "communicator": "allgather"}))
+    forced = grace_ddp.GraceState(grace_from_params({"compressor": "topk",
+                                                     "communicator": "allgather"}),
+                                  granularity="parameter")
+    assert per_param.per_parameter and not bucket.per_parameter and forced.per_parameter
+
+
+def test_load_state_dict_refuses_another_configuration():
+    from grace_dl.torch import ddp as grace_ddp
+
+    a = grace_ddp.GraceState(grace_from_params({"compressor": "topk", "compress_ratio": 0.1,
+                                                "communicator": "allgather"}))
+    b = grace_ddp.GraceState(grace_from_params({"compressor": "topk", "compress_ratio": 0.2,
+                                                "communicator": "allgather"}))
+    with pytest.raises(ValueError, match="grace configuration"):
+        b.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="not a GraceState state_dict"):
+        b.load_state_dict({"x": 1})
+    c = grace_ddp.GraceState(grace_from_params({"compressor": "topk", "compress_ratio": 0.1,
+                                                "communicator": "allgather"}),
+                             granularity="parameter")
+    with pytest.raises(ValueError, match="per_parameter"):
+        c.load_state_dict(a.state_dict())
+
+
+# ---------------------------------------------------------------- torchrun jobs
+@pytest.mark.multiproc
+def test_distributed_collectives_on_gloo():
+    res = torchrun("collectives")
+    for r, out in enumerate(res):
+        assert out["size"] == N and out["rank"] == r
+        for dt, (got_dt, values, untouched) in out["sums"].items():
+            assert got_dt == dt and untouched, dt
+            assert values == [2 * i + 1 for i in range(5)], dt
+        assert "bool" in out["bool_sum_error"] and "summable" in out["bool_sum_error"]
+        gathers = dict(out["gathers"])
+        assert gathers.pop("empty") == [0.0] * 4           # rank 0 sent 0 rows, rank 1 four
+        for dt, (got_dt, shape, values) in gathers.items():
+            assert got_dt == dt and shape == [3, 3, 2], dt   # 1 row from rank 0, 2 from rank 1
+            expect = [float(v % 3) for v in range(6)] + [float(v % 3) for v in range(12)]
+            if dt == "torch.bool":
+                expect = [float(bool(v)) for v in expect]
+            assert values == expect, dt
+        for root, (values, untouched) in out["broadcast"].items():
+            assert values == [float(root * 10 + 1)] * 3 and untouched
+        assert "root" in out["bad_root_error"] and "[0, 2)" in out["bad_root_error"]
+        recv, splits = out["alltoall"]
+        assert splits == [r + j + 1 for j in range(N)]      # rank j sent r + j + 1 rows
+        expect = [[100.0 * j + r, float(j)] for j in range(N) for _ in range(r + j + 1)]
+        assert recv == expect
+        assert "splits" in out["bad_splits_error"]
+
+
+@pytest.mark.multiproc
+def test_none_allreduce_hook_equals_ddp_default_averaging():
+    res = torchrun("equal")
+    for out in res:
+        for case in ("plain", "no_sync", "unused"):
+            _equal(out[f"{case}/default"], out[f"{case}/hook"])
+        # 12 micro-batches, 6 synchronised: the hook ran (and closed a step) 6 times
+        assert out["no_sync/hook_steps"] == 6 and out["no_sync/iteration"] == 6
+    for case in ("plain", "no_sync", "unused"):
+        _equal(res[0][f"{case}/hook"], res[1][f"{case}/hook"])
+
+
+@pytest.mark.multiproc
+def test_compressed_hooks_train_digits_like_ddp():
+    pipelines = ["ddp", "topk", "powersgd", "qsgd-2phase", "signsgd", "fp16"]
+    res = torchrun("train", 8, *pipelines, timeout=600)
+    for out in res:
+        assert not out["horovod_before"] and not out["horovod_after"]
+    base = res[0]["ddp"]["accuracy"][-1]
+    assert base > 0.9, res[0]["ddp"]["accuracy"]
+    finals = {p: res[0][p]["accuracy"][-1] for p in pipelines}
+    assert all(finals[p] >= base - 0.05 for p in pipelines), finals
+    for p in pipelines[1:]:
+        # every rank holds identical parameters
+        _equal(res[0][p]["params"], res[1][p]["params"])
+        for out in res:
+            assert out[p]["roundtrip"], p
+    # the compressed pipelines did move fewer bytes than fp32 allreduce would
+    numel = sum(v.size for v in res[0]["ddp"]["params"].values())
+    ring = 2 * (N - 1) / N * numel * 4
+    for p, most in (("topk", 0.21), ("powersgd", 0.3), ("qsgd-2phase", 0.35),
+                    ("signsgd", 0.1), ("fp16", 0.51)):
+        sent = res[0][p]["sent_per_step"][-1]
+        assert 0 < sent <= most * ring, (p, sent, ring)
+    assert res[0]["powersgd"]["granularity"] == "parameter"
+    assert res[0]["topk"]["granularity"] == "bucket"
+    # state is there to round-trip: residuals, PowerSGD's Q, twophase's server residuals
+    assert any(k.startswith("/memory/") for k in res[0]["topk"]["state_keys"])
+    assert any("/q/" in k for k in res[0]["powersgd"]["state_keys"])
+    assert any(k.startswith("/server/") for k in res[0]["qsgd-2phase"]["state_keys"])
+
+
+@pytest.mark.multiproc
+def test_resume_from_a_checkpoint_continues_bit_for_bit():
+    pipelines = ["topk", "powersgd", "qsgd-2phase", "randomk", "threshold-bcast"]
+    res = torchrun("resume", 6, *pipelines, timeout=600)
+    for out in res:
+        for p in pipelines:
+            _equal(out[p]["straight"], out[p]["resumed"])
+            _differ(out[p]["straight"], out[p]["no_state"])
+            assert out[p]["names"] == out[p]["names_resumed"], p
+    for p in pipelines:
+        _equal(res[0][p]["resumed"], res[1][p]["resumed"])

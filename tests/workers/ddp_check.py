@@ -1,0 +1,329 @@
+"""Launched by tests/test_ddp.py under ``torchrun --nproc-per-node 2`` (gloo): the grace DDP
+hook against DDP's own averaging, training on digits, resume, collectives. One ``mode`` per
+job; each rank ``report``s a dict.
+
+Modes:
+- ``equal``: DDP's default reduction vs the ``none``/``allreduce`` hook, plain, with
+  ``no_sync()`` accumulation, and with ``find_unused_parameters=True`` (a branch used only on
+  odd steps), several buckets (small ``bucket_cap_mb``); parameters after each run.
+- ``train <pipeline>...``: digits, SGD momentum, a few epochs per pipeline; accuracy, final
+  parameters, bytes per step, state_dict round trip.
+- ``resume``: for some pipelines, run 2k steps; run k, checkpoint (model, optimizer, hook
+  state per rank), build everything anew, load, run k more; both parameter sets.
+- ``collectives``: DistCollectives directly: dtypes, ragged allgather, broadcast from each
+  root, alltoall with uneven splits.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mp
+from grace_dl import grace_from_params
+from grace_dl.torch import ddp as grace_ddp
+from grace_dl.torch.distributed import DistCollectives
+
+PIPELINES = {
+    "none": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
+    "fp16": {"compressor": "fp16", "memory": "none", "communicator": "allreduce"},
+    "topk": {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
+             "communicator": "allgather"},
+    "powersgd": {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
+                 "communicator": "allreduce"},
+    "qsgd-2phase": {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
+                    "communicator": "twophase"},
+    "signsgd": {"compressor": "signsgd", "memory": "residual", "communicator": "allgather"},
+    "randomk": {"compressor": "randomk", "compress_ratio": 0.2, "memory": "residual",
+                "communicator": "allreduce"},
+    "threshold-bcast": {"compressor": "threshold", "threshold": 0.002, "memory": "residual",
+                        "communicator": "broadcast"},
+}
+
+
+def params_of(model) -> dict:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------- digits
+def digits():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    r, n = dist.get_rank(), dist.get_world_size()
+    return (torch.from_numpy(x_tr[r::n]), torch.from_numpy(y_tr[r::n]),
+            torch.from_numpy(x_te), torch.from_numpy(y_te))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
+
+
+def make(pipeline, bucket_cap_mb=0.02, granularity="auto"):
+    model = DDP(mlp(), bucket_cap_mb=bucket_cap_mb)
+    state = None
+    if pipeline is not None:
+        state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[pipeline])),
+                                     granularity=granularity)
+        model.register_comm_hook(state, grace_ddp.comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt, state
+
+
+def batches(data, epochs, batch=32, seed=1):
+    x_tr, y_tr = data[0], data[1]
+    gen = torch.Generator().manual_seed(seed)
+    steps = len(x_tr) // batch
+    for _ in range(epochs):
+        order = torch.randperm(len(x_tr), generator=gen)
+        for s in range(steps):
+            idx = order[s * batch:(s + 1) * batch]
+            yield x_tr[idx], y_tr[idx]
+
+
+def accuracy(model, data) -> float:
+    with torch.no_grad():
+        return float((model(data[2]).argmax(1) == data[3]).float().mean())
+
+
+# ---------------------------------------------------------------- modes
+def mode_equal() -> dict:
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    out = {}
+    for label, hook in (("default", False), ("hook", True)):
+        # plain steps
+        model, opt, _ = make("none" if hook else None)
+        for i, (x, y) in enumerate(batches(data, 1)):
+            if i == 8:
+                break
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        out[f"plain/{label}"] = params_of(model)
+        # no_sync accumulation: 2 micro-batches per step, the first inside no_sync()
+        model, opt, state = make("none" if hook else None)
+        for i, (x, y) in enumerate(batches(data, 1, batch=16)):
+            if i == 12:
+                break
+            if i % 2 == 0:
+                opt.zero_grad()
+                with model.no_sync():
+                    loss_fn(model(x), y).backward()
+            else:
+                loss_fn(model(x), y).backward()
+                opt.step()
+        out[f"no_sync/{label}"] = params_of(model)
+        if state is not None:
+            out["no_sync/hook_steps"] = len(state.grace.bytes.steps)
+            out["no_sync/iteration"] = state.iteration
+        # unused parameters: a second head used on odd steps only
+        torch.manual_seed(0)
+
+        class Two(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = mlp()
+                self.extra = nn.Linear(10, 10)
+
+            def forward(self, x, use_extra):
+                h = self.body(x)
+                return self.extra(h) if use_extra else h
+
+        model = DDP(Two(), bucket_cap_mb=0.02, find_unused_parameters=True)
+        if hook:
+            st = grace_ddp.GraceState(grace_from_params(dict(PIPELINES["none"])))
+            model.register_comm_hook(st, grace_ddp.comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for i, (x, y) in enumerate(batches(data, 1)):
+            if i == 6:
+                break
+            opt.zero_grad()
+            loss_fn(model(x, i % 2 == 1), y).backward()
+            opt.step()
+        out[f"unused/{label}"] = params_of(model)
+    return out
+
+
+def mode_train(pipelines, epochs) -> dict:
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    out = {"horovod_before": "horovod" in sys.modules}
+    for pipeline in pipelines:
+        model, opt, state = make(None if pipeline == "ddp" else pipeline, bucket_cap_mb=25)
+        acc = []
+        step = 0
+        for x, y in batches(data, epochs):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+            step += 1
+            if step % (len(data[0]) // 32) == 0:
+                acc.append(accuracy(model, data))
+        rec = {"accuracy": acc, "params": params_of(model)}
+        if state is not None:
+            sd = state.state_dict()
+            buf = io.BytesIO()
+            torch.save(sd, buf)
+            fresh = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[pipeline])))
+            fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+            again = fresh.state_dict()
+            rec["roundtrip"] = _same_tree(sd["grace"], again["grace"])
+            rec["state_keys"] = sorted(_flat_keys(sd["grace"]))
+            rec["sent_per_step"] = [s["sent"] for s in state.grace.bytes.steps]
+            rec["last_step_names"] = state.last_step_names
+            rec["granularity"] = "parameter" if state.per_parameter else "bucket"
+        out[pipeline] = rec
+    out["horovod_after"] = "horovod" in sys.modules
+    return out
+
+
+def _flat_keys(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat_keys(v, f"{prefix}/{k}")
+    else:
+        yield prefix
+
+
+def _same_tree(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same_tree(a[k], b[k]) for k in a)
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def mode_resume(pipelines, steps) -> dict:
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    all_batches = list(b for _, b in zip(range(2 * steps), batches(data, 10)))
+    out = {}
+
+    def train(model, opt, chunk, state=None):
+        names = []
+        for x, y in chunk:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+            if state is not None:
+                names.append(list(state.last_step_names))
+        return names
+
+    for pipeline in pipelines:
+        model, opt, state = make(pipeline)
+        names_per_step = train(model, opt, all_batches, state)
+        straight = params_of(model)
+        names_straight = list(state.last_step_names)
+
+        model, opt, state = make(pipeline)
+        train(model, opt, all_batches[:steps])
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "grace": state.state_dict()}, buf)
+        del model, opt, state
+        ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        model, opt, state = make(pipeline)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        state.load_state_dict(ckpt["grace"])
+        names_resumed = train(model, opt, all_batches[steps:], state)
+        out[pipeline] = {"straight": straight, "resumed": params_of(model),
+                         "names_per_step": names_per_step, "names_resumed_per_step":
+                         names_resumed,
+                         "names": names_straight, "names_resumed": list(state.last_step_names),
+                         "iteration": state.iteration}
+        # without the hook state the run differs (the test checks state matters)
+        model, opt, state = make(pipeline)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        train(model, opt, all_batches[steps:])
+        out[pipeline]["no_state"] = params_of(model)
+    return out
+
+
+def mode_collectives() -> dict:
+    coll = DistCollectives()
+    r, n = coll.rank(), coll.size()
+    out = {"size": n, "rank": r}
+    sums = {}
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+               torch.int32, torch.int64, torch.float64):
+        t = torch.arange(5).to(dt) + r
+        before = t.clone()
+        res = coll.synchronize(coll.allreduce_async(t, f"sum.{dt}"))
+        sums[str(dt)] = (str(res.dtype), res.tolist(), torch.equal(t, before))
+    out["sums"] = sums
+    try:
+        coll.allreduce_async(torch.ones(2, dtype=torch.bool), "bad")
+        out["bool_sum_error"] = None
+    except ValueError as err:
+        out["bool_sum_error"] = str(err)
+    # ragged allgather, several dtypes and trailing shapes
+    gathers = {}
+    for dt in (torch.float32, torch.bool, torch.bfloat16, torch.uint8, torch.int32):
+        t = (torch.arange((r + 1) * 3 * 2).reshape(r + 1, 3, 2) % 3).to(dt)
+        res = coll.synchronize(coll.allgather_async(t, f"ag.{dt}"))
+        gathers[str(dt)] = (str(res.dtype), list(res.shape), res.float().flatten().tolist())
+    empty = torch.zeros(0 if r == 0 else 4)
+    gathers["empty"] = coll.synchronize(coll.allgather_async(empty, "ag.empty")).tolist()
+    out["gathers"] = gathers
+    # broadcast from every root; the caller's tensor is never overwritten
+    bc = {}
+    for root in range(n):
+        t = torch.full((3,), float(r * 10 + 1))
+        before = t.clone()
+        res = coll.synchronize(coll.broadcast_async(t, root, f"bc{root}"))
+        bc[root] = (res.tolist(), torch.equal(t, before))
+    out["broadcast"] = bc
+    try:
+        coll.broadcast_async(torch.ones(1), n, "bad")
+        out["bad_root_error"] = None
+    except ValueError as err:
+        out["bad_root_error"] = str(err)
+    # alltoall, uneven: rank r sends j+r+1 rows to rank j, each row (value 100 r + j, r)
+    splits = [j + r + 1 for j in range(n)]
+    rows = torch.cat([torch.tensor([[100.0 * r + j, r]] * s) for j, s in enumerate(splits)])
+    recv, recv_splits = coll.synchronize(coll.alltoall_async(rows, splits, "a2a"))
+    out["alltoall"] = (recv.tolist(), recv_splits.tolist())
+    try:
+        coll.alltoall_async(rows, [1] * n, "bad")
+        out["bad_splits_error"] = None
+    except ValueError as err:
+        out["bad_splits_error"] = str(err)
+    coll.barrier()
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mode = sys.argv[1]
+    if mode == "equal":
+        result = mode_equal()
+    elif mode == "train":
+        epochs = int(sys.argv[2])
+        result = mode_train(sys.argv[3:], epochs)
+    elif mode == "resume":
+        steps = int(sys.argv[2])
+        result = mode_resume(sys.argv[3:], steps)
+    elif mode == "collectives":
+        result = mode_collectives()
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    mp.report(result, rank=dist.get_rank())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
