@@ -29,6 +29,9 @@ What differs from Horovod, and why:
   a fused buffer would mix their statistics). A strategy's fusion ``group``
   (``grace_dl.strategy``) fuses payloads explicitly; otherwise Horovod's tensor fusion batches
   the small collectives.
+* A ``UserWarning`` at construction names a pipeline known to diverge under the wrapped
+  optimizer's ``momentum`` (random-k with error feedback, momentum applied twice, ...; see
+  ``grace_dl.recipes``), with the recipe that works.
 * Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
   a sparse gradient raises ``ValueError`` rather than silently skipping compression.
 * Collectives are named after the parameters (``named_parameters``, else Horovod's
@@ -126,6 +129,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
                       f"pipeline; to fuse payloads of several tensors into one collective use a "
                       f"strategy's fusion group (grace_dl.strategy)", UserWarning, stacklevel=2)
     _attach_process_set(grace, process_set, hvd)
+    from grace_dl.recipes import optimizer_momentum, warn_known_problems
+
+    warn_known_problems(grace, optimizer_momentum(optimizer.param_groups))
 
     cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
                {})

@@ -70,6 +70,19 @@ if phase == "save":
     out["uninterrupted"] = C.params(model)
     out["numel"] = int(sum(p.numel() for p in model.parameters()))
 
+    import warnings
+
+    from grace_dl import grace_from_params
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = C.make_model()
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                 named_parameters=m.named_parameters(),
+                                 grace=grace_from_params({"compressor": "randomk",
+                                                          "memory": "residual"}))
+    out["warnings"] = [str(w.message) for w in caught]
+
     model, opt, grc = build()
     train(model, opt, grc, 0, SPLIT)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, folder / f"rank{rank}.pt")
