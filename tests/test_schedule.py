@@ -281,3 +281,17 @@ def test_schedule_under_horovodrun_switches_together_and_resumes_bitwise(tmp_pat
             np.testing.assert_array_equal(after["resumed"][k], before["uninterrupted"][k])
         assert any(not np.array_equal(after["without_grace_state"][k], before["uninterrupted"][k])
                    for k in before["uninterrupted"])
+
+
+@pytest.mark.multiproc
+def test_schedule_under_the_tf_tape_eager_and_refused_in_tf_function():
+    ranks = mp.run("schedule_tf.py", np=2, timeout=300)
+    for r in ranks:
+        assert r["stage"] == [0, 0, 2, 2, 2]
+        assert r["sent"][0] == r["sent"][1] and r["sent"][2] < r["sent"][0] / 3
+        assert r["resumed_at"] == (3, 2)
+        for a, b in zip(r["resumed"], r["weights"]):
+            np.testing.assert_array_equal(a, b)
+        assert "cannot switch stages inside tf.function" in r["in_function"]
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
