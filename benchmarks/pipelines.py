@@ -52,3 +52,18 @@ def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2
         strategy = Auto(throughput=throughput).build(model.named_parameters(), resources)
         return from_strategy(strategy), {}
     return grace_from_params(dict(spec)), {}
+
+
+def make_spec(spec: dict, steps_per_epoch: int = 1):
+    """A grace object from a JSON-able spec: a ``grace_from_params`` dict, or
+    ``{"schedule": {"<step>": dict, ...}}`` for a ``grace_dl.Schedule`` (a key ``"<n>e"``
+    starts its stage after n epochs of ``steps_per_epoch`` steps)."""
+    if "schedule" in spec:
+        from grace_dl.schedule import Schedule
+
+        def step(key):
+            key = str(key)
+            return int(key[:-1]) * steps_per_epoch if key.endswith("e") else int(key)
+
+        return Schedule({step(k): dict(v) for k, v in spec["schedule"].items()})
+    return grace_from_params(dict(spec))

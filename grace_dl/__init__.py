@@ -19,10 +19,12 @@ from grace_dl.registry import (
     register_compressor,
     register_memory,
 )
+from grace_dl.schedule import Schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "Compressor", "Memory", "grace_from_params", "lookup", "names",
-    "register_communicator", "register_compressor", "register_memory", "__version__",
+    "register_communicator", "register_compressor", "register_memory", "Schedule",
+    "__version__",
 ]

@@ -47,6 +47,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "dgc": "grace_dl.memory.dgc",
         "efsignsgd": "grace_dl.memory.efsignsgd",
         "powersgd": "grace_dl.memory.powersgd",
+        "momentum": "grace_dl.memory.momentum",
     },
     "communicator": {
         "allreduce": "grace_dl.communicators.allreduce",

@@ -8,8 +8,13 @@ per element). Payloads of different ranks hold the same positions, so they can b
 wire: **allreduce-safe**. The draw costs O(k) (Floyd's algorithm, see ``grace_dl.seeding``)
 while k is under n / 50; NumPy switches to an O(n) tail shuffle above that.
 
-Biased as sent (it keeps x on k of n coordinates, E = (k/n) x; scaling by n/k would make it
-unbiased but error feedback, which this is meant for, wants the unscaled values).
+Biased as sent by default (it keeps x on k of n coordinates, E = (k/n) x), which is what error
+feedback (``residual``, ``dgc`` memory) wants: the residual is exactly what was not sent.
+``unbiased=True`` scales the kept values by n/k (Wangni et al. 2018, "Gradient Sparsification
+for Communication-Efficient Distributed Optimization"), so E[decompress(compress(x))] = x with
+variance (n/k - 1) x**2 per coordinate; use it *without* error feedback (a residual
+x - (n/k) x would grow without bound), e.g. under memory ``momentum`` with
+``error_feedback=False``, the recipe that matches uncompressed momentum SGD (README, recipes).
 NaN/Inf are sent like any other value when drawn.
 """
 
@@ -19,7 +24,7 @@ from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
 from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
-from grace_dl.validate import in_range
+from grace_dl.validate import in_range, one_of
 
 
 @register_compressor("randomk")
@@ -29,9 +34,10 @@ class RandomKCompressor(Compressor):
     two_phase_safe = False
     unbiased = False
 
-    def __init__(self, compress_ratio: float = 0.01, seed: int = 0):
+    def __init__(self, compress_ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
         super().__init__(seed)
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
+        self.unbiased = one_of("unbiased", unbiased, (False, True))
 
     def compress(self, tensor, name, call=LOCAL):
         """Payload ``[values]``; ctx ``(shape, numel, positions)`` (int64, local only)."""
@@ -43,7 +49,10 @@ class RandomKCompressor(Compressor):
         k = sparse.count_for(self.compress_ratio, n)
         step = self.next_step(name, tensor)
         positions = ops.choice(self.seed, name, step, n, k, like=flat)
-        return [ops.gather(flat, positions)], (ops.shape(tensor), n, positions)
+        values = ops.gather(flat, positions)
+        if self.unbiased and k < n:
+            values = values * (n / k)
+        return [values], (ops.shape(tensor), n, positions)
 
     def decompress(self, payload, ctx):
         shape, n, positions = ctx

@@ -89,6 +89,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         groups = num_groups
     if grace is not None:
         reject_horovod_only_options(compression=compression)
+        from grace_dl.recipes import warn_known_problems
+
+        warn_known_problems(grace, float(optimizer.get_config().get("momentum", 0.0) or 0.0))
 
     config = optimizer.get_config()
     if name is not None:

@@ -30,6 +30,9 @@ What differs from Horovod, and why:
   travel in one collective per kind and dtype. ``groups=n`` splits the parameters, in name
   order, into ``n`` groups as even as possible; a list of lists of parameters names them
   (parameters in no list travel alone). A strategy sets its groups per node instead.
+* A ``UserWarning`` at construction names a pipeline known to diverge under the wrapped
+  optimizer's ``momentum`` (random-k with error feedback, momentum applied twice, ...; see
+  ``grace_dl.recipes``), with the recipe that works.
 * Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
   a sparse gradient raises ``ValueError`` rather than silently skipping compression.
 * Collectives are named after the parameters (``named_parameters``, else Horovod's
@@ -121,6 +124,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
             groups = num_groups
     _check_groups(groups)
     _attach_process_set(grace, process_set, hvd)
+    from grace_dl.recipes import optimizer_momentum, warn_known_problems
+
+    warn_known_problems(grace, optimizer_momentum(optimizer.param_groups))
 
     cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
                {})

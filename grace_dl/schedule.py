@@ -1,0 +1,377 @@
+"""``Schedule``: switch the compression pipeline at chosen optimizer steps, on every rank together.
+
+    from grace_dl import Schedule
+    grc = Schedule({0: {"compressor": "none", "communicator": "allreduce"},      # dense warm-up
+                    200: {"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
+                          "communicator": "allgather"}})
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), grace=grc)
+
+Dense warm-up before sparsification is DGC's (Lin et al. 2018, "Deep Gradient Compression",
+§3.4: "warm-up training"); users of GRACE (issue 4) and Horovod (issue 2013) asked to change
+the method or its ratio during training without rebuilding the optimizer and losing its state.
+
+A ``Schedule`` is a ``grace=`` object like a communicator: the torch ``DistributedOptimizer``,
+the TF ``DistributedGradientTape`` and Keras wrapper (eager), and anything else that drives
+``send`` / ``receive`` / ``end_step`` take it. Each *stage* is a ``grace_from_params`` dict or
+a ready ``grace=`` object (a communicator, a strategy dispatcher); the stage that starts at step
+``s`` carries every gradient of optimizer steps ``s, s+1, ...`` until the next stage starts.
+
+**When it switches.** The step counter is the number of ``end_step()`` calls, which the
+framework glue makes exactly once per optimizer step after every gradient of the step has been
+received; so every rank switches between the same two steps, and no handle is ever in flight
+across a switch. Horovod's collectives are synchronous per step, so ranks cannot be at
+different steps when they send.
+
+**What is carried across a switch.** Error-feedback residuals are handed over, per tensor name,
+from the stage that ends to the one that starts, so nothing the old stage left unsent is lost:
+
+* the old memory's residual in gradient units is taken out: ``residual`` and ``powersgd``:
+  their residual; ``dgc`` and ``momentum`` (with error feedback): the accumulated velocity (what
+  was not sent); ``efsignsgd``: its error divided by its ``lr``; ``none``: nothing;
+* the new stage receives it in its memory's residual slot when it has one (``residual``,
+  ``powersgd``, ``dgc``/``momentum`` velocity, ``efsignsgd`` times its ``lr``); otherwise
+  (memory ``none``, or ``momentum`` without error feedback) it is **flushed**: added once to
+  that tensor's next gradient, so it travels with the first step of the new stage;
+* a momentum buffer (memories ``dgc`` and ``momentum``) moves to the next stage when its
+  memory has one too (warm-up with momentum in the memory, then sparsify with the same
+  momentum); otherwise it is dropped, a smoothing of gradients already sent;
+* the old stage's memory is then zeroed. A memory of another class may take part by defining
+  ``residuals() -> {name: array}`` and ``add_residuals({name: array})``; any other memory's
+  state stays where it is (and a ``UserWarning`` says so at construction).
+
+Compressor state (randomk's step counters, PowerSGD's warm-start Q) belongs to its stage and
+is kept in the stage's ``state_dict``.
+
+**Checkpoints.** ``state_dict()`` holds the step counter, every stage's state and any residual
+waiting to be flushed; ``load_state_dict()`` restores them, so a run resumed mid-schedule is in
+the right stage and continues bit for bit. ``fingerprint()`` covers the stages and their start
+steps (not the counter), so ranks and checkpoints of different schedules are told apart.
+
+**Validation** at construction: the steps are non-negative integers, the first is 0, and each
+stage builds (a bad stage raises ``ValueError`` naming its step and the reason).
+
+**TensorFlow graph mode.** Inside ``tf.function`` the pipeline is traced once, so a Python-level
+switch cannot take effect; ``send`` raises ``ValueError`` there. Use eager execution (Keras:
+``run_eagerly=True``) with a ``Schedule``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+
+import numpy as np
+
+from grace_dl.communicators.base import AVERAGE, ByteCounter
+from grace_dl.params import grace_from_params
+
+_REQUIRED = ("send", "receive", "end_step", "state_dict", "load_state_dict", "fingerprint")
+
+
+class _ScheduleBytes(ByteCounter):
+    """The schedule's byte counter: one entry per step in ``steps`` whatever stage ran it;
+    ``sent``/``received`` are the running stage's counters for the step in progress."""
+
+    def __init__(self, schedule):
+        self._schedule = schedule
+        self.steps: list[dict] = []
+
+    @property
+    def sent(self):
+        return self._schedule.active.bytes.sent
+
+    @property
+    def received(self):
+        return self._schedule.active.bytes.received
+
+    def add(self, name, sent=0, received=0):
+        self._schedule.active.bytes.add(name, sent, received)
+
+    def end_step(self) -> dict:
+        raise RuntimeError("call Schedule.end_step(), not Schedule.bytes.end_step()")
+
+    def reset(self) -> None:
+        self.steps.clear()
+        for _, stage in self._schedule.stages:
+            stage.bytes.reset()
+
+
+class _Handle:
+    """A stage's handle and the stage that made it."""
+
+    __slots__ = ("stage", "inner")
+
+    def __init__(self, stage, inner):
+        self.stage = stage
+        self.inner = inner
+
+    @property
+    def name(self):
+        return self.inner.name
+
+
+class Schedule:
+    """A ``grace=`` object that runs ``stages[s]`` from optimizer step ``s`` on (see the module
+    docstring). ``stages``: ``{step: grace_from_params dict or grace= object}``."""
+
+    def __init__(self, stages: dict):
+        if not isinstance(stages, dict) or not stages:
+            raise ValueError(f"Schedule takes a non-empty dict {{step: pipeline}} (a "
+                             f"grace_from_params dict or a grace= object per step), got "
+                             f"{stages!r}")
+        for step in stages:
+            if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+                raise ValueError(f"Schedule steps must be non-negative integers, got {step!r} "
+                                 f"(steps given: {list(stages)})")
+        steps = sorted(int(s) for s in stages)
+        if steps[0] != 0:
+            raise ValueError(f"Schedule's first step must be 0 (the pipeline training starts "
+                             f"with), got first step {steps[0]} (steps given: {steps})")
+        built = []
+        seen = {}
+        for step in steps:
+            spec = stages[step]
+            if isinstance(spec, dict):
+                try:
+                    stage = grace_from_params(spec)
+                except ValueError as err:
+                    raise ValueError(f"Schedule stage at step {step}: {err}") from None
+            else:
+                missing = [m for m in _REQUIRED if not callable(getattr(spec, m, None))]
+                if missing or not hasattr(spec, "bytes"):
+                    raise ValueError(
+                        f"Schedule stage at step {step} must be a grace_from_params dict or a "
+                        f"grace= object (a communicator, a strategy dispatcher) with "
+                        f"{', '.join(_REQUIRED)} and bytes; {spec!r} lacks "
+                        f"{', '.join(missing) or 'bytes'}")
+                if id(spec) in seen:
+                    raise ValueError(f"Schedule stages at steps {seen[id(spec)]} and {step} are "
+                                     f"the same object; give each stage its own (their state "
+                                     f"and byte counters must not be shared)")
+                seen[id(spec)] = step
+                stage = spec
+            built.append((step, stage))
+            _warn_if_not_carried(step, stage)
+        self.stages: list[tuple[int, object]] = built
+        self.step = 0
+        self._index = 0
+        self._carry: dict[str, np.ndarray] = {}
+        self._process_set = None
+        self.bytes = _ScheduleBytes(self)
+
+    # ------------------------------------------------------------------ where we are
+    @property
+    def active(self):
+        """The grace object of the running stage."""
+        return self.stages[self._index][1]
+
+    @property
+    def stage_start(self) -> int:
+        """The step the running stage started at."""
+        return self.stages[self._index][0]
+
+    def _index_for(self, step: int) -> int:
+        index = 0
+        for i, (start, _) in enumerate(self.stages):
+            if start <= step:
+                index = i
+        return index
+
+    # The running stage's compressor and memory, for code that inspects a communicator.
+    @property
+    def compressor(self):
+        return getattr(self.active, "compressor", None)
+
+    @property
+    def memory(self):
+        return getattr(self.active, "memory", None)
+
+    @property
+    def process_set(self):
+        return self._process_set
+
+    @process_set.setter
+    def process_set(self, value) -> None:
+        self._process_set = value
+        for _, stage in self.stages:
+            stage.process_set = value
+
+    # ------------------------------------------------------------------ the grace= contract
+    def check_op(self, op: str) -> str:
+        for _, stage in self.stages:
+            if hasattr(stage, "check_op"):
+                op = stage.check_op(op)
+        return op
+
+    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None):
+        if type(tensor).__module__.startswith("tensorflow"):
+            import tensorflow as tf
+
+            if not tf.executing_eagerly():
+                raise ValueError("a grace_dl Schedule cannot switch stages inside tf.function "
+                                 "(the pipeline is traced once); run the training step eagerly "
+                                 "(Keras: model.compile(..., run_eagerly=True))")
+        carried = self._carry.pop(name, None)
+        if carried is not None:
+            tensor = tensor + _like(carried, tensor)
+        stage = self.active
+        return _Handle(stage, stage.send(tensor, name, op, collectives))
+
+    def receive(self, handle):
+        if not isinstance(handle, _Handle):
+            raise ValueError(f"Schedule.receive takes a handle from Schedule.send, got "
+                             f"{type(handle).__name__}")
+        return handle.stage.receive(handle.inner)
+
+    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
+        return self.receive(self.send(tensor, name, op, collectives))
+
+    def end_step(self) -> dict:
+        """Close the step in the running stage, count it, and switch stage if the next step
+        starts one. Returns the step's byte summary with the ``stage`` (its start step)."""
+        summary = dict(self.active.end_step())
+        summary["stage"] = self.stage_start
+        self.bytes.steps.append(summary)
+        self.step += 1
+        index = self._index_for(self.step)
+        if index != self._index:
+            self._switch(index)
+        return summary
+
+    def _switch(self, index: int) -> None:
+        old, new = self.active, self.stages[index][1]
+        old_memory, new_memory = getattr(old, "memory", None), getattr(new, "memory", None)
+        momenta = _take_momenta(old_memory) if _has_momentum(new_memory) else {}
+        carried = _take_residuals(old_memory)
+        for name, value in self._carry.items():        # not yet flushed: keep it
+            carried[name] = carried.get(name, 0) + value
+        self._carry = _give_residuals(new_memory, carried)
+        _give_momenta(new_memory, momenta)
+        self._index = index
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"step": int(self.step),
+                "stages": {str(start): stage.state_dict() for start, stage in self.stages},
+                "carry": {k: np.asarray(v) for k, v in self._carry.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        stages = state.get("stages", {})
+        unknown = sorted(set(stages) - {str(s) for s, _ in self.stages})
+        if unknown:
+            raise ValueError(f"checkpoint has schedule stages starting at {unknown}, this "
+                             f"Schedule's start at {[s for s, _ in self.stages]}")
+        for start, stage in self.stages:
+            if str(start) in stages:
+                stage.load_state_dict(stages[str(start)])
+        self.step = int(np.asarray(state.get("step", 0)))
+        self._index = self._index_for(self.step)
+        self._carry = {k: np.asarray(v) for k, v in state.get("carry", {}).items()}
+
+    def config(self) -> dict:
+        return {"schedule": [[start, stage.config() if hasattr(stage, "config")
+                              else stage.fingerprint()] for start, stage in self.stages]}
+
+    def fingerprint(self) -> str:
+        text = json.dumps(self.config(), sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{start}: {stage!r}" for start, stage in self.stages)
+        return f"Schedule({{{inner}}})"
+
+
+# ---------------------------------------------------------------------- residual hand-over
+def _residual_keys(memory):
+    """``(prefix, scale)``: where ``memory`` keeps a residual in its state and the factor from
+    gradient units to its own, or None if it keeps none this module knows."""
+    kind = type(memory).__name__
+    if kind in ("ResidualMemory", "PowerSGDMemory"):
+        return "", 1.0
+    if kind == "EFSignSGDMemory":
+        return "", float(memory.lr)
+    if kind == "DgcMemory" or (kind == "MomentumMemory" and memory.error_feedback):
+        return "velocity/", 1.0
+    return None
+
+
+def _knows(memory) -> bool:
+    if memory is None or type(memory).__name__ in ("NoneMemory", "MomentumMemory"):
+        return True
+    if callable(getattr(memory, "residuals", None)):
+        return True
+    return _residual_keys(memory) is not None
+
+
+def _warn_if_not_carried(step, stage) -> None:
+    memory = getattr(stage, "memory", None)
+    if memory is not None and not _knows(memory):
+        warnings.warn(f"Schedule stage at step {step}: memory {type(memory).__name__} defines "
+                      f"no residuals()/add_residuals(); its error-feedback state is not handed "
+                      f"to the next stage", UserWarning, stacklevel=3)
+
+
+def _has_momentum(memory) -> bool:
+    return type(memory).__name__ in ("DgcMemory", "MomentumMemory")
+
+
+def _take_momenta(memory) -> dict:
+    """The momentum buffers of a ``dgc``/``momentum`` memory, by tensor name (else none)."""
+    if not _has_momentum(memory):
+        return {}
+    return {k[len("momentum/"):]: v for k, v in memory.state.state_dict().items()
+            if k.startswith("momentum/")}
+
+
+def _give_momenta(memory, momenta: dict) -> None:
+    if momenta and _has_momentum(memory):
+        memory.state.load_state_dict({f"momentum/{k}": v for k, v in momenta.items()})
+
+
+def _take_residuals(memory) -> dict:
+    """Every residual of ``memory`` in gradient units, by tensor name; the memory is zeroed."""
+    if memory is None:
+        return {}
+    if callable(getattr(memory, "residuals", None)):
+        return dict(memory.residuals())
+    state = memory.state.state_dict() if hasattr(memory, "state") else {}
+    zeroed = {k: np.zeros_like(v) for k, v in state.items()}
+    where = _residual_keys(memory)
+    out = {}
+    if where is not None:
+        prefix, scale = where
+        for key, value in state.items():
+            if key.startswith(prefix):     # prefix "": every key is a tensor's residual
+                out[key[len(prefix):]] = value / scale
+    if zeroed and (where is not None or type(memory).__name__ == "MomentumMemory"):
+        memory.state.load_state_dict(zeroed)
+    return out
+
+
+def _give_residuals(memory, residuals: dict) -> dict:
+    """Put ``residuals`` into ``memory``'s residual slots; return what must be flushed into
+    the next gradients instead."""
+    if not residuals:
+        return {}
+    if memory is not None and callable(getattr(memory, "add_residuals", None)):
+        memory.add_residuals(residuals)
+        return {}
+    where = _residual_keys(memory) if memory is not None else None
+    if where is None:
+        return {k: np.asarray(v) for k, v in residuals.items()}
+    prefix, scale = where
+    current = memory.state.state_dict()
+    memory.state.load_state_dict({
+        prefix + name: current.get(prefix + name, 0) + np.asarray(value) * scale
+        for name, value in residuals.items()})
+    return {}
+
+
+def _like(array, tensor):
+    """``array`` as a tensor of ``tensor``'s framework, dtype, shape and device."""
+    from grace_dl.backend import ops_for
+
+    ops = ops_for(tensor)
+    value = ops.from_numpy(np.asarray(array), like=tensor)
+    return ops.reshape(ops.cast(value, ops.dtype(tensor)), ops.shape(tensor))
