@@ -32,19 +32,13 @@ def unflatten(piece, shape, equal_sizes: bool = True):
 
 def decompress_each(comm, pieces, shapes, handle, ranks: int) -> list:
     """Every rank's payload decompressed, in rank order (``pieces[i][r]``: part i of rank r's
-    payload, flat). This rank's own entry is its encode-time approximation when it has one:
-    the same bits, without decompressing its own payload a second time."""
+    payload, flat). This rank's own payload is decompressed from what came back too: reusing
+    its encode-time approximation instead would leave its own collective's result unused, and
+    ``tf.function`` prunes an op whose result is unused (a root's broadcast never starts)."""
     equal = comm.compressor.equal_sizes
-    encoded = handle.encoded
-    me = handle.coll.rank()
-    out = []
-    for r in range(ranks):
-        if r == me and encoded.approximation is not None:
-            out.append(encoded.approximation)
-            continue
-        out.append(comm.compressor.decompress(
-            [unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)], encoded.ctx))
-    return out
+    return [comm.compressor.decompress([unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)],
+                                       handle.encoded.ctx)
+            for r in range(ranks)]
 
 
 def nbytes(tensors):
