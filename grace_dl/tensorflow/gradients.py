@@ -42,6 +42,7 @@ import tensorflow as tf
 from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.tensorflow import ops as tf_ops
+from grace_dl.tensorflow.graph_mode import check_not_tf1_graph
 
 # Horovod's reduce ops that grace= can carry, and what they mean to a communicator.
 _OPS = {int(hvd.Average): AVERAGE, int(hvd.Sum): SUM}
@@ -187,6 +188,7 @@ class GraceReducer(_Reducer):
     def __init__(self, grace, op=hvd.Average, gradient_predivide_factor: float = 1.0,
                  process_set=hvd.global_process_set, scale_local_gradients: bool = True,
                  device: str = ""):
+        check_not_tf1_graph()
         for method in ("send", "receive", "end_step", "fingerprint"):
             if not callable(getattr(grace, method, None)):
                 raise ValueError(f"grace must be a grace_dl communicator (from grace_from_params) "
