@@ -16,6 +16,7 @@ class State:
     def __init__(self):
         self._slots: dict = {}
         self._pending: dict[str, np.ndarray] = {}
+        self._owner: dict[str, str] = {}  # key -> the ops module that created its variable
 
     def slot(self, key: str, ops, init, dt: str, like=None):
         """The variable for ``key``; on first use it starts from ``init`` (a NumPy array, or a
@@ -27,6 +28,9 @@ class State:
                 value = init() if callable(init) else init
             var = ops.variable(value, dt, like=like, name=key)
             self._slots[key] = var
+            self._owner[key] = ops.__name__
+        elif self._owner[key] != ops.__name__:
+            self._refuse(key, ops)
         return var
 
     def zeros(self, key: str, ops, like):
@@ -42,7 +46,18 @@ class State:
             var = ops.variable(np.asarray(0 if start is None else start, np.int64), "int64",
                                name=key)
             self._slots[key] = var
+            self._owner[key] = ops.__name__
+        elif self._owner[key] != ops.__name__:
+            self._refuse(key, ops)
         return ops.increment(var)
+
+    def _refuse(self, key: str, ops) -> None:
+        def framework(module):
+            return module.split(".")[1]
+        raise ValueError(f"state {key!r} was created for {framework(self._owner[key])} tensors "
+                         f"and is now used with {framework(ops.__name__)} ones: per-name state "
+                         f"serves one framework; use one grace object per framework (or other "
+                         f"tensor names)")
 
     def __contains__(self, key: str) -> bool:
         return key in self._slots or key in self._pending

@@ -163,3 +163,27 @@ def test_checkpoint_restores_into_slots_created_later(grc, tmp_path):
 def test_checkpointable_needs_state_dict():
     with pytest.raises(ValueError, match="state_dict"):
         hvd.checkpointable(object())
+
+
+def test_tf1_graph_mode_is_refused_at_construction(grc):
+    hvd.init()  # a one-process job
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.ones((4,)))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w)
+        with pytest.raises(ValueError, match="TF1 graph mode .* is not supported"):
+            hvd.DistributedGradientTape(tape, grace=grc)
+        assert hvd.DistributedGradientTape(tape).gradient(loss, [w])[0] is not None
+
+
+def test_tf_function_and_eager_are_accepted(grc):
+    @tf.function
+    def traced():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.ones(3))
+        hvd.DistributedGradientTape(tape, grace=grc)
+        return loss
+    assert float(traced()) == 3.0
+    with tf.GradientTape() as tape:
+        tf.reduce_sum(tf.ones(3))
+    hvd.DistributedGradientTape(tape, grace=grc)

@@ -44,6 +44,7 @@ from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
 from grace_dl.tensorflow import ops as tf_ops
+from grace_dl.tensorflow.graph_mode import check_not_tf1_graph
 
 # Horovod's reduce ops that grace= can carry, and what they mean to a communicator.
 _OPS = {int(hvd.Average): AVERAGE, int(hvd.Sum): SUM}
@@ -192,6 +193,7 @@ class GraceReducer(_Reducer):
     def __init__(self, grace, op=hvd.Average, gradient_predivide_factor: float = 1.0,
                  process_set=hvd.global_process_set, scale_local_gradients: bool = True,
                  device: str = "", groups=None):
+        check_not_tf1_graph()
         check_grace(grace)
         self.groups = _check_groups(groups)
         self.grace = grace
