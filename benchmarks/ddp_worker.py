@@ -12,7 +12,8 @@ momentum 0.9; rank 0 writes the test accuracy after each epoch.
 Pipelines: ``ddp`` (no hook), ``torch-fp16`` (``default_hooks.fp16_compress_hook``),
 ``torch-powersgd`` (``PowerSGDState(rank=2, start_powerSGD_iter=2)`` + ``powerSGD_hook``), and
 grace hooks ``grace-fp16``, ``grace-powersgd`` (rank 2), ``grace-topk`` (1%, residual,
-allgather), ``grace-qsgd-2phase`` (64 levels, residual, twophase) through
+allgather), ``grace-qsgd-2phase`` (64 levels, residual, twophase), ``grace-signsgd-2phase``
+(1 bit, residual, twophase) through
 ``grace_dl.torch.ddp``.
 
 Every pipeline runs with **one DDP bucket** (``bucket_cap_mb_list=[100]``). With DDP's default
@@ -49,6 +50,8 @@ GRACE = {
                    "communicator": "allgather"},
     "grace-qsgd-2phase": {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
                           "communicator": "twophase"},
+    "grace-signsgd-2phase": {"compressor": "signsgd", "memory": "residual",
+                             "communicator": "twophase"},
 }
 PIPELINES = ["ddp", "torch-fp16", "torch-powersgd", *GRACE]
 

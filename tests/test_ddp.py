@@ -201,3 +201,11 @@ def test_resume_from_a_checkpoint_continues_bit_for_bit():
             assert out[p]["names"] == out[p]["names_resumed"], p
     for p in pipelines:
         _equal(res[0][p]["resumed"], res[1][p]["resumed"])
+
+
+@pytest.mark.multiproc
+def test_ranks_with_different_configurations_fail_instead_of_hanging():
+    res = torchrun("disagree", timeout=120)
+    for out in res:
+        assert out["error"] is not None
+        assert "ranks disagree on the grace configuration" in out["error"], out["error"]

@@ -44,16 +44,18 @@ dispatchers, which route per parameter name); ``"bucket"`` otherwise.
 **Names.** Grace state (residuals, PowerSGD's Q, step counters) is keyed by tensor name. A
 parameter's name is its name in ``named_parameters`` if given, else ``param<i>``, ``i`` being
 the order in which the hook first met it (deterministic: DDP computes the same first bucket
-layout on every rank and in every run of the same script). A bucket's name is
-``bucket<n>:<digest>`` of its parameters' names, so it follows the bucket's content, not its
-index.
+layout on every rank and in every run of the same script). In ``"bucket"`` granularity a
+bucket's gradients are laid out in a canonical order (descending ``i``: the order DDP's rebuilt
+buckets use for most models; a bucket in another order is permuted, one copy) and the grace
+tensor is named ``bucket<n>:<digest>`` of those names, so state follows the bucket's content,
+not its index.
 
 **DDP's behaviours.**
 
 * *First-iteration bucket rebuild*: DDP re-buckets after the first iteration, in the order
   gradients became ready. Bucket names follow content, so a rebuilt bucket simply starts its
-  own state (a fresh residual, which error feedback tolerates); per-parameter state does not
-  notice the rebuild at all.
+  own state (a fresh residual, which error feedback tolerates; the first iteration's state is
+  never used again); per-parameter state does not notice the rebuild at all.
 * ``no_sync()``: DDP does not call the hook inside it; gradients accumulate locally and the
   next synchronised backward hands the accumulated buckets over. Nothing is compressed or
   counted for the skipped passes.
@@ -66,12 +68,14 @@ group size (for ``none``/``allreduce`` it equals DDP's own allreduce; compressor
 normalise, like signSGD's majority vote, are not divided). ``op="sum"`` leaves the sum.
 
 **Checkpoints.** ``state.state_dict()`` is this rank's grace state (NumPy arrays, step
-counters, the parameter naming and the fingerprint of the configuration); save it on every rank
-and pass it to ``load_state_dict`` of a fresh ``GraceState`` before the first step. In
-``"parameter"`` granularity a resumed run continues bit for bit. In ``"bucket"`` granularity it
-does when DDP's first-iteration layout equals the rebuilt one (as for models whose gradients
-become ready in reverse registration order, e.g. ``nn.Sequential``); otherwise the resumed
-run's first iteration finds the state of the saved run's first iteration for its buckets.
+counters), the grouping of the last step, the parameter naming and the fingerprint of the
+configuration; save it on every rank and pass it to ``load_state_dict`` of a fresh
+``GraceState`` before the first step: the run continues bit for bit. A resumed DDP starts again
+from its first-iteration layout, so in ``"bucket"`` granularity the hook's first iteration
+after ``load_state_dict`` groups gradients as the saved run last did: buckets that match a saved
+group are sent at once, the others are held until DDP hands over the last bucket, then cut into
+the saved groups (that one iteration overlaps less); from the second iteration on it follows
+DDP's (rebuilt) buckets again.
 
 **Agreement.** The first hook call of a ``GraceState`` all-gathers a digest of the grace
 configuration, the granularity, the op and the bucket's layout; ranks that differ raise

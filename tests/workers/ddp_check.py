@@ -10,6 +10,7 @@ Modes:
   parameters, bytes per step, state_dict round trip.
 - ``resume``: for some pipelines, run 2k steps; run k, checkpoint (model, optimizer, hook
   state per rank), build everything anew, load, run k more; both parameter sets.
+- ``disagree``: ranks with different grace configurations; the hook's first call raises.
 - ``collectives``: DistCollectives directly: dtypes, ragged allgather, broadcast from each
   root, alltoall with uneven splits.
 """
@@ -305,6 +306,20 @@ def mode_collectives() -> dict:
     return out
 
 
+def mode_disagree() -> dict:
+    """Rank 1 uses another compress_ratio: the first hook call must raise on both ranks."""
+    ratio = 0.1 if dist.get_rank() == 0 else 0.2
+    model = DDP(mlp())
+    state = grace_ddp.GraceState(grace_from_params(
+        {"compressor": "topk", "compress_ratio": ratio, "communicator": "allgather"}))
+    model.register_comm_hook(state, grace_ddp.comm_hook)
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+        return {"error": None}
+    except Exception as err:  # noqa: BLE001 - DDP wraps the hook's ValueError
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -319,6 +334,8 @@ def main() -> None:
         result = mode_resume(sys.argv[3:], steps)
     elif mode == "collectives":
         result = mode_collectives()
+    elif mode == "disagree":
+        result = mode_disagree()
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     mp.report(result, rank=dist.get_rank())
