@@ -94,9 +94,10 @@ def tables(records, command: str) -> str:
              "Time to target: estimate (see `benchmarks/convergence_recipes.py`): steps to the "
              "target x (measured s/step on loopback + bytes/step / link speed), from the mean "
              "over seeds of the steps needed; '> N ep' where a seed did not reach it in its N "
-             "epochs. On these small models (digits 34k, mixture 108k parameters) the bytes "
-             "are few and per-tensor Python work dominates the step, so uncompressed Horovod "
-             "wins at every link speed here; see `e2e.md` for where compression pays.", ""]
+             "epochs. On these small models (digits 26k, mixture 108k parameters) the bytes "
+             "are few and per-tensor Python work dominates the step: uncompressed Horovod "
+             "wins at every link speed on digits, and on the mixture only at 1 and 10 Gbit/s; "
+             "see `e2e.md` for where compression pays on larger models.", ""]
     for task in sorted({r["task"] for r in records}):
         rows = [r for r in records if r["task"] == task and "error" not in r]
         target = TARGETS.get(task, 0.9)

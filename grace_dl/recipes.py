@@ -15,7 +15,8 @@ Why the families differ (see ``grace_dl.memory.momentum``):
   n/k) whatever its size and then arrive as one burst, which the optimizer's momentum keeps
   re-applying; send an unbiased (n/k-scaled) random-k of the momentum instead (memory
   ``momentum`` with ``error_feedback=False``, ``randomk`` with ``unbiased=True``; Wangni et
-  al. 2018), optimizer without momentum;
+  al. 2018), optimizer without momentum. This wins on digits; on the longer 100-class mixture
+  its variance adds up and memory ``dgc`` (optimizer momentum 0) is better (recipes.md);
 * **quantizers and low rank** (``qsgd``, ``fp16``, ``powersgd``): every coordinate travels
   every step, so nothing is stale: keep the optimizer's momentum, with the method's usual
   memory (``residual``, ``powersgd``; Vogels et al. 2019).

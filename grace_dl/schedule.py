@@ -40,7 +40,9 @@ from the stage that ends to the one that starts, so nothing the old stage left u
   state stays where it is (and a ``UserWarning`` says so at construction).
 
 Compressor state (randomk's step counters, PowerSGD's warm-start Q) belongs to its stage and
-is kept in the stage's ``state_dict``.
+is kept in the stage's ``state_dict``. A stage that is a strategy dispatcher (several
+pipelines) runs and checkpoints like any other, but its memories take no part in the hand-over:
+what they hold stays with them.
 
 **Checkpoints.** ``state_dict()`` holds the step counter, every stage's state and any residual
 waiting to be flushed; ``load_state_dict()`` restores them, so a run resumed mid-schedule is in

@@ -295,3 +295,35 @@ def test_schedule_under_the_tf_tape_eager_and_refused_in_tf_function():
         assert "cannot switch stages inside tf.function" in r["in_function"]
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fw", ["torch", "tf"])
+def test_momentum_memory_same_in_torch_and_tf(fw):
+    from grace_dl.compressors.randomk import RandomKCompressor
+    from grace_dl.memory.momentum import MomentumMemory
+
+    if fw == "tf":
+        import tensorflow as tf
+
+        make = tf.constant
+    else:
+        make = torch.from_numpy
+    outs = {}
+    for ef in (False, True):
+        memory = MomentumMemory(0.5, error_feedback=ef, factor_masking=ef)
+        comp = RandomKCompressor(0.25, unbiased=not ef)
+        sent = []
+        for step in range(4):
+            g = make(grads(step)["a"].numpy())
+            x = memory.compensate(g, "a")
+            payload, ctx = comp.compress(x, "a")
+            memory.update(x, "a", comp, payload, ctx)
+            sent.append(np.asarray(comp.decompress(payload, ctx)))
+        outs[ef] = (sent, memory.state_dict())
+    u = 0
+    for step in range(4):            # without error feedback: (n/k)-scaled random-k of u
+        u = 0.5 * u + grads(step)["a"].numpy()
+        kept = outs[False][0][step] != 0
+        np.testing.assert_allclose(outs[False][0][step][kept], 4 * u[kept], rtol=1e-5)
+    assert set(outs[False][1]) == {"momentum/a"}
+    assert set(outs[True][1]) == {"momentum/a", "velocity/a"}
