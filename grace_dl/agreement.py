@@ -86,6 +86,14 @@ def _short(value, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def grace_label(grace):
+    """What ranks compare about a ``grace=`` argument (``None``: the framework's own
+    reduction)."""
+    if grace is None:
+        return None
+    return {"fingerprint": grace.fingerprint(), "config": grace.config()}
+
+
 def allgather_for(framework: str, process_set=None) -> Allgather:
     """``allgather(array, name)`` over Horovod's collectives of ``framework`` (eager in TF,
     also when called while a ``tf.function`` is traced)."""

@@ -59,16 +59,13 @@ switch cannot take effect; ``send`` raises ``ValueError`` there. Use eager execu
 
 from __future__ import annotations
 
-import hashlib
-import json
 import warnings
 
 import numpy as np
 
-from grace_dl.communicators.base import AVERAGE, ByteCounter
+from grace_dl.communicators.base import AVERAGE, ByteCounter, fingerprint_of
+from grace_dl.contracts import check_grace
 from grace_dl.params import grace_from_params
-
-_REQUIRED = ("send", "receive", "end_step", "state_dict", "load_state_dict", "fingerprint")
 
 
 class _ScheduleBytes(ByteCounter):
@@ -140,13 +137,11 @@ class Schedule:
                 except ValueError as err:
                     raise ValueError(f"Schedule stage at step {step}: {err}") from None
             else:
-                missing = [m for m in _REQUIRED if not callable(getattr(spec, m, None))]
-                if missing or not hasattr(spec, "bytes"):
-                    raise ValueError(
-                        f"Schedule stage at step {step} must be a grace_from_params dict or a "
-                        f"grace= object (a communicator, a strategy dispatcher) with "
-                        f"{', '.join(_REQUIRED)} and bytes; {spec!r} lacks "
-                        f"{', '.join(missing) or 'bytes'}")
+                try:
+                    check_grace(spec)
+                except ValueError as err:
+                    raise ValueError(f"Schedule stage at step {step} must be a grace_from_params "
+                                     f"dict or a grace= object: {err}") from None
                 if id(spec) in seen:
                     raise ValueError(f"Schedule stages at steps {seen[id(spec)]} and {step} are "
                                      f"the same object; give each stage its own (their state "
@@ -202,9 +197,13 @@ class Schedule:
     # ------------------------------------------------------------------ the grace= contract
     def check_op(self, op: str) -> str:
         for _, stage in self.stages:
-            if hasattr(stage, "check_op"):
-                op = stage.check_op(op)
+            op = stage.check_op(op)
         return op
+
+    def fuse(self, groups) -> None:
+        """Every stage fuses the same groups."""
+        for _, stage in self.stages:
+            stage.fuse(groups)
 
     def send(self, tensor, name: str, op: str = AVERAGE, collectives=None):
         if type(tensor).__module__.startswith("tensorflow"):
@@ -272,12 +271,10 @@ class Schedule:
         self._carry = {k: np.asarray(v) for k, v in state.get("carry", {}).items()}
 
     def config(self) -> dict:
-        return {"schedule": [[start, stage.config() if hasattr(stage, "config")
-                              else stage.fingerprint()] for start, stage in self.stages]}
+        return {"schedule": [[start, stage.config()] for start, stage in self.stages]}
 
     def fingerprint(self) -> str:
-        text = json.dumps(self.config(), sort_keys=True, default=repr)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return fingerprint_of(self.config())
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{start}: {stage!r}" for start, stage in self.stages)

@@ -92,6 +92,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, check_op
 from grace_dl.torch.distributed import DistCollectives
 
@@ -185,22 +186,18 @@ class GraceState:
     # ------------------------------------------------------------------ agreement
     def _check_ranks_agree(self, bucket, names) -> None:
         buffer = bucket.buffer()
-        layout = [names, [list(g.shape) for g in bucket.gradients()], str(buffer.dtype)]
-        mine = (self.grace.fingerprint().encode()[:16].ljust(16, b"-")
-                + _digest([layout, self.op, self.per_parameter]).encode())
-        local = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(buffer.device)
-        size = self.collectives.size()
-        rows = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(rows, local, group=self.process_group)
-        got = [bytes(r.cpu().tolist()) for r in rows]
-        if len(set(got)) > 1:
-            what = ("grace configuration" if len({g[:16] for g in got}) > 1 else
-                    "first bucket (parameter names/shapes), granularity or op")
-            raise ValueError(
-                f"ranks disagree on the {what}: digests per rank {[g.decode() for g in got]}; "
-                f"this rank's grace config is "
-                f"{getattr(self.grace, 'config', lambda: repr(self.grace))()}, granularity "
-                f"{self.granularity!r}, op {self.op!r}")
+        coll = self.collectives
+
+        def allgather(array, name):
+            out = coll.synchronize(coll.allgather_async(torch.from_numpy(array)
+                                                        .to(buffer.device), name))
+            return out.cpu().numpy()
+
+        labels = {"grace configuration": agreement.grace_label(self.grace),
+                  "first bucket": [list(names), [list(g.shape) for g in bucket.gradients()],
+                                   str(buffer.dtype)],
+                  "hook options": {"op": self.op, "granularity": self.granularity}}
+        agreement.check(labels, allgather, "grace.ddp.agreement", coll.rank())
         self._checked = True
 
     # ------------------------------------------------------------------ the step

@@ -61,7 +61,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from grace_dl import agreement
+from grace_dl import agreement, validate
 from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
@@ -87,7 +87,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
 
     compression = hvd.Compression.none if compression is None else compression
     op = hvd.Average if op is None else op
-    process_set = hvd.global_process_set if process_set is None else process_set
+    process_set = hvd.global_process_set if process_set is None else \
+        validate.process_set(process_set)
     if grace is None:
         _check_no_grace_agrees(process_set, hvd)
         return hvd.DistributedOptimizer(
@@ -206,15 +207,6 @@ def _to_numpy(tree):
     return tree
 
 
-def _grace_label(grace):
-    """What ranks compare about the ``grace=`` argument (``None``: Horovod's optimizer)."""
-    if grace is None:
-        return None
-    config = getattr(grace, "config", None)
-    return {"fingerprint": grace.fingerprint(),
-            "config": config() if callable(config) else repr(grace)}
-
-
 def _check_no_grace_agrees(process_set, hvd) -> None:
     """A ``grace=None`` rank takes part in the grace ranks' agreement check, so a job where only
     some ranks pass ``grace=`` fails on every rank instead of hanging."""
@@ -315,7 +307,7 @@ class _GraceDistributedOptimizer:
         """Every rank must run the same pipelines on the same tensors, or collectives hang."""
         layout = sorted([name, list(p.shape), str(p.dtype), bool(p.requires_grad)]
                         for p, name in self._parameter_names.items())
-        labels = {"grace configuration": _grace_label(self.grace), "parameters": layout,
+        labels = {"grace configuration": agreement.grace_label(self.grace), "parameters": layout,
                   "optimizer options": {
                       "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
                       "backward_passes_per_step": self.backward_passes_per_step,
