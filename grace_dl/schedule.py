@@ -141,7 +141,7 @@ class Schedule:
                     check_grace(spec)
                 except ValueError as err:
                     raise ValueError(f"Schedule stage at step {step} must be a grace_from_params "
-                                     f"dict or a grace= object: {err}") from None
+                                     f"dict or a grace= object, got {spec!r}: {err}") from None
                 if id(spec) in seen:
                     raise ValueError(f"Schedule stages at steps {seen[id(spec)]} and {step} are "
                                      f"the same object; give each stage its own (their state "
