@@ -38,21 +38,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from benchmarks.pipelines import GRACE as PIPES
 from grace_dl import grace_from_params
 from grace_dl.torch import ddp as grace_ddp
 
-RANK = 2  # PowerSGD's rank, both implementations
-GRACE = {
-    "grace-fp16": {"compressor": "fp16", "memory": "none", "communicator": "allreduce"},
-    "grace-powersgd": {"compressor": "powersgd", "compress_rank": RANK, "memory": "powersgd",
-                       "communicator": "allreduce"},
-    "grace-topk": {"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
-                   "communicator": "allgather"},
-    "grace-qsgd-2phase": {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
-                          "communicator": "twophase"},
-    "grace-signsgd-2phase": {"compressor": "signsgd", "memory": "residual",
-                             "communicator": "twophase"},
-}
+RANK = PIPES["powersgd"]["compress_rank"]  # PowerSGD's rank, both implementations
+GRACE = {f"grace-{k}": PIPES[k]
+         for k in ("fp16", "powersgd", "topk", "qsgd-2phase", "signsgd-2phase")}
 PIPELINES = ["ddp", "torch-fp16", "torch-powersgd", *GRACE]
 
 

@@ -13,19 +13,28 @@ from grace_dl import grace_from_params
 # Measured compression throughput for Auto's cost model (`make bench` writes it first).
 THROUGHPUT = Path(__file__).resolve().parent / "results" / "compression_throughput.json"
 
-PIPELINES: dict[str, dict | None] = {
-    "none": None,                      # uncompressed Horovod: the baseline
-    "hvd-fp16": None,                  # Horovod's own Compression.fp16
+#: Named grace pipelines (``grace_from_params`` dicts) that the benchmarks and the DDP
+#: checks share; variants override a key (``{**GRACE["topk"], "compress_ratio": 0.1}``).
+GRACE: dict[str, dict] = {
+    "none": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
+    "fp16": {"compressor": "fp16", "memory": "none", "communicator": "allreduce"},
     "topk": {"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
              "communicator": "allgather"},
     "randomk": {"compressor": "randomk", "compress_ratio": 0.01, "memory": "residual",
                 "communicator": "allreduce"},
     "qsgd-2phase": {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
                     "communicator": "twophase"},
+    "signsgd": {"compressor": "signsgd", "memory": "residual", "communicator": "allgather"},
     "signsgd-2phase": {"compressor": "signsgd", "memory": "residual",
                        "communicator": "twophase"},
     "powersgd": {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
                  "communicator": "allreduce"},
+}
+
+PIPELINES: dict[str, dict | str | None] = {
+    "none": None,                      # uncompressed Horovod: the baseline
+    "hvd-fp16": None,                  # Horovod's own Compression.fp16
+    **{k: GRACE[k] for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase", "powersgd")},
     "auto": "auto",                    # the strategy builder's cost-model pick
 }
 

@@ -63,7 +63,7 @@ import warnings
 
 import numpy as np
 
-from grace_dl.communicators.base import AVERAGE, ByteCounter, fingerprint_of
+from grace_dl.communicators.base import AVERAGE, ByteCounter, FanOut, fingerprint_of
 from grace_dl.contracts import check_grace
 from grace_dl.params import grace_from_params
 
@@ -110,7 +110,7 @@ class _Handle:
         return self.inner.name
 
 
-class Schedule:
+class Schedule(FanOut):
     """A ``grace=`` object that runs ``stages[s]`` from optimizer step ``s`` on (see the module
     docstring). ``stages``: ``{step: grace_from_params dict or grace= object}``."""
 
@@ -184,15 +184,8 @@ class Schedule:
     def memory(self):
         return getattr(self.active, "memory", None)
 
-    @property
-    def process_set(self):
-        return self._process_set
-
-    @process_set.setter
-    def process_set(self, value) -> None:
-        self._process_set = value
-        for _, stage in self.stages:
-            stage.process_set = value
+    def parts(self) -> list:
+        return [stage for _, stage in self.stages]
 
     # ------------------------------------------------------------------ the grace= contract
     def check_op(self, op: str) -> str:

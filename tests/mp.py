@@ -48,7 +48,10 @@ def command(script, np: int = 2, launcher: str = "gloo", args=()) -> list[str]:
                 "-np", str(np), "-x", "PYTHONPATH", "-x", "GRACE_TEST_OUT",
                 "-x", "PATH", "-x", "OMP_NUM_THREADS", "-x", "TF_CPP_MIN_LOG_LEVEL",
                 sys.executable, script, *map(str, args)]
-    raise ValueError(f"launcher must be 'gloo' or 'mpi', got {launcher!r}")
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={np}", script,
+                *map(str, args)]
+    raise ValueError(f"launcher must be 'gloo', 'mpi' or 'torchrun', got {launcher!r}")
 
 
 def run(script, np: int = 2, launcher: str = "gloo", args=(), timeout: float = 300,

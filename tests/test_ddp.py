@@ -3,17 +3,15 @@ torch.distributed collectives): argument checks in this process, and real
 ``torchrun --nproc-per-node 2`` jobs on gloo (tests/workers/ddp_check.py), no Horovod."""
 
 import os
-import pickle
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import mp
 from grace_dl import grace_from_params
+from support import assert_dicts_differ, assert_equal_dicts
 
 N = 2
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -22,37 +20,8 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 def torchrun(*args, timeout: float = 300) -> list:
     """``torchrun --standalone --nproc-per-node 2 tests/workers/ddp_check.py ARGS``; each
     rank's reported object, by rank. A hung collective fails the test after ``timeout``."""
-    with tempfile.TemporaryDirectory(prefix="grace_ddp_") as out_dir:
-        cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={N}",
-               str(mp.WORKERS / "ddp_check.py"), *map(str, args)]
-        env = mp._env(out_dir, {"GLOO_SOCKET_IFNAME": "lo"})
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=timeout, cwd=str(mp.ROOT))
-        except subprocess.TimeoutExpired as err:
-            out = err.stdout or ""
-            out = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-6000:]
-            raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{out}") from None
-        if proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
-                                 f"--- stdout ---\n{proc.stdout[-6000:]}\n"
-                                 f"--- stderr ---\n{proc.stderr[-8000:]}")
-        results = []
-        for r in range(N):
-            path = Path(out_dir) / f"rank{r}.pkl"
-            assert path.exists(), f"rank {r} reported nothing\n{proc.stderr[-4000:]}"
-            results.append(pickle.loads(path.read_bytes()))
-        return results
-
-
-def _equal(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-
-
-def _differ(a: dict, b: dict):
-    assert any(not np.array_equal(a[k], b[k]) for k in a)
+    return mp.run("ddp_check.py", np=N, launcher="torchrun", args=args, timeout=timeout,
+                  env={"GLOO_SOCKET_IFNAME": "lo"})
 
 
 # ---------------------------------------------------------------- in-process checks
@@ -153,11 +122,11 @@ def test_none_allreduce_hook_equals_ddp_default_averaging():
     res = torchrun("equal")
     for out in res:
         for case in ("plain", "no_sync", "unused"):
-            _equal(out[f"{case}/default"], out[f"{case}/hook"])
+            assert_equal_dicts(out[f"{case}/default"], out[f"{case}/hook"])
         # 12 micro-batches, 6 synchronised: the hook ran (and closed a step) 6 times
         assert out["no_sync/hook_steps"] == 6 and out["no_sync/iteration"] == 6
     for case in ("plain", "no_sync", "unused"):
-        _equal(res[0][f"{case}/hook"], res[1][f"{case}/hook"])
+        assert_equal_dicts(res[0][f"{case}/hook"], res[1][f"{case}/hook"])
 
 
 @pytest.mark.multiproc
@@ -172,7 +141,7 @@ def test_compressed_hooks_train_digits_like_ddp():
     assert all(finals[p] >= base - 0.05 for p in pipelines), finals
     for p in pipelines[1:]:
         # every rank holds identical parameters
-        _equal(res[0][p]["params"], res[1][p]["params"])
+        assert_equal_dicts(res[0][p]["params"], res[1][p]["params"])
         for out in res:
             assert out[p]["roundtrip"], p
     # the compressed pipelines did move fewer bytes than fp32 allreduce would
@@ -196,11 +165,11 @@ def test_resume_from_a_checkpoint_continues_bit_for_bit():
     res = torchrun("resume", 6, *pipelines, timeout=600)
     for out in res:
         for p in pipelines:
-            _equal(out[p]["straight"], out[p]["resumed"])
-            _differ(out[p]["straight"], out[p]["no_state"])
+            assert_equal_dicts(out[p]["straight"], out[p]["resumed"])
+            assert_dicts_differ(out[p]["straight"], out[p]["no_state"])
             assert out[p]["names"] == out[p]["names_resumed"], p
     for p in pipelines:
-        _equal(res[0][p]["resumed"], res[1][p]["resumed"])
+        assert_equal_dicts(res[0][p]["resumed"], res[1][p]["resumed"])
 
 
 @pytest.mark.multiproc

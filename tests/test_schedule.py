@@ -13,7 +13,7 @@ import torch
 
 import mp
 from grace_dl import Schedule, grace_from_params
-from grace_dl.collectives import Collectives
+from support import OneRank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 
@@ -21,31 +21,6 @@ DENSE = {"compressor": "none", "communicator": "allreduce"}
 TOPK = {"compressor": "topk", "compress_ratio": 0.25, "memory": "residual",
         "communicator": "allgather"}
 SHAPES = {"a": (8, 4), "b": (10,)}
-
-
-class OneRank(Collectives):
-    """The collectives of a one-process job: every reduction returns its input."""
-
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
-
-    def allreduce_async(self, tensor, name):
-        return tensor.clone()
-
-    def allgather_async(self, tensor, name):
-        return tensor.clone()
-
-    def broadcast_async(self, tensor, root, name):
-        return tensor.clone()
-
-    def alltoall_async(self, tensor, splits, name):
-        return tensor.clone(), splits
-
-    def synchronize(self, handle):
-        return handle
 
 
 def grads(step):

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from grace_dl.collectives import Collectives
 from grace_dl.strategy import from_strategy, from_text, strategy_pb2
 from grace_dl.strategy.dispatcher import StrategyDispatcher
 from grace_dl.strategy.pipeline import Pipeline
+from support import OneRank
 
 TOPK = {"compressor": "topk", "compress_ratio": 0.5, "memory": "residual",
         "communicator": "allgather"}
@@ -158,31 +158,6 @@ def test_process_set_reaches_every_pipeline():
     assert {d.communicator(n).process_set for n in ("w", "b")} == {marker}
 
 
-class _OneRank(Collectives):
-    """A one-process engine: every collective returns this rank's own contribution."""
-
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
-
-    def allreduce_async(self, tensor, name):
-        return tensor
-
-    def allgather_async(self, tensor, name):
-        return tensor
-
-    def broadcast_async(self, tensor, root, name):
-        return tensor
-
-    def alltoall_async(self, tensor, splits, name):
-        return tensor, torch.as_tensor(splits)
-
-    def synchronize(self, handle):
-        return handle
-
-
 @pytest.mark.parametrize("params", [{}, TOPK, {"communicator": "twophase", "compressor": "qsgd"},
                                     {"compressor": "powersgd", "memory": "powersgd"}])
 def test_send_receive_on_an_explicit_engine_in_node_order(params):
@@ -192,7 +167,7 @@ def test_send_receive_on_an_explicit_engine_in_node_order(params):
     d = from_strategy(_strategy(*[(n, s, params, 0) for n, s in shapes.items()]))
     d._verified = True  # one process: nothing to agree with
     xs = {n: torch.arange(float(np.prod(s))).reshape(s) for n, s in shapes.items()}
-    handles = {n: d.send(x, n, collectives=_OneRank()) for n, x in reversed(list(xs.items()))}
+    handles = {n: d.send(x, n, collectives=OneRank()) for n, x in reversed(list(xs.items()))}
     outs = {n: d.receive(h) for n, h in handles.items()}
     assert set(outs) == set(shapes)
     for n, out in outs.items():

@@ -14,6 +14,7 @@ import torch
 
 import mp
 from grace_dl import grace_from_params
+from support import assert_dicts_differ, assert_equal_dicts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 import torch_common as C  # noqa: E402
@@ -65,16 +66,6 @@ def _close(a: dict, b: dict, **tol):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_allclose(a[k], b[k], err_msg=k, **tol)
-
-
-def _equal(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-
-
-def _differ(a: dict, b: dict):
-    assert any(not np.array_equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------- in-process checks
@@ -150,7 +141,7 @@ def ranks():
 def test_grace_none_is_horovods_optimizer_bit_for_bit(ranks):
     for res in ranks:
         assert res["grace_none_class_module"] == "horovod.torch.optimizer"
-        _equal(res["grace_None"], res["hvd"])
+        assert_equal_dicts(res["grace_None"], res["hvd"])
 
 
 @pytest.mark.multiproc
@@ -158,7 +149,7 @@ def test_none_pipeline_equals_horovod_averaging(ranks):
     for res in ranks:
         _close(res["none_pipeline"], res["hvd"], rtol=1e-6, atol=1e-7)
         assert res["none_bytes"] == [NUMEL * 4] * 3   # fp32, ring allreduce over 2 ranks
-    _equal(ranks[0]["none_pipeline"], ranks[1]["none_pipeline"])
+    assert_equal_dicts(ranks[0]["none_pipeline"], ranks[1]["none_pipeline"])
 
 
 @pytest.mark.multiproc
@@ -176,9 +167,9 @@ def test_topk_residual_allgather_matches_single_process_reference(ranks):
     reference = _reference_training(TOPK)
     for res in ranks:
         _close(res["topk"], reference, rtol=1e-5, atol=1e-6)
-        _equal(res["topk_again"], res["topk"])         # step() path == synchronize() path
-        _differ(res["topk"], res["none_pipeline"])       # compression did something
-    _equal(ranks[0]["topk"], ranks[1]["topk"])
+        assert_equal_dicts(res["topk_again"], res["topk"])  # step() path == synchronize() path
+        assert_dicts_differ(res["topk"], res["none_pipeline"])  # compression did something
+    assert_equal_dicts(ranks[0]["topk"], ranks[1]["topk"])
     payload = grcs[0].compressor.payload_nbytes
     expected_bytes = sum(payload(p.numel()) for p in C.make_model().parameters())
     assert ranks[0]["topk_bytes"] == [expected_bytes] * 3
@@ -191,21 +182,21 @@ def test_gradient_predivide_factor(ranks):
     for res in ranks:
         _close(res["pre_grace"], res["pre_hvd"], rtol=1e-6, atol=1e-7)
         _close(res["pre_topk"], reference, rtol=1e-5, atol=1e-6)
-    _equal(ranks[0]["pre_topk"], ranks[1]["pre_topk"])
+    assert_equal_dicts(ranks[0]["pre_topk"], ranks[1]["pre_topk"])
 
 
 @pytest.mark.multiproc
 def test_op_sum(ranks):
     for res in ranks:
         _close(res["sum_grace"], res["sum_hvd"], rtol=1e-6, atol=1e-7)
-        _differ(res["sum_hvd"], res["hvd"])
+        assert_dicts_differ(res["sum_hvd"], res["hvd"])
 
 
 @pytest.mark.multiproc
 def test_backward_passes_per_step_accumulates_then_sends_once(ranks):
     for res in ranks:
         _close(res["bpps_grace"], res["bpps_hvd"], rtol=1e-6, atol=1e-7)
-        _differ(res["bpps_hvd"], res["hvd"])
+        assert_dicts_differ(res["bpps_hvd"], res["hvd"])
         assert res["bpps_sent_after_pass1"] == 0
         assert res["bpps_sent_after_pass2"] == NUMEL * 4
         assert "backward_passes_per_step" in res["bpps_third_pass"]
@@ -226,10 +217,10 @@ def test_parameter_without_gradient_and_non_float_parameter(ranks):
     for res in ranks:
         _close(res["nograd_grace"], res["nograd_hvd"], rtol=1e-6, atol=1e-7)
         for key in ("nograd_grace", "nograd_topk"):
-            np.testing.assert_array_equal(res[key]["counter"], np.arange(3))
-            assert not np.array_equal(res[key]["extra.weight"], init["extra.weight"])
+            np.testing.assert_arrayassert_equal_dicts(res[key]["counter"], np.arange(3))
+            assert not np.arrayassert_equal_dicts(res[key]["extra.weight"], init["extra.weight"])
     for key in ("nograd_grace", "nograd_topk"):
-        _equal(ranks[0][key], ranks[1][key])
+        assert_equal_dicts(ranks[0][key], ranks[1][key])
 
 
 @pytest.mark.multiproc
@@ -251,8 +242,8 @@ def test_groups_fuse_payloads_into_fewer_collectives(ranks, pipeline):
         assert all(n.startswith("grace.fused.g") for n in fused["names"])
         assert fused["sent"] == alone["sent"]
         assert fused["warnings"] == [] and alone["warnings"] == []
-        _equal(fused["params"], alone["params"])
-    _equal(ranks[0]["groups"][pipeline]["2"]["params"], ranks[1]["groups"][pipeline]["2"]["params"])
+        assert_equal_dicts(fused["params"], alone["params"])
+    assert_equal_dicts(*(res["groups"][pipeline]["2"]["params"] for res in ranks))
 
 
 @pytest.mark.multiproc
@@ -276,7 +267,7 @@ def test_sparse_gradients(ranks):
     for res in ranks:
         np.testing.assert_allclose(res["sparse_grace"], res["sparse_hvd"], rtol=1e-6, atol=1e-7)
         assert "sparse_as_dense=True" in res["sparse_refused"]
-    np.testing.assert_array_equal(ranks[0]["sparse_grace"], ranks[1]["sparse_grace"])
+    np.testing.assert_arrayassert_equal_dicts(ranks[0]["sparse_grace"], ranks[1]["sparse_grace"])
 
 
 @pytest.mark.multiproc
@@ -289,8 +280,8 @@ def test_checkpoint_resume_in_fresh_job_is_bitwise_identical(tmp_path):
                      args=["load", tmp_path, json.dumps(TOPK)], timeout=240)
     for before, after in zip(saved, resumed):
         assert before["grace_keys"] == sorted(C.params(C.make_model()))  # one residual each
-        _equal(after["from_own_file"], before["uninterrupted"])
-        _equal(after["from_gathered"], before["uninterrupted"])
-        _differ(after["without_grace_state"], before["uninterrupted"])
+        assert_equal_dicts(after["from_own_file"], before["uninterrupted"])
+        assert_equal_dicts(after["from_gathered"], before["uninterrupted"])
+        assert_dicts_differ(after["without_grace_state"], before["uninterrupted"])
     assert resumed[0]["other_rank_file"] == "no error"
     assert "not this rank 1" in resumed[1]["other_rank_file"]

@@ -148,6 +148,25 @@ class Router:
         return fingerprint_of(self.config())
 
 
+class FanOut:
+    """A ``grace=`` object made of others (``parts()``): setting its process set sets theirs."""
+
+    _process_set = None
+
+    def parts(self) -> list:
+        return []
+
+    @property
+    def process_set(self):
+        return self._process_set
+
+    @process_set.setter
+    def process_set(self, value) -> None:
+        self._process_set = value
+        for part in self.parts():
+            part.process_set = value
+
+
 def _finish(handle: Handle):
     """Run ``handle``'s phases to the end (once) and return its averaged or summed result."""
     if handle.done:

@@ -38,7 +38,7 @@ import hashlib
 from dataclasses import dataclass
 
 from grace_dl.backend import collectives_for, ops_for
-from grace_dl.communicators.base import ByteCounter, Handle, Router
+from grace_dl.communicators.base import ByteCounter, FanOut, Handle, Router
 from grace_dl.communicators.fusion import AUTO, NCCL, RING, HostCollectives
 from grace_dl.strategy import strategy_pb2 as pb
 from grace_dl.strategy.pipeline import Pipeline
@@ -109,7 +109,7 @@ def _check_node(node) -> None:
                              f"servers); set staleness: 0")
 
 
-class StrategyDispatcher(Router):
+class StrategyDispatcher(Router, FanOut):
     """Routes each named gradient to the pipeline its strategy node names (module doc)."""
 
     def __init__(self, strategy, process_set=None, variables=None):
@@ -169,15 +169,8 @@ class StrategyDispatcher(Router):
         for comm in self._comms.values():
             comm.fuse(by_comm.get(id(comm)))
 
-    @property
-    def process_set(self):
-        return self._process_set
-
-    @process_set.setter
-    def process_set(self, value) -> None:
-        self._process_set = value
-        for comm in self._comms.values():
-            comm.process_set = value
+    def parts(self) -> list:
+        return list(self._comms.values())
 
     def check_variables(self, variables) -> None:
         """``ValueError`` unless the strategy has exactly one node per variable (names, and

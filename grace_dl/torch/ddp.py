@@ -88,13 +88,13 @@ DDP checks the hook's annotations, so this module does not use postponed evaluat
 import hashlib
 import json
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, check_op
 from grace_dl.torch.distributed import DistCollectives
+from grace_dl.torch.trees import to_numpy
 
 GRANULARITIES = ("auto", "bucket", "parameter")
 _REQUIRED = ("send", "receive", "end_step", "state_dict", "load_state_dict", "fingerprint")
@@ -315,7 +315,7 @@ class GraceState:
                                  f"state has {key}={mine!r}")
         if self._buckets:
             raise RuntimeError("load_state_dict() called in the middle of a step")
-        self.grace.load_state_dict(_to_numpy(state["grace"]))
+        self.grace.load_state_dict(to_numpy(state["grace"]))
         self.iteration = int(state.get("iteration", 0))
         layout = state.get("layout") or None
         self._target = None if self.per_parameter or layout is None else \
@@ -337,13 +337,3 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
     if bucket.is_last():
         state._complete()
     return fut
-
-
-def _to_numpy(tree):
-    if isinstance(tree, dict):
-        return {k: _to_numpy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_numpy(v) for v in tree)
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu().numpy()
-    return np.asarray(tree) if isinstance(tree, np.generic) else tree

@@ -58,7 +58,6 @@ import os
 import warnings
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 from grace_dl import agreement, validate
@@ -66,6 +65,7 @@ from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys
+from grace_dl.torch.trees import to_numpy, to_torch
 
 GRACE_KEY = "grace"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -184,27 +184,6 @@ def _attach_process_set(grace, process_set, hvd) -> None:
         raise ValueError(f"grace communicator already uses process_set={current}, but the "
                          f"optimizer was given process_set={process_set}")
     grace.process_set = process_set
-
-
-def _to_torch(tree):
-    """NumPy arrays -> CPU tensors, so ``torch.load(weights_only=True)`` reads checkpoints."""
-    if isinstance(tree, dict):
-        return {k: _to_torch(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_torch(v) for v in tree)
-    if isinstance(tree, np.ndarray):
-        return torch.from_numpy(np.array(tree, copy=True))
-    return tree
-
-
-def _to_numpy(tree):
-    if isinstance(tree, dict):
-        return {k: _to_numpy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_numpy(v) for v in tree)
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu().numpy()
-    return tree
 
 
 def _check_no_grace_agrees(process_set, hvd) -> None:
@@ -418,7 +397,7 @@ class _GraceDistributedOptimizer:
     # ------------------------------------------------------------------ checkpoints
     def _grace_entry(self) -> dict:
         return {"size": self._size(), "fingerprint": self.grace.fingerprint(),
-                "ranks": {self._rank(): _to_torch(self.grace.state_dict())}}
+                "ranks": {self._rank(): to_torch(self.grace.state_dict())}}
 
     def _size(self) -> int:
         size = self.process_set.size()
@@ -473,7 +452,7 @@ class _GraceDistributedOptimizer:
                                  f"{entry.get('fingerprint')}, this grace is "
                                  f"{self.grace.fingerprint()} ({self.grace!r})")
             _check_names(ranks[rank], self._parameter_names.values())
-            self.grace.load_state_dict(_to_numpy(ranks[rank]))
+            self.grace.load_state_dict(to_numpy(ranks[rank]))
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True

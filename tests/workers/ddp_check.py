@@ -27,22 +27,15 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mp
+from benchmarks.pipelines import GRACE
 from grace_dl import grace_from_params
 from grace_dl.torch import ddp as grace_ddp
 from grace_dl.torch.distributed import DistCollectives
 
 PIPELINES = {
-    "none": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
-    "fp16": {"compressor": "fp16", "memory": "none", "communicator": "allreduce"},
-    "topk": {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
-             "communicator": "allgather"},
-    "powersgd": {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
-                 "communicator": "allreduce"},
-    "qsgd-2phase": {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
-                    "communicator": "twophase"},
-    "signsgd": {"compressor": "signsgd", "memory": "residual", "communicator": "allgather"},
-    "randomk": {"compressor": "randomk", "compress_ratio": 0.2, "memory": "residual",
-                "communicator": "allreduce"},
+    **{k: GRACE[k] for k in ("none", "fp16", "powersgd", "qsgd-2phase", "signsgd")},
+    "topk": {**GRACE["topk"], "compress_ratio": 0.1},
+    "randomk": {**GRACE["randomk"], "compress_ratio": 0.2},
     "threshold-bcast": {"compressor": "threshold", "threshold": 0.002, "memory": "residual",
                         "communicator": "broadcast"},
 }

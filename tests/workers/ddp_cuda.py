@@ -1,8 +1,8 @@
 """The DDP hook and DistCollectives with CUDA tensors, on one GPU (run by hand on a GPU
 machine; CI has none):
 
-    torchrun --standalone --nproc-per-node 1 tests/workers/ddp_cuda.py nccl
-    torchrun --standalone --nproc-per-node 1 tests/workers/ddp_cuda.py gloo
+    PYTHONPATH=. torchrun --standalone --nproc-per-node 1 tests/workers/ddp_cuda.py nccl
+    PYTHONPATH=. torchrun --standalone --nproc-per-node 1 tests/workers/ddp_cuda.py gloo
 
 World size 1 (NCCL needs one GPU per rank). For every pipeline: an MLP on ``cuda:0`` wrapped in
 DDP with the grace hook trains a few steps; the script checks that gradients stay on the GPU
@@ -22,22 +22,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from benchmarks.pipelines import GRACE
 from grace_dl import grace_from_params
 from grace_dl.torch import ddp as grace_ddp
 from grace_dl.torch.distributed import DistCollectives
 
 PIPELINES = {
-    "none": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
-    "fp16": {"compressor": "fp16", "memory": "none", "communicator": "allreduce"},
-    "topk": {"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
-             "communicator": "allgather"},
-    "randomk": {"compressor": "randomk", "compress_ratio": 0.01, "memory": "residual",
-                "communicator": "allreduce"},
-    "powersgd": {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
-                 "communicator": "allreduce"},
-    "qsgd-2phase": {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
-                    "communicator": "twophase"},
-    "signsgd": {"compressor": "signsgd", "memory": "residual", "communicator": "allgather"},
+    **{k: GRACE[k] for k in ("none", "fp16", "topk", "randomk", "powersgd", "qsgd-2phase",
+                             "signsgd")},
     "terngrad-bcast": {"compressor": "terngrad", "memory": "none", "communicator": "broadcast"},
     "dgc": {"compressor": "dgc", "compress_ratio": 0.01, "memory": "dgc",
             "communicator": "allgather"},

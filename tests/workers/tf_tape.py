@@ -13,10 +13,10 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
-from counting import counting_hook
 
 import grace_dl.tensorflow.horovod as hvd
 import mp
+from counting import counting_hook
 from grace_dl import grace_from_params
 from grace_dl.tensorflow import checkpointable
 

@@ -12,10 +12,10 @@ import warnings
 import horovod.torch as real_hvd
 import torch
 import torch_common as C
-from counting import counting_hook
 
 import grace_dl.torch.horovod as hvd
 import mp
+from counting import counting_hook
 from grace_dl import grace_from_params
 
 STEPS = 3
