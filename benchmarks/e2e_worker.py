@@ -24,6 +24,7 @@ import torch.nn as nn
 
 import grace_dl.torch.horovod as hvd
 from benchmarks.pipelines import PIPELINES, make_grace
+from grace_dl.strategy.dispatcher import StrategyDispatcher
 
 
 def build_model(kind: str) -> tuple[nn.Module, tuple]:
@@ -58,7 +59,7 @@ def time_compress(grc, model, repeats: int) -> float:
     if grc is None:
         return 0.0
     grads = [(n, p.grad.detach().clone()) for n, p in model.named_parameters()]
-    if hasattr(grc, "route"):  # a strategy dispatcher: each gradient's own pipeline
+    if isinstance(grc, StrategyDispatcher):  # each gradient's own pipeline
         compressors = {n: grc.node(n).comm.compressor for n, _ in grads}
     else:
         compressors = dict.fromkeys((n for n, _ in grads), grc.compressor)

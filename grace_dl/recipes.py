@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import warnings
 
+from grace_dl.communicators.base import Communicator, FanOut
+
 RECIPES: dict[str, tuple[dict, float]] = {
     "topk": ({"compressor": "topk", "compress_ratio": 0.01, "memory": "dgc",
               "communicator": "allgather"}, 0.0),
@@ -53,13 +55,11 @@ def recipe(family: str) -> tuple[dict, float]:
 def communicators(grace) -> list:
     """The communicators behind a ``grace=`` object: itself, a Schedule's stages, a strategy
     dispatcher's pipelines."""
-    stages = getattr(grace, "stages", None)
-    if isinstance(stages, list):
-        return [c for _, stage in stages for c in communicators(stage)]
-    comms = getattr(grace, "_comms", None)
-    if isinstance(comms, dict):
-        return list(comms.values())
-    return [grace] if hasattr(grace, "compressor") and hasattr(grace, "memory") else []
+    if isinstance(grace, Communicator):
+        return [grace]
+    if isinstance(grace, FanOut):
+        return [c for part in grace.parts() for c in communicators(part)]
+    return []
 
 
 def problems(grace, optimizer_momentum: float) -> list[str]:

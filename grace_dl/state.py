@@ -134,13 +134,16 @@ def _assign_numpy(var, value: np.ndarray) -> None:
 
 
 def unclaimed_keys(state: dict, names) -> list[str]:
-    """Keys of a (nested) state dict that belong to none of the tensor ``names``: a slot key is
-    a name, or a name joined with ``/`` to a prefix (``step/``) or suffix (``/chunk0``)."""
+    """Keys of a (nested) state dict's per-tensor slots (arrays) that belong to none of the
+    tensor ``names``: a slot key is a name, or a name joined with ``/`` to a prefix (``step/``)
+    or suffix (``/chunk0``). Plain numbers (a ``Schedule``'s step) are not slots."""
     names = set(names)
     out = []
     for key, value in state.items():
         if isinstance(value, dict):
             out += [f"{key}/{k}" for k in unclaimed_keys(value, names)]
+        elif isinstance(value, (bool, int, float, str)):
+            continue
         elif not _claimed(str(key), names):
             out.append(str(key))
     return out

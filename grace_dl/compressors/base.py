@@ -54,6 +54,9 @@ class Compressor(Stateful, ABC):
         implements ``next_round``; its communicator calls ``memory.update`` after the last round.
     ``unbiased``
         E[decompress(compress(x))] == x over the method's randomness (tests check it).
+    ``needs_shape``
+        ``compress`` needs the tensor in its own shape (PowerSGD's matrix view), so it cannot
+        compress several tensors flattened into one bucket.
 
     Training state (step counters, momenta, warm-start matrices) lives in ``self.state`` so
     that ``state_dict``/``load_state_dict`` carry it through checkpoints.
@@ -76,6 +79,7 @@ class Compressor(Stateful, ABC):
     two_phase_safe: bool = False
     rounds: int = 1
     unbiased: bool = False
+    needs_shape: bool = False
 
     def __init__(self, seed: int = 0):
         super().__init__()

@@ -84,6 +84,7 @@ class PowerSGDCompressor(Compressor):
     allreduce_safe = True
     rounds = 2
     unbiased = False
+    needs_shape = True
 
     def __init__(self, compress_rank: int = 1, min_compression_rate: float = 2.0,
                  start_step: int = 0, seed: int = 0):

@@ -32,6 +32,8 @@ import json
 import numpy as np
 import tensorflow as tf
 
+from grace_dl.contracts import check_grace
+
 STATE, META = "state", "meta"
 
 
@@ -39,10 +41,7 @@ class GraceCheckpoint(tf.train.experimental.PythonState):
     """A trackable view of ``grace``'s ``state_dict`` (see the module docstring)."""
 
     def __init__(self, grace):
-        for method in ("state_dict", "load_state_dict"):
-            if not callable(getattr(grace, method, None)):
-                raise ValueError(f"grace must have state_dict()/load_state_dict(); "
-                                 f"{type(grace).__name__} has no {method}()")
+        check_grace(grace)
         self.grace = grace
 
     def serialize(self) -> bytes:

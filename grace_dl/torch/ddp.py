@@ -92,12 +92,12 @@ import torch
 import torch.distributed as dist
 
 from grace_dl import agreement
-from grace_dl.communicators.base import AVERAGE, check_op
+from grace_dl.communicators.base import AVERAGE, Communicator, check_op
+from grace_dl.contracts import check_grace
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy
 
 GRANULARITIES = ("auto", "bucket", "parameter")
-_REQUIRED = ("send", "receive", "end_step", "state_dict", "load_state_dict", "fingerprint")
 
 
 def _digest(obj, n: int = 16) -> str:
@@ -107,10 +107,7 @@ def _digest(obj, n: int = 16) -> str:
 
 def needs_shapes(grace) -> bool:
     """Whether ``grace`` must see each parameter with its own shape (``"auto"`` granularity)."""
-    compressor = getattr(grace, "compressor", None)
-    if compressor is None:
-        return True
-    return callable(getattr(compressor, "matrix_shape", None))
+    return not isinstance(grace, Communicator) or grace.compressor.needs_shape
 
 
 class GraceState:
@@ -126,16 +123,12 @@ class GraceState:
 
     def __init__(self, grace, process_group=None, granularity: str = "auto",
                  named_parameters=None, op: str = AVERAGE):
-        for method in _REQUIRED:
-            if not callable(getattr(grace, method, None)):
-                raise ValueError(f"grace must be a grace_dl communicator (e.g. from "
-                                 f"grace_from_params) with a {method}() method, got {grace!r}")
+        check_grace(grace)
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got "
                              f"{granularity!r}")
         self.op = check_op(op)
-        if hasattr(grace, "check_op"):
-            grace.check_op(self.op)
+        grace.check_op(self.op)
         self.grace = grace
         self.process_group = process_group
         self.collectives = DistCollectives(process_group)
