@@ -217,8 +217,8 @@ def test_parameter_without_gradient_and_non_float_parameter(ranks):
     for res in ranks:
         _close(res["nograd_grace"], res["nograd_hvd"], rtol=1e-6, atol=1e-7)
         for key in ("nograd_grace", "nograd_topk"):
-            np.testing.assert_arrayassert_equal_dicts(res[key]["counter"], np.arange(3))
-            assert not np.arrayassert_equal_dicts(res[key]["extra.weight"], init["extra.weight"])
+            np.testing.assert_array_equal(res[key]["counter"], np.arange(3))
+            assert not np.array_equal(res[key]["extra.weight"], init["extra.weight"])
     for key in ("nograd_grace", "nograd_topk"):
         assert_equal_dicts(ranks[0][key], ranks[1][key])
 
@@ -267,7 +267,7 @@ def test_sparse_gradients(ranks):
     for res in ranks:
         np.testing.assert_allclose(res["sparse_grace"], res["sparse_hvd"], rtol=1e-6, atol=1e-7)
         assert "sparse_as_dense=True" in res["sparse_refused"]
-    np.testing.assert_arrayassert_equal_dicts(ranks[0]["sparse_grace"], ranks[1]["sparse_grace"])
+    np.testing.assert_array_equal(ranks[0]["sparse_grace"], ranks[1]["sparse_grace"])
 
 
 @pytest.mark.multiproc
