@@ -1,0 +1,109 @@
+"""The pipelines' own overhead on loopback (no link shaping), phase by phase, in one 2-rank job.
+
+    python -m benchmarks.overhead --model mlp \
+        --pipelines none hvd-fp16 grace-none topk randomk signsgd-2phase \
+        --label after --out benchmarks/results/overhead.json
+
+Every pipeline takes turns with the others in the same ``horovodrun --gloo`` job
+(``benchmarks/overhead_worker.py``), so the ratios against Horovod's own uncompressed step
+(``none``) are taken alternately on the same machine. ``--label`` tags the rows; a run appends
+its rows to ``--out`` (rows of the same label are replaced) and rewrites the markdown table
+beside it, so a "before" and an "after" run sit in one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.report import _table, machine
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("compensate", "compress", "memory_update", "issue", "wait", "complete", "other")
+
+
+def run(model: str, pipelines: list[str], rounds: int, steps: int, ranks: int,
+        timeout: float) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out = tmp.name
+    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(ranks), "-H",
+           f"localhost:{ranks}", "--gloo", sys.executable, "-m", "benchmarks.overhead_worker",
+           "--model", model, "--rounds", str(rounds), "--steps", str(steps), "--out", out,
+           "--pipelines", *pipelines]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise SystemExit(f"overhead job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows = json.loads(Path(out).read_text())
+    Path(out).unlink(missing_ok=True)
+    return rows
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
+    lines = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        group = [r for r in rows if r["label"] == label]
+        base = next((r["total_s"] for r in group if r["pipeline"] == "none"), None)
+        table = []
+        for r in group:
+            table.append({
+                "pipeline": r["pipeline"], "step ms": ms(r["total_s"]),
+                "÷ Horovod": f"{r['total_s'] / base:.2f}" if base else "",
+                "fwd+bwd ms": ms(r["backward_s"]), "step() ms": ms(r["step_s"]),
+                **{f"{p} ms": ms(r.get(p + "_s", 0.0)) if r["pipeline"] != "compute" else ""
+                   for p in PHASES},
+                "sent MB": f"{r['sent_bytes'] / 1e6:.2f}" if "sent_bytes" in r else ""})
+        lines += [f"### {label}", "", f"{group[0]['model']}, {group[0]['ranks']} ranks, "
+                  f"loopback; {group[0].get('when', '')}", "", _table(list(table[0]), table), ""]
+    return ("# Pipeline overhead on loopback\n\n"
+            f"Made with `{command}`. Machine: {machine()}.\n\n"
+            "Medians per step, rank 0. `none` is Horovod's own uncompressed allreduce, "
+            "`hvd-fp16` Horovod's fp16 compression, `grace-<name>` a grace pipeline from "
+            "`benchmarks.pipelines.GRACE`, and `compute` the same model with no communication "
+            "(its step is forward + backward + the SGD update). Phases are wall time inside "
+            "grace's methods (`benchmarks/overhead_worker.py`): encode is compensate + compress "
+            "+ memory_update and runs inside the backward pass (hooks); wait is time blocked on "
+            "Horovod; other = step − compute − phases.\n\n" + "\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="mlp")
+    ap.add_argument("--pipelines", nargs="+",
+                    default=["none", "hvd-fp16", "grace-none", "topk", "randomk",
+                             "signsgd-2phase"])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--label", default="after")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/overhead.json"))
+    args = ap.parse_args(argv)
+
+    import time
+
+    rows = run(args.model, args.pipelines, args.rounds, args.steps, args.ranks, args.timeout)
+    when = time.strftime("%Y-%m-%d")
+    for r in rows:
+        r.update(label=args.label, when=when)
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else []
+    rows = [r for r in old if r.get("label") != args.label] + rows
+    out.write_text(json.dumps(rows, indent=1))
+    command = "python -m benchmarks.overhead " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:])
+    out.with_suffix(".md").write_text(markdown(rows, command))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Where a step's time goes, per pipeline, run on every rank (launched by benchmarks/overhead.py).
+
+Every pipeline gets its own copy of the model and its own optimizer, and the pipelines take
+turns in one job (``--rounds`` rounds of ``--steps`` steps each), so their ratios come from the
+same minutes of a shared, noisy machine. ``compute`` is the same model with no communication,
+taking its turn too.
+
+Per step, rank 0 records (medians over the measured steps):
+
+- ``backward_s``: forward + backward; grace's hooks encode and issue inside it;
+- ``step_s``: ``optimizer.step()``: waiting for the collectives, completing them (decompress and
+  aggregate), writing the gradients, the SGD update;
+- ``total_s``: the two together: what a training loop sees.
+
+For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
+lives in the library): ``compensate``, ``compress``, ``memory_update`` (with the local
+approximation), ``issue``, ``wait`` (``Collectives.synchronize``), ``complete`` (without its
+waits). ``other`` is ``total − compute − the phases``: the optimizer's own bookkeeping, the
+averaging division, gradient writes, the SGD update and whatever the phases' allocations cost
+outside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+import grace_dl.torch.horovod as hvd
+from benchmarks.e2e_worker import build_model
+from benchmarks.pipelines import GRACE, PIPELINES, make_grace
+from grace_dl.collectives import Collectives
+
+PHASES = ("compensate", "compress", "memory_update", "issue", "wait", "complete")
+
+
+def resolve(pipeline: str, model):
+    """``make_grace`` for the e2e names, and ``grace-<name>`` for ``GRACE[name]``."""
+    if pipeline.startswith("grace-"):
+        from grace_dl import grace_from_params
+
+        return grace_from_params(dict(GRACE[pipeline[len("grace-"):]])), {}
+    return make_grace(pipeline, model)
+
+
+class Clock:
+    """Seconds spent in each phase, for the pipeline whose turn it is."""
+
+    def __init__(self):
+        self.spent = defaultdict(float)
+        self.wrapped = set()
+
+    def wrap(self, obj, method: str, phase: str):
+        """Time ``method`` of ``obj``'s class (the class, not the instance: an instance
+        attribute would enter the configuration that ranks compare)."""
+        cls = type(obj)
+        if (cls, method) in self.wrapped:
+            return
+        self.wrapped.add((cls, method))
+        inner = getattr(cls, method)
+
+        def timed(*args, **kwargs):
+            before = self.spent["wait"]
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                waited = self.spent["wait"] - before if phase == "complete" else 0.0
+                self.spent[phase] += time.perf_counter() - t0 - waited
+
+        setattr(cls, method, timed)
+
+    def take(self) -> dict:
+        out, self.spent = dict(self.spent), defaultdict(float)
+        return out
+
+
+CLOCK = Clock()
+
+
+def instrument(grc) -> None:
+    if grc is None or not hasattr(grc, "compressor"):
+        return
+    CLOCK.wrap(grc.memory, "compensate", "compensate")
+    CLOCK.wrap(grc, "compress", "compress")
+    CLOCK.wrap(grc.memory, "update", "memory_update")
+    CLOCK.wrap(grc, "approximate", "memory_update")
+    CLOCK.wrap(grc, "issue", "issue")
+    CLOCK.wrap(grc, "complete", "complete")
+
+
+def instrument_waits() -> None:
+    """Every engine's ``synchronize`` counts as waiting."""
+    for cls in _subclasses(Collectives):
+        if "synchronize" in vars(cls):
+            inner = cls.synchronize
+
+            def timed(self, handle, _inner=inner):
+                t0 = time.perf_counter()
+                try:
+                    return _inner(self, handle)
+                finally:
+                    CLOCK.spent["wait"] += time.perf_counter() - t0
+
+            cls.synchronize = timed
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mlp")
+    ap.add_argument("--pipelines", nargs="+", required=True)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    unknown = [p for p in args.pipelines
+               if p not in PIPELINES and not (p.startswith("grace-") and p[6:] in GRACE)]
+    if unknown:
+        raise SystemExit(f"unknown pipelines {unknown}; known: {sorted(PIPELINES)} and "
+                         f"{['grace-' + g for g in GRACE]}")
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    hvd.init()
+    import grace_dl.torch.collectives  # noqa: F401  (the engine whose waits are timed)
+
+    instrument_waits()
+    base, shape = build_model(args.model)
+    x = torch.randn(args.batch, *shape)
+    y = torch.randint(0, 10, (args.batch,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    runs = {}
+    for name in ["compute", *args.pipelines]:
+        model = copy.deepcopy(base)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if name == "compute":
+            runs[name] = (model, sgd, None)
+            continue
+        grc, kwargs = resolve(name, model)
+        instrument(grc)
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), grace=grc,
+                                       **kwargs)
+        runs[name] = (model, opt, grc)
+
+    times = {name: defaultdict(list) for name in runs}
+
+    def one_step(name, record: bool):
+        model, opt, _ = runs[name]
+        CLOCK.take()
+        opt.zero_grad()
+        t0 = time.perf_counter()
+        loss_fn(model(x), y).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        spent = CLOCK.take()
+        if record:
+            row = times[name]
+            row["backward_s"].append(t1 - t0)
+            row["step_s"].append(t2 - t1)
+            row["total_s"].append(t2 - t0)
+            for phase in PHASES:
+                row[phase + "_s"].append(spent.get(phase, 0.0))
+
+    for name in runs:
+        for _ in range(args.warmup):
+            one_step(name, False)
+    for _ in range(args.rounds):
+        for name in runs:
+            for _ in range(args.steps):
+                one_step(name, True)
+
+    if hvd.rank() == 0:
+        compute = statistics.median(times["compute"]["total_s"])
+        rows = []
+        for name, row in times.items():
+            rec = {"model": args.model, "pipeline": name, "ranks": hvd.size(),
+                   **{k: statistics.median(v) for k, v in row.items()}}
+            phases = sum(rec.get(p + "_s", 0.0) for p in PHASES)
+            rec["compute_s"] = compute
+            rec["other_s"] = max(0.0, rec["total_s"] - compute - phases) if name != "compute" \
+                else 0.0
+            grc = runs[name][2]
+            if grc is not None and getattr(grc, "bytes", None) is not None:
+                steps = grc.bytes.steps[-args.rounds * args.steps:]
+                rec["sent_bytes"] = statistics.median(s["sent"] for s in steps)
+            rows.append(rec)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
