@@ -21,7 +21,8 @@ GRACE_MEMBERS = ("send", "receive", "synchronize", "end_step", "check_op", "fuse
 @runtime_checkable
 class Grace(Protocol):
     """A ``grace=`` object. ``send`` starts a named tensor's exchange and returns at once;
-    ``receive`` returns its aggregate (averaged for ``op="average"``); ``end_step`` closes an
+    ``receive`` returns its aggregate (averaged for ``op="average"``), written into ``into``
+    when given (the torch optimizer passes the gradient); ``end_step`` closes an
     optimizer step in ``bytes``; ``fuse`` sets fusion groups (lists of tensor names);
     ``fingerprint`` digests ``config()``, which ranks compare before the first step."""
 
@@ -30,7 +31,7 @@ class Grace(Protocol):
 
     def send(self, tensor, name: str, op: str = "average", collectives=None) -> Any: ...
 
-    def receive(self, handle) -> Any: ...
+    def receive(self, handle, into=None) -> Any: ...
 
     def synchronize(self, tensor, name: str, op: str = "average", collectives=None) -> Any: ...
 
@@ -213,6 +214,12 @@ class OpsBackend(Protocol):
     def assign(self, var, value): ...
 
     def assign_lerp(self, var, value, weight: float): ...
+
+    def assign_div(self, var, value, divisor=None): ...
+
+    def assign_add(self, var, value): ...
+
+    def assign_sub_at(self, var, idx, values): ...
 
     def increment(self, counter_var):
         """Add one to a counter slot; returns the new value (a Python int here)."""

@@ -212,11 +212,11 @@ class Schedule(FanOut):
         stage = self.active
         return _Handle(stage, stage.send(tensor, name, op, collectives))
 
-    def receive(self, handle):
+    def receive(self, handle, into=None):
         if not isinstance(handle, _Handle):
             raise ValueError(f"Schedule.receive takes a handle from Schedule.send, got "
                              f"{type(handle).__name__}")
-        return handle.stage.receive(handle.inner)
+        return handle.stage.receive(handle.inner, into)
 
     def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
         return self.receive(self.send(tensor, name, op, collectives))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grace_dl import validate
-from grace_dl.backend import collectives_for
+from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators import wire
 from grace_dl.compressors.base import Call
 from grace_dl.counters import ByteCounter
@@ -60,6 +60,8 @@ class Encoded:
     name: str
     payload: list
     ctx: Any
+    #: the compressed tensor; read its values only until the memory update (a memory may
+    #: have compensated in its own slot, which the update then overwrites)
     compensated: Any
     call: Call
     #: what this rank counts as sent (None until known: multi-round methods, no memory)
@@ -129,15 +131,17 @@ class Router:
         self.on_send(handle)
         return handle
 
-    def receive(self, handle: Handle):
+    def receive(self, handle: Handle, into=None):
         """Wait for ``handle``'s exchange and return the aggregated tensor (divided by the
-        number of ranks for ``op="average"`` when the compressor averages)."""
+        number of ranks for ``op="average"`` when the compressor averages). ``into``: a
+        tensor of the result's shape and dtype (torch) or a variable (TF) to write the result
+        into and return instead, which saves the result's own allocation and a copy."""
         if handle.received:
             raise ValueError(f"handle for {handle.name!r} was already received")
         for other in self.before_receive(handle):
             _finish(other)
         handle.received = True
-        return _finish(handle)
+        return _finish(handle, into)
 
     def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
         """``receive(send(...))``: the blocking form."""
@@ -167,18 +171,24 @@ class FanOut:
             part.process_set = value
 
 
-def _finish(handle: Handle):
-    """Run ``handle``'s phases to the end (once) and return its averaged or summed result."""
-    if handle.done:
-        return handle.value
+def _finish(handle: Handle, into=None):
+    """Run ``handle``'s phases to the end (once) and return its averaged or summed result
+    (written into ``into`` when given)."""
+    if handle.done:   # finished earlier, for another handle's sake (before_receive)
+        if into is None:
+            return handle.value
+        return ops_for(handle.value).assign_div(into, handle.value)
     comm = handle.comm
     if handle.phase is None:
         comm.fusion.flush(comm, handle.name)
     out = handle.phase
     while isinstance(out, Phase):
         out = out.value if isinstance(out, Ready) else comm.complete(out, handle)
-    if handle.op == AVERAGE and comm.compressor.average:
-        out = out / handle.coll.size()
+    divisor = handle.coll.size() if handle.op == AVERAGE and comm.compressor.average else None
+    if into is not None:
+        out = ops_for(out).assign_div(into, out, divisor)
+    elif divisor is not None:
+        out = out / divisor
     handle.phase, handle.done, handle.value = None, True, out
     return out
 
@@ -245,11 +255,11 @@ class Communicator(Router, ABC):
     # ------------------------------------------------------------------ phase 1: encode
     def encode(self, tensor, name: str, call: Call) -> Encoded:
         """Compensate, compress, and (single-round methods) update the memory once."""
-        compensated = self.memory.compensate(tensor, name)
+        compensated = self.memory.compensate_for(tensor, name, self.compressor)
         payload, ctx = self.compress(compensated, name, call)
         encoded = Encoded(name, payload, ctx, compensated, call)
         if self.compressor.rounds == 1:
-            if self.memory.needs_approximation:
+            if self.memory.wants_approximation(self.compressor):
                 encoded.approximation = self.approximate(encoded)
             self.memory.update(compensated, name, self.compressor, payload, ctx,
                                encoded.approximation)

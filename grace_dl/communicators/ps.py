@@ -96,8 +96,7 @@ class PSCommunicator(Communicator):
                 per_rank = ops.split_by(values, splits)
                 pieces.append(per_rank)
                 got = got + wire.nbytes([p for r, p in enumerate(per_rank) if r != rank])
-            result = self.compressor.aggregate(
-                wire.decompress_each(self, pieces, phase.shapes, handle, size))
+            result = wire.combine(self, pieces, phase.shapes, handle, size)
         else:
             # A non-root rank receives nothing, but in a TF graph its all-to-all (its send!) only
             # runs if something uses its output; a control dependency is not kept (measured), so

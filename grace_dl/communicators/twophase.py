@@ -141,11 +141,9 @@ class TwoPhase(Communicator):
             # from each rank, part i of its payload for my chunk: the length of my own
             per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
                         for i, g in enumerate(got)]
-            reduced = self.compressor.aggregate([
-                self.compressor.decompress(
-                    [ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)],
-                    ctxs[me])
-                for r in range(size)])
+            reduced = self.compressor.combine(
+                [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
+                 for r in range(size)], ctxs[me])
             mine = self._recompress(reduced, f"{handle.name}/chunk{me}", handle.encoded.call)
 
         gathers = []

@@ -30,15 +30,16 @@ def unflatten(piece, shape, equal_sizes: bool = True):
     return ops.reshape(piece, (-1, *shape[1:]))
 
 
-def decompress_each(comm, pieces, shapes, handle, ranks: int) -> list:
-    """Every rank's payload decompressed, in rank order (``pieces[i][r]``: part i of rank r's
-    payload, flat). This rank's own payload is decompressed from what came back too: reusing
-    its encode-time approximation instead would leave its own collective's result unused, and
-    ``tf.function`` prunes an op whose result is unused (a root's broadcast never starts)."""
+def combine(comm, pieces, shapes, handle, ranks: int):
+    """Every rank's payload decompressed and aggregated (``compressor.combine``;
+    ``pieces[i][r]``: part i of rank r's payload, flat). This rank's own payload is taken from
+    what came back too: reusing its encode-time approximation instead would leave its own
+    collective's result unused, and ``tf.function`` prunes an op whose result is unused (a
+    root's broadcast never starts)."""
     equal = comm.compressor.equal_sizes
-    return [comm.compressor.decompress([unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)],
-                                       handle.encoded.ctx)
-            for r in range(ranks)]
+    return comm.compressor.combine(
+        [[unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)] for r in range(ranks)],
+        handle.encoded.ctx)
 
 
 def nbytes(tensors):

@@ -69,8 +69,10 @@ class Compressor(Stateful, ABC):
 
     Optional capabilities are methods with defaults here, so memories and the cost model call
     them without probing: ``next_round`` (multi-round methods), ``sent_indices`` (which
-    positions a sparse payload carries), ``local_share`` (this rank's part of a multi-round
-    result), ``payload_nbytes`` / ``payload_nbytes_for_shape`` (bytes on the wire).
+    positions a sparse payload carries), ``sent_entries`` (its positions and values),
+    ``combine`` (every rank's payload decompressed and aggregated), ``local_share`` (this
+    rank's part of a multi-round result), ``payload_nbytes`` / ``payload_nbytes_for_shape``
+    (bytes on the wire).
     """
 
     allreduce_safe: bool = False
@@ -80,6 +82,8 @@ class Compressor(Stateful, ABC):
     rounds: int = 1
     unbiased: bool = False
     needs_shape: bool = False
+    #: payloads are sparse: ``sent_entries`` gives their positions and values
+    sparse: bool = False
 
     def __init__(self, seed: int = 0):
         super().__init__()
@@ -106,6 +110,19 @@ class Compressor(Stateful, ABC):
         for t in tensors[1:]:
             total = total + t
         return total
+
+    def combine(self, payloads, ctx):
+        """``aggregate`` of every rank's decompressed payload (``payloads[r]``: rank r's parts,
+        in the layout of this rank's own parts, decompressed with this rank's ``ctx``), what
+        a gathering communicator hands back. Sparse methods override it to add every rank's
+        values into one buffer instead of building N dense tensors and summing them."""
+        return self.aggregate([self.decompress(p, ctx) for p in payloads])
+
+    def sent_entries(self, payload, ctx):
+        """``(positions, values)`` when ``decompress(payload, ctx)`` is zero except for
+        ``values`` at the distinct flat ``positions`` (error feedback then updates O(k)
+        entries instead of subtracting a dense tensor), else ``None``."""
+        return None
 
     def next_round(self, reduced, ctx):
         """For multi-round compressors: given the reduced payload of the last round, return

@@ -34,6 +34,7 @@ class RandomKCompressor(Compressor):
     equal_sizes = True
     two_phase_safe = False
     unbiased = False
+    sparse = True
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
         super().__init__(seed)
@@ -62,6 +63,17 @@ class RandomKCompressor(Compressor):
 
     def sent_indices(self, payload, ctx):
         return ctx[2]
+
+    def sent_entries(self, payload, ctx):
+        return ctx[2], payload[0]
+
+    def combine(self, payloads, ctx):
+        """The ranks' values (same positions on every rank) summed in rank order, then
+        scattered once."""
+        total = payloads[0][0]
+        for p in payloads[1:]:
+            total = total + p[0]
+        return self.decompress([total], ctx)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * sparse.itemsize(dtype)

@@ -136,6 +136,7 @@ class SparseCompressor(Compressor):
     dgc). The ctx is ``(shape, numel)``. Subclasses choose the positions."""
 
     two_phase_safe = False
+    sparse = True
 
     def pack(self, ops, tensor, positions):
         """Payload and ctx for sending ``tensor``'s flat entries at ``positions``."""
@@ -157,3 +158,23 @@ class SparseCompressor(Compressor):
     def sent_indices(self, payload, ctx):
         """Flat positions of the entries this payload carries (the DGC memory masks them)."""
         return payload[1]
+
+    def sent_entries(self, payload, ctx):
+        return payload[1], payload[0]
+
+    def combine(self, payloads, ctx):
+        """Every rank's values added into one dense buffer at their positions, in rank order
+        (the same sums as adding the ranks' decompressed tensors in rank order)."""
+        if type(self).aggregate is not Compressor.aggregate:
+            return super().combine(payloads, ctx)
+        return scatter_sum(ops_for(payloads[0][0]), [p[1] for p in payloads],
+                           [p[0] for p in payloads], ctx)
+
+
+def scatter_sum(ops, positions: list, values: list, ctx):
+    """The sum of N sparse tensors (rank r: ``values[r]`` at distinct ``positions[r]``) of
+    the dense shape in ``ctx`` = ``(shape, numel, ...)``: one buffer, one scatter-add."""
+    shape, n = ctx[0], ctx[1]
+    if len(values) == 1:
+        return ops.reshape(ops.scatter(positions[0], values[0], n), shape)
+    return ops.reshape(ops.scatter_add(ops.cat(positions), ops.cat(values), n), shape)

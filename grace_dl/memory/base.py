@@ -21,6 +21,11 @@ class Memory(Stateful, ABC):
     def compensate(self, tensor, name: str):
         """Return the tensor to compress: ``tensor`` corrected by the stored error for ``name``."""
 
+    def compensate_for(self, tensor, name: str, compressor):
+        """``compensate`` as a communicator calls it, knowing the compressor (a memory may
+        then compensate in place: the result is only read until ``update``)."""
+        return self.compensate(tensor, name)
+
     @abstractmethod
     def update(self, tensor, name: str, compressor, payload, ctx, approximation=None) -> None:
         """Record what compressing ``tensor`` (the compensated one) into ``payload`` lost.
@@ -34,6 +39,11 @@ class Memory(Stateful, ABC):
     def sent(compressor, payload, ctx, approximation):
         """``approximation``, or the payload decompressed when none was given."""
         return compressor.decompress(payload, ctx) if approximation is None else approximation
+
+    def wants_approximation(self, compressor) -> bool:
+        """Whether ``update`` reads ``approximation`` when it serves ``compressor`` (the
+        communicator computes the approximation only then)."""
+        return self.needs_approximation
 
     def refusal(self, compressor) -> str | None:
         """Why this memory cannot serve ``compressor`` (None when it can); the communicator

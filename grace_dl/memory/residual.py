@@ -4,6 +4,11 @@
     compensate: x' = beta * residual[name] + gamma * x
     update:     residual[name] = x' - decompress(compress(x'))
 
+For sparse compressors (``Compressor.sparse``) the update subtracts the k sent values at their
+positions, never building the dense approximation; with beta = gamma = 1 a communicator's
+compensation is also done in the residual's slot (``compensate_for``), so a step costs one pass
+over the tensor plus O(k).
+
 With the defaults (beta = gamma = 1) nothing is ever lost: the sum over steps of what was sent
 equals the sum of the gradients minus the final residual.
 """
@@ -22,6 +27,7 @@ class ResidualMemory(Memory):
         super().__init__()
         self.beta = in_range("beta", beta, 0.0, None)
         self.gamma = in_range("gamma", gamma, 0.0, None, lo_open=True)
+        self._in_slot: set[str] = set()    # names compensated in their slot, not yet updated
 
     def compensate(self, tensor, name):
         ops = ops_for(tensor)
@@ -30,7 +36,28 @@ class ResidualMemory(Memory):
             return residual + tensor
         return residual * self.beta + tensor * self.gamma
 
+    def wants_approximation(self, compressor) -> bool:
+        return not compressor.sparse
+
+    def compensate_for(self, tensor, name, compressor):
+        """For sparse compressors with beta = gamma = 1, in the residual's own slot: the
+        update then only subtracts the k sent values there."""
+        if not (compressor.sparse and self.beta == 1.0 and self.gamma == 1.0):
+            return self.compensate(tensor, name)
+        ops = ops_for(tensor)
+        self._in_slot.add(name)
+        return ops.read(ops.assign_add(self.state.zeros(name, ops, tensor), tensor))
+
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
-        sent = self.sent(compressor, payload, ctx, approximation)
-        ops.assign(self.state.zeros(name, ops, tensor), tensor - sent)
+        residual = self.state.zeros(name, ops, tensor)
+        in_slot = name in self._in_slot
+        self._in_slot.discard(name)
+        entries = compressor.sent_entries(payload, ctx) if approximation is None else None
+        if entries is None:
+            ops.assign(residual, tensor - self.sent(compressor, payload, ctx, approximation))
+            return
+        # sparse: the same values, without building the dense approximation
+        if not in_slot:
+            ops.assign(residual, tensor)
+        ops.assign_sub_at(residual, *entries)

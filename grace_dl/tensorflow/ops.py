@@ -472,6 +472,31 @@ def assign_lerp(var, value, weight: float):
     return var
 
 
+def assign_div(var, value, divisor=None):
+    """In place: ``var <- value / divisor`` (``value`` itself for None); returns var."""
+    value = tf.reshape(value, tf.shape(var))
+    var.assign(value if divisor is None else value / tf.cast(divisor, value.dtype))
+    return var
+
+
+def assign_add(var, value):
+    """In place: ``var += value``; returns var."""
+    var.assign_add(value)
+    return var
+
+
+def assign_sub_at(var, idx, values):
+    """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
+    flat_idx = tf.reshape(tf.cast(idx, tf.int64), [-1, 1])
+    if var.shape.rank == 1:
+        var.scatter_nd_sub(flat_idx, values)
+    else:
+        shape = tf.shape(var, out_type=tf.int64)
+        var.scatter_nd_sub(tf.transpose(tf.unravel_index(tf.reshape(flat_idx, [-1]), shape)),
+                           values)
+    return var
+
+
 def increment(counter_var):
     """Add one to a counter slot; returns the new value (a tensor; an int in eager mode)."""
     new = counter_var.assign_add(1)

@@ -459,6 +459,26 @@ def assign_lerp(var, value, weight: float):
     return var
 
 
+def assign_div(var, value, divisor=None):
+    """In place: ``var <- value / divisor`` (``value`` itself for None); returns var."""
+    value = value.reshape(var.shape)
+    if divisor is None:
+        return var.copy_(value)
+    return torch.div(value, divisor, out=var)
+
+
+def assign_add(var, value):
+    """In place: ``var += value``; returns var."""
+    var.add_(value)
+    return var
+
+
+def assign_sub_at(var, idx, values):
+    """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
+    var.view(-1).index_add_(0, idx, values, alpha=-1)
+    return var
+
+
 def increment(counter_var):
     """Add one to a counter slot; returns the new value (a Python int here)."""
     counter_var.add_(1)

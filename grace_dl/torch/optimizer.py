@@ -334,13 +334,16 @@ class _GraceDistributedOptimizer:
         return self.grace.send(tensor, name, self.op)
 
     def _write(self, p, handle) -> None:
-        out = self.grace.receive(handle)
-        if self.gradient_predivide_factor != 1.0:
-            out = out * self.gradient_predivide_factor
-        if p.grad.is_sparse:
-            p.grad.zero_().add_(out.to_sparse())
+        if self.gradient_predivide_factor == 1.0 and not p.grad.is_sparse:
+            self.grace.receive(handle, into=p.grad)
         else:
-            p.grad.copy_(out)
+            out = self.grace.receive(handle)
+            if self.gradient_predivide_factor != 1.0:
+                out = out * self.gradient_predivide_factor
+            if p.grad.is_sparse:
+                p.grad.zero_().add_(out.to_sparse())
+            else:
+                p.grad.copy_(out)
         self._allreduce_delay[p] = self.backward_passes_per_step
 
     # ------------------------------------------------------------------ Horovod's interface
