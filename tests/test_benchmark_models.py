@@ -133,14 +133,14 @@ def test_demo_table_shows_both_ratios():
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_demo_link_runs_over_the_emulated_link(capsys):
     assert demo_link.main(["--model", "tiny", "--steps", "2", "--warmup", "1",
-                           "--pipelines", "none", "topk", "--prefix", "gracedemotest"]) == 0
+                           "--pipelines", "none", "topk", "--prefix", "gracedtest"]) == 0
     out = capsys.readouterr().out
     assert "over an emulated 100 Mbit/s link" in out
     none = next(line for line in out.splitlines() if line.startswith("none"))
     topk = next(line for line in out.splitlines() if line.startswith("topk"))
     assert none.split()[-2:] == ["1.00x", "n/a"]
     assert topk.split()[-2].endswith("x")
-    assert "gracedemotest" not in network._ip("netns", "list").stdout
+    assert "gracedtest" not in network._ip("netns", "list").stdout
 
 
 @pytest.mark.multiproc
