@@ -46,7 +46,7 @@ def open_cluster(mbit: float, prefix: str) -> tuple[EmulatedCluster | None, str]
 
 def table(records: list[dict], mbit: float) -> str:
     steps = {r["pipeline"]: r["step_s"] for r in records if "step_s" in r}
-    lines = [f"{'pipeline':34} {'step ms':>9} {'sent MB/step':>13} {'vs none':>8} "
+    lines = [f"{'pipeline':34} {'step ms':>9} {'sent MB/step':>13} {'speedup vs none':>16} "
              f"{'vs hvd-fp16':>12}"]
     for r in records:
         label = LABELS.get(r["pipeline"], r["pipeline"])
@@ -56,7 +56,7 @@ def table(records: list[dict], mbit: float) -> str:
         vs = {b: f"{steps[b] / r['step_s']:.2f}x" if b in steps else "n/a"
               for b in ("none", "hvd-fp16")}
         lines.append(f"{label:34} {r['step_s'] * 1e3:9.1f} {r['sent_bytes'] / 1e6:13.3f} "
-                     f"{vs['none']:>8} {vs['hvd-fp16']:>12}")
+                     f"{vs['none']:>16} {vs['hvd-fp16']:>12}")
     first = next((r for r in records if "params" in r), None)
     if first:
         n = first["params"]
