@@ -1,6 +1,10 @@
 """End-to-end runs over emulated hosts: every (bandwidth, model, pipeline), side by side.
 
-    python -m benchmarks.e2e --mbit 100 1000 --models mlp cnn --out benchmarks/results/e2e.json
+    python -m benchmarks.e2e --mbit 100 1000 --models mlp resnet18 --out benchmarks/results/e2e.json
+
+Models (benchmarks/e2e_worker.py has their parameter and tensor counts): ``mlp`` (6 large
+tensors), ``cnn``, ``resnet18`` (62 tensors, batch norm) and ``transformer`` (103 tensors), all
+by default; ``tiny`` for smoke tests.
 
 For each link speed the same cluster of namespaces is re-shaped, and every pipeline runs on it
 back to back, so ratios against uncompressed Horovod are taken in one run on one machine.
@@ -49,7 +53,7 @@ def run_one(cluster: EmulatedCluster, launcher: str, model: str, pipeline: str, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mbit", type=float, nargs="+", default=[100, 1000, 10000])
-    ap.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    ap.add_argument("--models", nargs="+", default=["mlp", "cnn", "resnet18", "transformer"])
     ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES))
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)

@@ -10,6 +10,29 @@ Horovod's ring allreduce moves), and the time split:
   locally (no collectives);
 - communicate: step time − compute − compress (what the network and the collectives cost,
   minus what overlapped with the backward pass).
+
+Models (``--model``; synthetic inputs from ``torch.randn``, labels from ``torch.randint``, no
+downloads). Tensors = gradient tensors, i.e. one collective or one compression call each
+without fusion; compute = forward + backward at batch 32 on one thread, one process alone on
+this 2-core machine (median of 5). Two ranks sharing the cores measure several times more (the
+committed e2e run: mlp 45-80 ms, cnn 870-1260 ms), so compare models by their ratio here:
+
+| model | input | parameters | tensors | fp32 MB | compute |
+|---|---|---:|---:|---:|---:|
+| ``tiny`` | 1x8x8 | 19K | 4 | 0.08 | < 1 ms |
+| ``mlp`` | 1x28x28 | 5.8M | 6 | 23.3 | ~11 ms |
+| ``cnn`` | 3x32x32 | 2.5M | 10 | 10.0 | ~205 ms |
+| ``resnet18`` | 3x32x32 | 11.2M | 62 | 44.7 | ~270 ms |
+| ``transformer`` | 3x32x32 | 6.4M | 103 | 25.5 | ~185 ms |
+
+``resnet18`` is ResNet-18 (He et al. 2016: basic blocks [2, 2, 2, 2], widths 64-512, batch norm
+after every convolution, 1x1 projection shortcuts) with a 3x3 stride-2 stem and no max-pool for
+32x32 inputs and a 10-way head: 60 convolution and batch-norm tensors plus the head. Batch norm
+makes it realistic for compression too: the 40 small affine tensors (64-512 elements) cost a
+collective each and save almost nothing. ``transformer`` is a small ViT-style encoder: 8x8
+patches (16 tokens) embedded to width 256, learned positions, 8 pre-norm encoder layers (8
+heads, feed-forward 1024; 12 tensors each: fused QKV, output projection, two feed-forward
+layers, two layer norms, with biases), a final layer norm, mean pooling, a linear head.
 """
 
 from __future__ import annotations
@@ -26,23 +49,76 @@ import grace_dl.torch.horovod as hvd
 from benchmarks.pipelines import PIPELINES, make_grace
 from grace_dl.strategy.dispatcher import StrategyDispatcher
 
+MODELS = ("tiny", "mlp", "cnn", "resnet18", "transformer")
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 conv + batch norm, identity or 1x1 projection shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet18(classes: int = 10) -> nn.Module:
+    layers, cin = [nn.Conv2d(3, 64, 3, 2, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()], 64
+    for stage, width in enumerate((64, 128, 256, 512)):
+        for block in range(2):
+            layers.append(BasicBlock(cin, width, 2 if block == 0 and stage > 0 else 1))
+            cin = width
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+
+
+class PatchTransformer(nn.Module):
+    """A ViT-style encoder classifier over 3x32x32 inputs (see the module docstring)."""
+
+    def __init__(self, width: int = 256, depth: int = 8, heads: int = 8, ff: int = 1024,
+                 patch: int = 8, image: int = 32, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Conv2d(3, width, patch, patch)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, (image // patch) ** 2, width))
+        layer = nn.TransformerEncoderLayer(width, heads, ff, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, norm=nn.LayerNorm(width),
+                                             enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        tokens = self.embed(x).flatten(2).transpose(1, 2) + self.pos
+        return self.head(self.encoder(tokens).mean(1))
+
 
 def build_model(kind: str) -> tuple[nn.Module, tuple]:
-    """Models whose gradients are 1M–25M parameters, with the shape of one input batch."""
+    """One of ``MODELS`` (the table above), with the shape of one input sample."""
     if kind == "tiny":  # quick mode / smoke test
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), (
             1, 8, 8)
     if kind == "mlp":  # 5.8M parameters
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(),
                              nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)), (1, 28, 28)
-    if kind == "cnn":  # 3.3M parameters, most in conv kernels
+    if kind == "cnn":  # 2.5M parameters, most in conv kernels
         return nn.Sequential(
             nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(64, 256, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(256, 512, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(512, 256, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
             nn.Flatten(), nn.Linear(256, 10)), (3, 32, 32)
-    raise ValueError(f"model must be tiny, mlp or cnn, got {kind!r}")
+    if kind == "resnet18":  # 11.2M parameters in 62 tensors
+        return resnet18(), (3, 32, 32)
+    if kind == "transformer":  # 6.4M parameters in 103 tensors
+        return PatchTransformer(), (3, 32, 32)
+    raise ValueError(f"model must be one of {', '.join(MODELS)}, got {kind!r}")
 
 
 def time_compute(model, x, y, loss_fn, repeats: int) -> float:

@@ -2,8 +2,9 @@
 
     python -m benchmarks.report --results benchmarks/results
 
-Writes ``e2e.md`` (speedup of every pipeline over uncompressed Horovod at every link speed,
-bytes per step, time split, and how close communication gets to bytes ÷ bandwidth),
+Writes ``e2e.md`` (speedup of every pipeline over uncompressed Horovod and over Horovod's fp16
+compression at every link speed, bytes per step, time split, and how close communication gets
+to bytes ÷ bandwidth),
 ``convergence.md`` (accuracy per epoch, epochs and estimated time to a target accuracy),
 ``speedup.png`` and ``accuracy.png``; each Markdown file records the machine and versions.
 """
@@ -18,19 +19,29 @@ import platform
 import sys
 from pathlib import Path
 
-E2E_COLUMNS = ["model", "Mbit/s", "pipeline", "step ms", "speedup vs none", "sent MB/step",
-               "recv MB/step", "compute ms", "compress ms", "communicate ms",
-               "bytes/bandwidth ms", "communicate / bound"]
+E2E_COLUMNS = ["model", "Mbit/s", "pipeline", "step ms", "speedup vs none",
+               "speedup vs hvd-fp16", "sent MB/step", "recv MB/step", "compute ms",
+               "compress ms", "communicate ms", "bytes/bandwidth ms", "communicate / bound"]
 CONVERGENCE_COLUMNS = ["pipeline", "final acc", "best acc", "epochs to target"]
 
 
-def machine() -> str:
-    versions = {}
-    for mod in ("torch", "tensorflow", "horovod", "numpy"):
+def _version(*dists: str) -> str:
+    """The installed version of the first of ``dists`` found, read from package metadata:
+    importing TensorFlow only to read its version would print its start-up logging."""
+    from importlib import metadata
+
+    for dist in dists:
         try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - report what is importable
-            versions[mod] = "n/a"
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "n/a"
+
+
+def machine() -> str:
+    versions = {"torch": _version("torch"),
+                "tensorflow": _version("tensorflow", "tensorflow-cpu", "tensorflow-gpu"),
+                "horovod": _version("horovod"), "numpy": _version("numpy")}
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
             f"{platform.platform()}; {os.cpu_count()} CPU cores; Python "
             f"{platform.python_version()}; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
@@ -42,9 +53,17 @@ def _table(columns, rows) -> str:
     return "\n".join(lines)
 
 
+def _step_times(records: list[dict], pipeline: str) -> dict:
+    return {(r["model"], r["mbit"]): r["step_s"] for r in records
+            if r.get("pipeline") == pipeline and "step_s" in r}
+
+
 def e2e_rows(records: list[dict]) -> list[dict]:
-    baseline = {(r["model"], r["mbit"]): r["step_s"] for r in records
-                if r.get("pipeline") == "none" and "step_s" in r}
+    """One row per record; speedups against the two baselines a user compares with: fp32
+    Horovod allreduce (``none``) and Horovod's fp16 compression (``hvd-fp16``), each from the
+    same model and link speed ("n/a" where that baseline did not run or failed)."""
+    baseline = _step_times(records, "none")
+    fp16 = _step_times(records, "hvd-fp16")
     rows = []
     for r in records:
         row = {"model": r["model"], "Mbit/s": f"{r['mbit']:g}", "pipeline": r["pipeline"]}
@@ -55,10 +74,12 @@ def e2e_rows(records: list[dict]) -> list[dict]:
         moved = max(r["sent_bytes"], r["received_bytes"])
         bound_s = moved * 8 / (r["mbit"] * 1e6)
         base = baseline.get((r["model"], r["mbit"]))
+        half = fp16.get((r["model"], r["mbit"]))
         hidden = r["step_s"] <= r["compute_s"] + r["compress_s"]
         row.update({
             "step ms": f"{r['step_s'] * 1e3:.1f}",
             "speedup vs none": f"{base / r['step_s']:.2f}x" if base else "n/a",
+            "speedup vs hvd-fp16": f"{half / r['step_s']:.2f}x" if half else "n/a",
             "sent MB/step": f"{r['sent_bytes'] / 1e6:.3f}",
             "recv MB/step": f"{r['received_bytes'] / 1e6:.3f}",
             "compute ms": f"{r['compute_s'] * 1e3:.1f}",
@@ -165,11 +186,12 @@ def write(results: Path, target: float = 0.95, tta_model: str = "mlp") -> list[P
         text = (f"# End-to-end step time over emulated hosts\n\n{stamp}\n"
                 f"{hosts} hosts (network namespaces on one machine), each link shaped with tc "
                 f"tbf in both directions, launcher {e2e[0].get('launcher')}. Every pipeline ran "
-                "back to back at each link speed; speedup = uncompressed Horovod step time / "
-                "pipeline step time from the same run. compute and compress are timed locally "
-                "in the same process; communicate = step − compute − compress, \"hidden\" where "
-                "compute + compress timed alone already exceed the step (sends overlap the "
-                "backward pass). "
+                "back to back at each link speed; speedup vs none = uncompressed (fp32) Horovod "
+                "step time / pipeline step time, speedup vs hvd-fp16 = the same against "
+                "Horovod's own fp16 compression, both from the same run. compute and compress "
+                "are timed locally in the same process; communicate = step − compute − "
+                "compress, \"hidden\" where compute + compress timed alone already exceed the "
+                "step (sends overlap the backward pass). "
                 "bytes/bandwidth = max(sent, received) bytes per step ÷ link speed.\n\n"
                 + _table(E2E_COLUMNS, e2e_rows(e2e)) + "\n\n![speedup](speedup.png)\n")
         (results / "e2e.md").write_text(text)

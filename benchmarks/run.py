@@ -1,10 +1,10 @@
 """The whole benchmark suite in one command (``make bench``), or a smoke run (``--quick``).
 
 Full: the compressor micro table, end-to-end runs at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s for
-the MLP and the CNN and every pipeline, convergence on digits, then the report; results land in
-benchmarks/results/. Quick: a tiny model, 2 hosts, one link speed, two pipelines, one epoch,
-into a directory of your choice (default: a temporary one), so committed results stay as they
-are.
+the MLP, the CNN, ResNet-18 and the transformer encoder and every pipeline, convergence on
+digits, then the report; results land in benchmarks/results/. Quick: a tiny model, 2 hosts,
+one link speed, two pipelines, one epoch, into a directory of your choice (default: a
+temporary one), so committed results stay as they are.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import argparse
 import ast
 import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -90,8 +91,10 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed + 1)
     steps = len(x_tr) // args.batch_size
     step_times = []
-    bar = tqdm(total=args.epochs * steps, disable=rank != 0, desc=params and params["compressor"],
-               mininterval=2.0)  # horovodrun prefixes every refresh: keep them few
+    # A bar only on rank 0 and only on a terminal: under horovodrun stderr is a pipe whose every
+    # refresh comes back as a line of its own, prefixed with the rank.
+    bar = tqdm(total=args.epochs * steps, desc=params and params["compressor"],
+               disable=rank != 0 or not sys.stderr.isatty())
     for _ in range(args.epochs):
         order = torch.randperm(len(x_tr), generator=gen)
         for s in range(steps):
@@ -102,7 +105,8 @@ def main(argv=None):
             loss.backward()
             opt.step()
             step_times.append(time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if not bar.disable:
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             bar.update()
     bar.close()
 

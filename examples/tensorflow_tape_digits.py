@@ -14,6 +14,7 @@ first step. Rank 0 shows a progress bar and prints the test accuracy and bytes s
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import keras
@@ -70,7 +71,9 @@ def main(argv=None):
     rng = np.random.default_rng([args.seed, rank])
     step_times = []
     first = int(epoch.numpy())
-    bar = tqdm(total=(args.epochs - first) * steps, disable=rank != 0,
+    # A bar only on rank 0 and only on a terminal: under horovodrun stderr is a pipe whose every
+    # refresh comes back as a line of its own, prefixed with the rank.
+    bar = tqdm(total=(args.epochs - first) * steps, disable=rank != 0 or not sys.stderr.isatty(),
                desc=params["compressor"] if params else "horovod")
     for _ in range(first, args.epochs):
         order = rng.permutation(len(x_tr))
@@ -79,7 +82,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             loss = train_step(x_tr[idx], y_tr[idx])
             step_times.append(time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            if not bar.disable:
+                bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
             bar.update()
         epoch.assign_add(1)
         if manager:
