@@ -1,0 +1,145 @@
+"""The overhead cuts give the same bits as the plain paths they replace: sparse ``combine``
+against decompress-each-then-aggregate, the residual memory's sparse update against its dense
+one, and ``receive(into=...)`` against ``receive``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from grace_dl import grace_from_params
+from grace_dl.compressors.base import Call, Compressor
+from grace_dl.registry import lookup
+from support import OneRank
+
+SPARSE = {"topk": {"compress_ratio": 0.05}, "randomk": {"compress_ratio": 0.05},
+          "randomk-unbiased": {"compress_ratio": 0.05, "unbiased": True},
+          "threshold": {"threshold": 1.0}, "dgc": {"compress_ratio": 0.05}}
+
+
+def _compressor(key):
+    name = key.split("-")[0]
+    return lookup("compressor", name)(**SPARSE[key])
+
+
+def _tensor(seed, shape=(37, 29)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[0, :3] = torch.tensor([float("inf"), -0.0, 5.0])
+    return x
+
+
+@pytest.mark.parametrize("key", sorted(SPARSE))
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_sparse_combine_equals_decompress_then_aggregate(key, ranks):
+    comp = _compressor(key)
+    assert comp.sparse
+    sent = [comp.compress(_tensor(r), "w", Call(r, ranks)) for r in range(ranks)]
+    ctx = sent[0][1]
+    expected = Compressor.combine(comp, [p for p, _ in sent], ctx)
+    got = comp.combine([p for p, _ in sent], ctx)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("key", sorted(SPARSE))
+def test_sent_entries_rebuild_the_decompressed_payload(key):
+    comp = _compressor(key)
+    x = _tensor(4)
+    payload, ctx = comp.compress(x, "w")
+    positions, values = comp.sent_entries(payload, ctx)
+    dense = torch.zeros(x.numel())
+    dense[positions.long()] = values
+    np.testing.assert_array_equal(dense.view(x.shape).numpy(),
+                                  comp.decompress(payload, ctx).numpy())
+
+
+@pytest.mark.parametrize("key", sorted(SPARSE))
+def test_residual_sparse_update_equals_the_dense_one(key):
+    """Three steps through a communicator (compensation in the residual's slot, k entries
+    subtracted) against the memory updated with the dense approximation."""
+    fast = grace_from_params({"compressor": key.split("-")[0], **SPARSE[key],
+                              "memory": "residual", "communicator": "allgather"})
+    slow = grace_from_params({"compressor": key.split("-")[0], **SPARSE[key],
+                              "memory": "residual", "communicator": "allgather"})
+    for step in range(3):
+        x = _tensor(10 + step)
+        out = fast.synchronize(x, "w", collectives=OneRank())
+        compensated = slow.memory.compensate(x, "w")
+        payload, ctx = slow.compressor.compress(compensated, "w", Call(0, 1))
+        slow.memory.update(compensated, "w", slow.compressor, payload, ctx,
+                           slow.compressor.decompress(payload, ctx))
+        np.testing.assert_array_equal(out.numpy(), slow.compressor.decompress(payload,
+                                                                              ctx).numpy())
+        np.testing.assert_array_equal(fast.memory.state_dict()["w"],
+                                      slow.memory.state_dict()["w"])
+    assert not fast.memory._in_slot
+
+
+def test_residual_update_called_directly_with_a_sparse_compressor():
+    """Outside a communicator (compensate, then update without an approximation) the sparse
+    update still starts from the compensated tensor."""
+    mem = lookup("memory", "residual")()
+    comp = _compressor("topk")
+    for step in range(2):
+        x = _tensor(step)
+        compensated = mem.compensate(x, "w")
+        payload, ctx = comp.compress(compensated, "w")
+        mem.update(compensated, "w", comp, payload, ctx)
+        expected = compensated - comp.decompress(payload, ctx)
+        np.testing.assert_array_equal(mem.state_dict()["w"], expected.numpy())
+
+
+@pytest.mark.parametrize("params", [
+    {"compressor": "none", "memory": "none", "communicator": "allreduce"},
+    {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
+     "communicator": "allgather"},
+    {"compressor": "qsgd", "quantum_num": 16, "memory": "residual", "communicator": "twophase"},
+])
+def test_receive_into_writes_the_average(params):
+    a, b = grace_from_params(dict(params)), grace_from_params(dict(params))
+    x = _tensor(3)
+    plain = a.receive(a.send(x.clone(), "w", collectives=OneRank()))
+    into = torch.full_like(x, 7.0)
+    got = b.receive(b.send(x.clone(), "w", collectives=OneRank()), into=into)
+    assert got is into
+    np.testing.assert_array_equal(into.numpy(), plain.numpy())
+
+
+def test_receive_into_after_the_handle_was_finished_for_another():
+    """A dispatcher may finish a handle before its own receive: ``into`` is still written."""
+    from grace_dl.communicators.base import _finish
+
+    grc = grace_from_params({"compressor": "none", "memory": "none",
+                             "communicator": "allreduce"})
+    x = _tensor(5)
+    handle = grc.send(x, "w", collectives=OneRank())
+    early = _finish(handle).clone()
+    into = torch.zeros_like(x)
+    grc.receive(handle, into=into)
+    np.testing.assert_array_equal(into.numpy(), early.numpy())
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_residual_sparse_update_in_tensorflow(traced):
+    """The TF variables take the same in-slot path (``assign_add``, ``assign_sub_at``)."""
+    tf = pytest.importorskip("tensorflow")
+    fast = lookup("memory", "residual")()
+    slow = lookup("memory", "residual")()
+    comp = _compressor("topk")
+
+    def step(x):
+        compensated = fast.compensate_for(x, "w", comp)
+        payload, ctx = comp.compress(compensated, "w")
+        fast.update(compensated, "w", comp, payload, ctx)
+        return payload[0]
+
+    run = tf.function(step) if traced else step
+    for i in range(3):
+        x = _tensor(20 + i).numpy()
+        run(tf.constant(x))
+        compensated = slow.compensate(tf.constant(x), "w")
+        payload, ctx = comp.compress(compensated, "w")
+        slow.update(compensated, "w", comp, payload, ctx, comp.decompress(payload, ctx))
+        np.testing.assert_array_equal(fast.state_dict()["w"], slow.state_dict()["w"])
