@@ -13,11 +13,11 @@ Per step, rank 0 records (medians over the measured steps):
 - ``total_s``: the two together: what a training loop sees.
 
 For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
-lives in the library): ``compensate``, ``compress``, ``memory_update`` (with the local
-approximation), ``issue``, ``wait`` (``Collectives.synchronize``), ``complete`` (without its
-waits). ``other`` is ``total − compute − the phases``: the optimizer's own bookkeeping, the
-averaging division, gradient writes, the SGD update and whatever the phases' allocations cost
-outside them.
+lives in the library): ``compensate`` (``compensate_for``), ``compress``, ``memory_update``
+(with the local approximation), ``issue``, ``wait`` (``Collectives.synchronize``), ``complete``
+(without its waits). ``other`` is ``total − compute − the phases``: the optimizer's own
+bookkeeping, the averaging division, gradient writes, the SGD update and whatever the phases'
+allocations cost outside them.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ CLOCK = Clock()
 def instrument(grc) -> None:
     if grc is None or not hasattr(grc, "compressor"):
         return
-    CLOCK.wrap(grc.memory, "compensate", "compensate")
+    CLOCK.wrap(grc.memory, "compensate_for", "compensate")
     CLOCK.wrap(grc, "compress", "compress")
     CLOCK.wrap(grc.memory, "update", "memory_update")
     CLOCK.wrap(grc, "approximate", "memory_update")
