@@ -182,6 +182,8 @@ class OpsBackend(Protocol):
 
     def bincount(self, idx, n: int): ...
 
+    def positions_at_least(self, flat, thr, sign=None): ...
+
     def nonzero(self, mask):
         """int64 indices where a 1-D bool tensor is true."""
 

@@ -143,3 +143,29 @@ def test_residual_sparse_update_in_tensorflow(traced):
         payload, ctx = comp.compress(compensated, "w")
         slow.update(compensated, "w", comp, payload, ctx, comp.decompress(payload, ctx))
         np.testing.assert_array_equal(fast.state_dict()["w"], slow.state_dict()["w"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("sign", [None, 1, -1])
+@pytest.mark.parametrize("thr", [1.5, 0.0, -1.0, float("inf")])
+def test_positions_at_least_match_the_mask_in_torch_and_tf(dtype, sign, thr):
+    """Chunked NumPy on CPU (several chunks here), torch's compare elsewhere, TF's: one set."""
+    from grace_dl.torch import ops as tops
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3 * (1 << 16) + 123, generator=g) * 2).to(dtype)
+    x[[0, 70000, 140001]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    x[5] = -0.0
+    t = torch.tensor(thr, dtype=dtype)
+    mag = x.abs() if sign is None else (x if sign > 0 else -x)
+    expected = np.flatnonzero((mag >= t).numpy())
+    got = tops.positions_at_least(x, t, sign)
+    assert got.dtype == torch.int64
+    np.testing.assert_array_equal(got.numpy(), expected)
+    if dtype != torch.float16:
+        tf = pytest.importorskip("tensorflow")
+        from grace_dl.tensorflow import ops as fops
+
+        tx = tf.constant(x.numpy())
+        got_tf = fops.positions_at_least(tx, tf.constant(thr, tx.dtype), sign)
+        np.testing.assert_array_equal(got_tf.numpy(), expected)

@@ -65,7 +65,7 @@ class DgcCompressor(SparseCompressor):
         s = sparse.sample_size(n)
         thr = sparse.sampled_threshold(ops, flat, self.seed, name, step,
                                        sparse.ceil_count(ops, ratio * s, s))
-        cand = ops.nonzero(sparse.abs_at_least(flat, thr))
+        cand = ops.positions_at_least(flat, thr)
         positions = ops.cond(
             ops.numel(cand) > k,
             lambda: sparse.keep_top(ops, cand, ops.abs(ops.gather(flat, cand)), k),

@@ -63,15 +63,6 @@ def magnitudes(ops, flat, sign=None):
     return ops.where(keep, mag, ops.zeros_like(mag) - 1)
 
 
-def abs_at_least(flat, thr, sign=None):
-    """Boolean mask of the entries whose ``magnitudes`` may reach ``thr``: ``|flat| >= thr``
-    (two comparisons, so no magnitude tensor is written), ``flat >= thr`` or ``flat <= -thr``.
-    NaN is never in it."""
-    if sign is None:
-        return (flat >= thr) | (flat <= -thr)
-    return flat >= thr if sign > 0 else flat <= -thr
-
-
 def keep_top(ops, cand, cmag, k):
     """Exactly ``k`` of the candidate positions ``cand`` (with magnitudes ``cmag``, at least
     ``k`` of them): the largest magnitudes, ties at the k-th going to the lowest positions
@@ -125,7 +116,7 @@ def approx_top(ops, flat, k, seed, name, step, sign=None):
         mean_above = s * k / n
         above = min(s, math.ceil(mean_above + 4 * math.sqrt(mean_above) + 2))
     thr = sampled_threshold(ops, flat, seed, name, step, above, sign)
-    cand = ops.nonzero(abs_at_least(flat, thr, sign))
+    cand = ops.positions_at_least(flat, thr, sign)
     return ops.cond(ops.numel(cand) >= k,
                     lambda: keep_top(ops, cand, magnitudes(ops, ops.gather(flat, cand), sign), k),
                     lambda: top_of(ops, magnitudes(ops, flat, sign), k))

@@ -287,6 +287,14 @@ def nonzero(mask):
     return tf.reshape(tf.where(mask), [-1])
 
 
+def positions_at_least(flat, thr, sign=None):
+    """int64 positions of the 1-D ``flat``'s entries whose magnitude reaches the scalar
+    ``thr``: ``|x| >= thr`` (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never."""
+    if sign is None:
+        return nonzero(tf.abs(flat) >= thr)
+    return nonzero(flat >= thr if sign > 0 else flat <= -thr)
+
+
 def sort(x):
     """The elements of a 1-D tensor in ascending order."""
     return tf.sort(x)
