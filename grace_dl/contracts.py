@@ -147,6 +147,9 @@ class OpsBackend(Protocol):
 
     def abs_sum(self, x): ...
 
+    def abs_max(self, x):
+        """``max |x|`` over all (at least one) elements; NaN when x holds a NaN or an inf."""
+
     def count_nonzero(self, x):
         """Number of nonzero (True) elements, an int64 scalar tensor."""
 

@@ -46,11 +46,12 @@ _NAN_BITS = 0x7FC00000
 NAN_CODE, INF_CODE = 126, 127
 
 
-def _shift_down(ops, mag, base, below):
+def _shift_down(ops, mag, base):
     """float32 magnitude bits divided by 2^base (base > 0): exact where the result is normal;
-    smaller results become subnormal (mantissa shifted right, bits beyond it truncated).
-    ``below``: whether any nonzero magnitude is under ``2^(base + 1 - 127)`` (turns subnormal)."""
-    return ops.cond(below, lambda: _shift_down_all(ops, mag, base),
+    smaller results become subnormal (mantissa shifted right, bits beyond it truncated)."""
+    floor_bits = ops.shift_left(base + 1, 23)
+    below = ops.count_nonzero(ops.logical_and(mag > 0, mag < floor_bits))
+    return ops.cond(below > 0, lambda: _shift_down_all(ops, mag, base),
                     lambda: _shift_down_normal(ops, mag, base))
 
 
@@ -82,38 +83,53 @@ class NaturalCompressor(Compressor):
         k = ops.dither(self.seed, name, self.next_step(name, tensor), n, _DITHER, like=x,
                        stream=call.rank)
         bits = ops.bitcast(x, "int32")
-        if n:
-            # One blockwise pass: the largest magnitude and (less one) the smallest nonzero one.
-            def extremes(b):
-                mag = b & _MAG
-                low = mag - 1
-                low &= _MAG  # zeros become the largest int32, out of the minimum's way
-                return ops.stack([ops.max(mag), ops.min(low)])
-
-            ext = ops.reshape(ops.blockwise(extremes, bits), (-1, 2))
-            top, low = ops.max(ext[:, 0]), ops.min(ext[:, 1])
-        else:
-            top, low = ops.zeros((), "int32", like=x), ops.full((), _MAG, "int32", like=x)
-        base = ops.maximum(ops.shift_right(top, 23) - 124, ops.zeros((), "int32", like=x))
-        # Some nonzero magnitude turns subnormal when divided by 2^base; some element is NaN.
-        below = low < ops.shift_left(base + 1, 23) - 1
-        has_nan = top > _INF
+        # The exponent of the largest magnitude: 255 when some element is inf or NaN.
+        top = ops.shift_right(ops.bitcast(ops.abs_max(x), "int32") & _MAG, 23) if n else \
+            ops.zeros((), "int32", like=x)
+        base = ops.maximum(top - 124, ops.zeros((), "int32", like=x))
+        special = top >= 255  # else every code is at most 125: no clamp, no NaN to replace
         nan_code = ops.full((), NAN_CODE, "int32", like=x)
+        base8 = ops.cast(base, "uint8")
+        one8 = ops.full((), 1, "uint8", like=x)
 
-        def codes(bc, kc):
-            mag = bc & _MAG
-            mag = ops.cond(base > 0, lambda: _shift_down(ops, mag, base, below), lambda: mag)
-            # The carry into the exponent is the stochastic round-up: the dither (k + 1/2)
-            # 2^-b of one unit of the exponent field, i.e. 23 - b bits up, plus half a grid step.
+        def dither(kc):
+            # The carry into the exponent is the stochastic round-up: the dither (k + 1/2) 2^-b
+            # of one unit of the exponent field, i.e. 23 - b bits up, plus half a grid step.
             d = ops.shift_left(ops.cast(kc, "int32"), 23 - _DITHER)
             d += 1 << (22 - _DITHER)
-            mag += d
-            # Finite magnitudes give 0..125; inf 255 (clamped to its code); NaN anything
-            # (replaced).
+            return d
+
+        def exact(bc, kc):  # any input: subnormal shifts, inf and NaN codes
+            mag = bc & _MAG
+            mag = ops.cond(base > 0, lambda: _shift_down(ops, mag, base), lambda: mag)
+            mag += dither(kc)
+            # Finite magnitudes give 0..125; inf 255 - base or more (clamped to its code); NaN
+            # anything (replaced).
             c = ops.clamp(ops.shift_right(mag, 23), None, INF_CODE)
-            c = ops.cond(has_nan, lambda: ops.where((bc & _MAG) > _INF, nan_code, c), lambda: c)
+            c = ops.where((bc & _MAG) > _INF, nan_code, c)
             c |= ops.shift_right(bc, 24) & 0x80  # the sign bit, as bit 7
             return ops.cast(c, "uint8")
+
+        def shifted(bc, kc, t, c):
+            # Down by base: zeros stay 0. A nonzero exponent <= base (rounded: 1..base) needs
+            # the subnormal shift of ``exact``; an exponent 0 that did not round up gives 0
+            # there too.
+            hit = ops.count_nonzero(c - one8 < base8) > 0
+            return ops.cond(hit, lambda: exact(bc, kc),
+                            lambda: (ops.maximum(c, base8) - base8) | sign(t))
+
+        def sign(t):
+            return ops.cast(ops.shift_right(t, 1), "uint8") & 0x80
+
+        def fast(bc, kc):  # all finite: the same codes in fewer passes
+            y = dither(kc)
+            y += bc  # on the signed bits: a finite element's carry stops below the sign bit
+            t = ops.shift_right(y, 23)  # low byte: the rounded exponent; bit 8: the sign
+            c = ops.cast(t, "uint8")
+            return ops.cond(base > 0, lambda: shifted(bc, kc, t, c), lambda: c | sign(t))
+
+        def codes(bc, kc):
+            return ops.cond(special, lambda: exact(bc, kc), lambda: fast(bc, kc))
 
         return [ops.blockwise(codes, bits, k), ops.reshape(base, (1,))], layout
 

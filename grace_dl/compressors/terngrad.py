@@ -43,10 +43,7 @@ class TernGradCompressor(Compressor):
         if n == 0:
             scaler = ops.zeros((1,), "float32", like=x)
         else:
-            # max|x| without building |x|; "+ 0 * sum" turns m into NaN if any x is NaN/Inf
-            # (reductions of max may skip NaN).
-            scaler = ops.maximum(ops.max(x), -ops.min(x)) + 0.0 * ops.sum(x)
-            scaler = ops.reshape(scaler, (1,))
+            scaler = ops.reshape(ops.abs_max(x), (1,))  # NaN if any x is NaN/Inf
         inv = ops.where(scaler > 0, 1.0 / scaler, ops.zeros_like(scaler))
 
         def ternary(xc, kc):

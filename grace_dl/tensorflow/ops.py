@@ -209,6 +209,12 @@ def abs_sum(x):
     return tf.reduce_sum(tf.math.abs(x))
 
 
+def abs_max(x):
+    """``max |x|`` over all (at least one) elements, 0-d; NaN when ``x`` holds a NaN or an
+    infinity (reductions of max may skip NaN: the sum of ``0 * x`` brings it back)."""
+    return tf.maximum(tf.reduce_max(x), -tf.reduce_min(x)) + tf.reduce_sum(0.0 * x)
+
+
 def count_nonzero(x):
     """Number of nonzero (True) elements, an int64 scalar tensor."""
     return tf.math.count_nonzero(x, dtype=tf.int64)

@@ -199,6 +199,14 @@ def abs_sum(x):
     return torch.linalg.vector_norm(x, 1)
 
 
+def abs_max(x):
+    """``max |x|`` over all (at least one) elements, 0-d, without building |x|; NaN when ``x``
+    holds a NaN or an infinity. One pass (``aminmax``)."""
+    lo, hi = torch.aminmax(x)
+    m = torch.maximum(hi, -lo)
+    return m + 0.0 * m
+
+
 def count_nonzero(x):
     """Number of nonzero (True) elements, an int64 scalar tensor."""
     return torch.count_nonzero(x)
@@ -309,7 +317,17 @@ def dither(seed: int, name: str, step, n: int, bits: int = 16, like=None, stream
 
 
 # ------------------------------------------------------------------ blockwise evaluation
-BLOCK = 1 << 17  # elements per block of ``blockwise``: 512 KB of float32, cache-sized
+# Elements per block of ``blockwise`` (and of ``unpack_lookup``'s gather): with one intra-op
+# thread, 512 KB of float32 (cache-sized, and few enough blocks that per-op dispatch stays
+# small); with several, torch's intra-op grain (32768), so each block's ops run on the calling
+# thread: hundreds of small parallel regions cost more in waking and joining threads (far more
+# on a loaded machine) than they save.
+BLOCK = 1 << 17
+BLOCK_THREADED = 1 << 15
+
+
+def _block() -> int:
+    return BLOCK if torch.get_num_threads() == 1 else BLOCK_THREADED
 
 
 def blockwise(fn, *xs):
@@ -329,7 +347,7 @@ def blockwise(fn, *xs):
     rows = xs[0].shape[0] if xs[0].dim() else 1
     per_row = (xs[0].numel() // rows if rows else 0) or 1
     align = 8 // math.gcd(per_row, 8)
-    step = -(-(BLOCK // per_row or 1) // align) * align
+    step = -(-(_block() // per_row or 1) // align) * align
     if rows <= step or xs[0].dim() == 0:
         return fn(*xs).reshape(-1)
     starts = range(0, rows, step)
@@ -500,12 +518,13 @@ def unpack_lookup(packed, bits: int, n, table):
     if per == 1:
         expanded = expanded.reshape(-1)
     packed = packed.reshape(-1)
-    if packed.device.type != "cpu" or packed.numel() <= BLOCK:
+    if packed.device.type != "cpu" or packed.numel() * per <= _block():
         return torch.index_select(expanded, 0, packed.to(torch.int32)).reshape(-1)[:n]
     # On the CPU block by block, straight into the output: the int32 indices stay in cache.
     out = expanded.new_empty((packed.numel(),) + expanded.shape[1:])
-    for start in range(0, packed.numel(), BLOCK):
-        stop = start + BLOCK
+    step = _block() // per  # a block's worth of results (the grain for rows of ``per`` values)
+    for start in range(0, packed.numel(), step):
+        stop = start + step
         torch.index_select(expanded, 0, packed[start:stop].to(torch.int32),
                            out=out[start:stop])
     return out.reshape(-1)[:n]
