@@ -63,13 +63,14 @@ def dither_bits(levels: int) -> int:
     return 8 if levels >= 64 else 16
 
 
-def add_dither(ops, t, k, bits: int):
-    """``t + (k + 1/2) / 2**bits``: the float32 ``t`` plus the dither ``u`` of the integers ``k``
-    (``ops.dither``), so that ``floor`` of the result rounds ``t`` up with probability within
-    ``2**-(bits+1)`` of its fractional part. ``t`` must be a fresh local tensor (torch adds in
-    place)."""
+def add_dither(ops, t, k, bits: int, offset: float = 0.0):
+    """``t + (k + 1/2) / 2**bits + offset``: the float32 ``t`` plus the dither ``u`` of the
+    integers ``k`` (``ops.dither``), so that ``floor`` of the result rounds ``t + offset`` up
+    with probability within ``2**-(bits+1)`` of its fractional part (``offset`` an integer, or
+    any constant exact in float32 with the half step added). ``t`` must be a fresh local tensor
+    (torch adds in place)."""
     u = ops.cast(k, "float32")
     u *= 2.0**-bits
-    u += 2.0**-(bits + 1)
     t += u
+    t += offset + 2.0**-(bits + 1)
     return t

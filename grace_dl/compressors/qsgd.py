@@ -73,8 +73,7 @@ class QSGDCompressor(Compressor):
         def levels(xc, sc, kc):
             # floor(s*v/||v|| + u) + s: the stochastic level, shifted to [0, 2s]. Truncation is
             # floor here (t >= -tiny); the clamp only catches float rounding at +s.
-            t = add_dither(ops, xc * sc, kc, db)
-            t += s
+            t = add_dither(ops, xc * sc, kc, db, s)
             return ops.clamp(ops.cast(t, "uint8"), None, hi)
 
         codes = ops.blockwise(levels, xb, scale, ops.reshape(k, (nb, b)))

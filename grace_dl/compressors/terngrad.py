@@ -48,8 +48,7 @@ class TernGradCompressor(Compressor):
 
         def ternary(xc, kc):
             # floor(v/m + u) is in {-1, 0, 1} with E = v/m; + 1 makes a 2-bit code.
-            t = add_dither(ops, xc * inv, kc, _DITHER)
-            t += 1.0
+            t = add_dither(ops, xc * inv, kc, _DITHER, 1.0)
             return ops.pack_bits(ops.clamp(ops.cast(t, "uint8"), None, 2), 2)
 
         return [ops.blockwise(ternary, x, k), scaler], layout
