@@ -114,7 +114,7 @@ class NaturalCompressor(Compressor):
             # Down by base: zeros stay 0. A nonzero exponent <= base (rounded: 1..base) needs
             # the subnormal shift of ``exact``; an exponent 0 that did not round up gives 0
             # there too.
-            hit = ops.count_nonzero(c - one8 < base8) > 0
+            hit = ops.min(c - one8) < base8  # (uint8: a 0 wraps to 255)
             return ops.cond(hit, lambda: exact(bc, kc),
                             lambda: (ops.maximum(c, base8) - base8) | sign(t))
 
