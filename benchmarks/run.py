@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                         str(results / "compression_throughput.json")], check=True, cwd=str(ROOT))
         micro = ROOT / "benchmarks/compressors.py"
         if micro.exists():
-            subprocess.run([sys.executable, str(micro), "--out",
+            subprocess.run([sys.executable, str(micro), "--threads", "1", "--out",
                             str(results / "compressors.md")], check=True, cwd=str(ROOT))
         e2e.main(["--out", str(results / "e2e.json")])
         convergence.main(["--out", str(results / "convergence.json")])

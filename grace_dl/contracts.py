@@ -148,6 +148,9 @@ class OpsBackend(Protocol):
 
     def abs_sum(self, x): ...
 
+    def abs_max(self, x):
+        """``max |x|`` over all (at least one) elements; NaN when x holds a NaN or an inf."""
+
     def count_nonzero(self, x):
         """Number of nonzero (True) elements, an int64 scalar tensor."""
 
@@ -195,6 +198,14 @@ class OpsBackend(Protocol):
     def uniform(self, seed: int, name: str, step, n: int, like=None, stream: int = 0): ...
 
     def choice(self, seed: int, name: str, step, n: int, k: int, like=None): ...
+
+    def dither(self, seed: int, name: str, step, n: int, bits: int = 16, like=None,
+               stream: int = 0):
+        """``n`` uniform integers in ``[0, 2**bits)`` (bits 8 or 16; uint8 or uint16), the dither
+        ``(k + 1/2) / 2**bits`` of a stochastic rounding, with bias <= ``2**-(bits+1)`` step."""
+
+    def blockwise(self, fn, *xs):
+        """``flatten(fn(*xs))`` for a row-wise ``fn``, possibly evaluated block by block."""
 
     def pack_bits(self, codes, bits: int):
         """Pack unsigned codes (< 2**bits, any int dtype) into a uint8 tensor, ``bits`` each."""

@@ -176,6 +176,65 @@ def test_dither_is_independent_across_ranks(cls, fw):
     assert mean < 0.3 * one
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_dither_grid_and_bias_bound(bits):
+    """``seeding.dither`` (``ops.dither``): integers on the stated grid, the same in torch and TF,
+    keyed by (seed, name, step, stream), uniform; and the stated bias bound of a rounding
+    ``floor(t + (k + 1/2) / 2**bits)``: ``|E - t| <= 2**-(bits + 1)``. The expectation is taken
+    exactly, over every grid point, through the quantizers' own float32 path (``add_dither``)."""
+    from grace_dl import seeding
+    from grace_dl.compressors.flat import add_dither
+    from grace_dl.tensorflow import ops as tf_ops
+    from grace_dl.torch import ops as torch_ops
+
+    n = 1 << 18
+    k = seeding.dither(3, "w", 5, n, bits, stream=2)
+    assert k.dtype == (np.uint8 if bits == 8 else np.uint16) and k.shape == (n,)
+    np.testing.assert_array_equal(torch_ops.dither(3, "w", 5, n, bits, stream=2).numpy(), k)
+    np.testing.assert_array_equal(tf_ops.dither(3, "w", 5, n, bits, stream=2).numpy(), k)
+    np.testing.assert_array_equal(seeding.dither(3, "w", 5, 1001, bits, stream=2), k[:1001])
+    for other in [(4, "w", 5, 2), (3, "v", 5, 2), (3, "w", 6, 2), (3, "w", 5, 1)]:
+        assert not np.array_equal(seeding.dither(other[0], other[1], other[2], 64, bits,
+                                                 stream=other[3]), k[:64])
+    # Uniform over the grid: 16 equal bins of the top bits hold n/16 each within 5 sigma.
+    counts = np.bincount(k.astype(np.int64) >> (bits - 4), minlength=16)
+    assert np.abs(counts - n / 16).max() < 5 * np.sqrt(n / 16)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        seeding.dither(0, "w", 1, 8, 12)
+
+    # Exact expectation over the whole grid, for t across [-3, 3] and near integers.
+    grid = torch.arange(1 << bits, dtype=torch.int32).to(torch.uint8 if bits == 8 else torch.uint16)
+    t = np.concatenate([np.random.default_rng(0).uniform(-3, 3, 300),
+                        [0.0, 1.0, -2.0, 2.0**-(bits + 2), 1 - 2.0**-(bits + 2), 0.5, -0.25]])
+    bound = 2.0**-(bits + 1)
+    for value in t.astype(np.float32):
+        rounded = torch.floor(add_dither(torch_ops, torch.full((1 << bits,), value), grid, bits))
+        expected = rounded.double().mean().item()
+        assert abs(expected - float(value)) <= bound + 2.0**-21, (value, expected)
+        frac = float(value) - math.floor(value)
+        if frac < bound or frac > 1 - bound:  # within half a grid step: deterministic
+            assert rounded.unique().numel() == 1
+
+
+def test_quantizers_mean_is_within_the_stated_bias_bound():
+    """Many draws of qsgd (8-bit dither), terngrad and natural (16 bits) average to x within
+    5 standard errors (from each method's variance bound) plus the docstrings' bias bounds."""
+    x = gaussian(256, 21)
+    x[:3] = [0.0, 1e-7, -3e-6]  # elements far below one step: the dither's grid matters most
+    a, m, norm = np.abs(x).astype(np.float64), np.abs(x).max(), np.linalg.norm(x.astype(np.float64))
+    cases = [  # (compressor, bias bound, a bound on each element's standard deviation)
+        (QSGDCompressor(bucket_size=256), norm / (127 * 512), norm / 127 / 2),
+        (TernGradCompressor(), m / 2.0**17, np.sqrt(a * m)),
+        (NaturalCompressor(), a * 2.0**-17, a / np.sqrt(8)),
+    ]
+    draws_n = 1500
+    for comp, bound, sd in cases:
+        draws = np.stack([run(comp, x, rank=r)[1] for r in range(draws_n)])
+        err = np.abs(draws.mean(0) - x)
+        assert np.all(err <= 5 * sd / np.sqrt(draws_n) + bound + 1e-12), type(comp).__name__
+        assert err[0] == 0.0
+
+
 def test_randomk_positions_do_not_depend_on_the_rank():
     from grace_dl.compressors.randomk import RandomKCompressor
 

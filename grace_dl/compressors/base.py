@@ -65,7 +65,7 @@ class Compressor(Stateful, ABC):
     agree across ranks (randomk's positions, PowerSGD's first Q) leave the rank out of their
     key; draws that must be independent across ranks (the dither of unbiased quantizers, so
     that their noise averages out over workers) pass ``call.rank`` as the ``stream`` of
-    ``ops.uniform``.
+    ``ops.dither``.
 
     Optional capabilities are methods with defaults here, so memories and the cost model call
     them without probing: ``next_round`` (multi-round methods), ``sent_indices`` (which

@@ -52,3 +52,25 @@ def pack(ops, codes, bits: int):
 def unpack(ops, packed, bits: int, n):
     """The first ``n`` codes of ``pack``'s output, as uint8."""
     return ops.slice(packed, 0, n) if bits == 8 else ops.unpack_bits(packed, bits, n)
+
+
+def dither_bits(levels: int) -> int:
+    """Random bits per element for the dither of a stochastic rounding onto ``levels`` steps per
+    unit of the quantizer's range (QSGD's s, TernGrad's 1): the fewer of 8 and 16 bits whose
+    bias bound, ``2**-(bits+1)`` of a step (``seeding.dither``), is at most ``2**-15`` of the
+    range. 8 bits from ``levels >= 64`` (QSGD's default s = 127: bias <= ||v|| / (127 * 512)),
+    16 bits below (TernGrad: bias <= max|v| / 131072)."""
+    return 8 if levels >= 64 else 16
+
+
+def add_dither(ops, t, k, bits: int, offset: float = 0.0):
+    """``t + (k + 1/2) / 2**bits + offset``: the float32 ``t`` plus the dither ``u`` of the
+    integers ``k`` (``ops.dither``), so that ``floor`` of the result rounds ``t + offset`` up
+    with probability within ``2**-(bits+1)`` of its fractional part (``offset`` an integer, or
+    any constant exact in float32 with the half step added). ``t`` must be a fresh local tensor
+    (torch adds in place)."""
+    u = ops.cast(k, "float32")
+    u *= 2.0**-bits
+    t += u
+    t += offset + 2.0**-(bits + 1)
+    return t

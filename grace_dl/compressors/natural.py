@@ -4,9 +4,11 @@
 Each element ``v = +-2^p (1 + f)``, ``0 <= f < 1``, becomes ``+-2^p`` with probability
 ``1 - f`` and ``+-2^(p+1)`` with probability ``f``: unbiased, variance at most ``v^2 / 8``.
 The rounding is done on the float32 bits with integer operations only (TensorFlow flushes
-subnormal floats to zero, torch does not): adding a uniform 23-bit integer to the magnitude bits
-carries into the exponent with probability exactly ``f``, and a subnormal rounds to 0 or to the
-smallest normal power with the unbiased probabilities as well.
+subnormal floats to zero, torch does not): adding the dither ``(k + 1/2) 2^-16`` of one exponent
+unit (a 16-bit ``k``, ``seeding.dither``) to the magnitude bits carries into the exponent with
+probability within ``2^-17`` of ``f`` (a relative bias of at most ``2^-17``; exact zeros and
+powers of two never move), and a subnormal rounds to 0 or to the smallest normal power with
+the same probabilities.
 
 Wire (tensor of n elements): **8 bits per element**, ``n`` uint8 codes, plus one int32 (4 bytes)
 ``base``. A code is ``sign << 7 | c``: ``c = 0`` is zero, ``c = 1..125`` is
@@ -16,7 +18,8 @@ unless the largest magnitude reaches 2^-2, and then shifts the 125-binade window
 Elements below the window (smaller than about ``2^-124`` times the largest) are shifted into
 float32's subnormal range first and rounded from there to 0 or the window's smallest power,
 unbiased up to the truncation of mantissa bits beyond the subnormal range (below 2^-23 of that
-power). A magnitude of 2^127 or more may round up to 2^128, which decodes as inf.
+power) and the dither's 2^-17. A magnitude of 2^127 or more may round up to 2^128, which decodes
+as inf.
 
 Not allreduce-safe (codes do not add): gathered. Any 1-D chunk compresses on its own
 (two-phase safe). NaN and +-inf elements decode to NaN and +-inf.
@@ -30,6 +33,10 @@ from grace_dl.backend import ops_for
 from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
+
+# Dither bits: a round-up probability within 2^-17 of the mantissa fraction, i.e. a relative bias
+# of at most 2^-17 (seeding.dither); 8 bits would allow 2^-9, more than float16's precision.
+_DITHER = 16
 
 _MAG = 0x7FFFFFFF        # float32 bits without the sign
 _INF = 0x7F800000        # float32 bits of +inf
@@ -73,21 +80,58 @@ class NaturalCompressor(Compressor):
     def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         n = layout.numel
-        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
-                        stream=call.rank)
+        k = ops.dither(self.seed, name, self.next_step(name, tensor), n, _DITHER, like=x,
+                       stream=call.rank)
         bits = ops.bitcast(x, "int32")
-        mag = bits & _MAG
-        isnan = mag > _INF
-        top = ops.shift_right(ops.max(mag), 23) if n else ops.zeros((), "int32", like=x)
-        base = ops.maximum(top - 124, ops.zeros_like(top))
-        mag = ops.cond(base > 0, lambda: _shift_down(ops, mag, base), lambda: mag)
-        u *= float(_ONE)
-        mag += ops.cast(u, "int32")  # the carry into the exponent is the stochastic round-up
-        # Finite magnitudes give 0..125; inf 255 (clamped to its code); NaN anything (replaced).
-        c = ops.clamp(ops.cast(ops.shift_right(mag, 23), "uint8"), None, INF_CODE)
-        c = ops.where(isnan, ops.full((), NAN_CODE, "uint8", like=x), c)
-        c |= ops.shift_left(ops.cast(bits < 0, "uint8"), 7)
-        return [c, ops.reshape(base, (1,))], layout
+        # The exponent of the largest magnitude: 255 when some element is inf or NaN.
+        top = ops.shift_right(ops.bitcast(ops.abs_max(x), "int32") & _MAG, 23) if n else \
+            ops.zeros((), "int32", like=x)
+        base = ops.maximum(top - 124, ops.zeros((), "int32", like=x))
+        special = top >= 255  # else every code is at most 125: no clamp, no NaN to replace
+        nan_code = ops.full((), NAN_CODE, "int32", like=x)
+        base8 = ops.cast(base, "uint8")
+        one8 = ops.full((), 1, "uint8", like=x)
+
+        def dither(kc):
+            # The carry into the exponent is the stochastic round-up: the dither (k + 1/2) 2^-b
+            # of one unit of the exponent field, i.e. 23 - b bits up, plus half a grid step.
+            d = ops.shift_left(ops.cast(kc, "int32"), 23 - _DITHER)
+            d += 1 << (22 - _DITHER)
+            return d
+
+        def exact(bc, kc):  # any input: subnormal shifts, inf and NaN codes
+            mag = bc & _MAG
+            mag = ops.cond(base > 0, lambda: _shift_down(ops, mag, base), lambda: mag)
+            mag += dither(kc)
+            # Finite magnitudes give 0..125; inf 255 - base or more (clamped to its code); NaN
+            # anything (replaced).
+            c = ops.clamp(ops.shift_right(mag, 23), None, INF_CODE)
+            c = ops.where((bc & _MAG) > _INF, nan_code, c)
+            c |= ops.shift_right(bc, 24) & 0x80  # the sign bit, as bit 7
+            return ops.cast(c, "uint8")
+
+        def shifted(bc, kc, t, c):
+            # Down by base: zeros stay 0. A nonzero exponent <= base (rounded: 1..base) needs
+            # the subnormal shift of ``exact``; an exponent 0 that did not round up gives 0
+            # there too.
+            hit = ops.min(c - one8) < base8  # (uint8: a 0 wraps to 255)
+            return ops.cond(hit, lambda: exact(bc, kc),
+                            lambda: (ops.maximum(c, base8) - base8) | sign(t))
+
+        def sign(t):
+            return ops.cast(ops.shift_right(t, 1), "uint8") & 0x80
+
+        def fast(bc, kc):  # all finite: the same codes in fewer passes
+            y = dither(kc)
+            y += bc  # on the signed bits: a finite element's carry stops below the sign bit
+            t = ops.shift_right(y, 23)  # low byte: the rounded exponent; bit 8: the sign
+            c = ops.cast(t, "uint8")
+            return ops.cond(base > 0, lambda: shifted(bc, kc, t, c), lambda: c | sign(t))
+
+        def codes(bc, kc):
+            return ops.cond(special, lambda: exact(bc, kc), lambda: fast(bc, kc))
+
+        return [ops.blockwise(codes, bits, k), ops.reshape(base, (1,))], layout
 
     def decompress(self, payload, ctx):
         codes, base = payload

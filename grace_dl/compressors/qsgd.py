@@ -6,7 +6,10 @@ Within a bucket of norm ``||v||``, each element becomes ``||v|| / s * l`` with t
 ``l`` in ``[-s, s]`` (``s = quantum_num``) drawn so that ``E[l] = s * v_i / ||v||``: ``l`` is
 ``s * v_i / ||v||`` rounded down or up, up with probability equal to the fractional part.
 This is the paper's ``sign(v_i) * xi_i(v, s)``, hence unbiased; Lemma 3.1 bounds the variance by
-``min(n/s^2, sqrt(n)/s) * ||v||^2`` per bucket of n elements.
+``min(n/s^2, sqrt(n)/s) * ||v||^2`` per bucket of n elements. The rounding's dither has
+``b = 8`` random bits per element for ``s >= 64`` (16 below; ``flat.dither_bits``), so the
+round-up probability is the fractional part within ``2^-(b+1)`` (``seeding.dither``): a bias of
+at most ``||v|| / (s * 2^(b+1))`` per element, ``||v|| / 65024`` at the default s = 127.
 
 Wire (per tensor of n elements, B = ceil(n / bucket_size) buckets):
   * codes ``l + s``, ``bits = ceil(log2(2s + 1))`` each, bit-packed into
@@ -26,7 +29,15 @@ from __future__ import annotations
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import LOCAL, Compressor
-from grace_dl.compressors.flat import bits_for, flat_f32, pack, restore, unpack
+from grace_dl.compressors.flat import (
+    add_dither,
+    bits_for,
+    dither_bits,
+    flat_f32,
+    pack,
+    restore,
+    unpack,
+)
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
 
@@ -50,30 +61,39 @@ class QSGDCompressor(Compressor):
         ops, x, layout = flat_f32(tensor)
         n, b, s = layout.numel, self.bucket_size, float(self.quantum_num)
         nb = self._buckets(n)
-        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
-                        stream=call.rank)
+        db = dither_bits(self.quantum_num)
+        k = ops.dither(self.seed, name, self.next_step(name, tensor), nb * b, db, like=x,
+                       stream=call.rank)
 
         xb = ops.reshape(ops.pad(x, nb * b - n), (nb, b))
         norms = _bucket_norms(ops, xb, nb)
-        scale = ops.where(norms > 0, s / norms, ops.zeros_like(norms))
-        # floor(s*v/||v|| + u) + s: the stochastic level, shifted to [0, 2s].
-        t = ops.slice(ops.flatten(xb * ops.reshape(scale, (nb, 1))), 0, n)
-        t += u
-        t += s
-        # Truncation is floor here (t >= -tiny); the clamp only catches float rounding at +s.
-        codes = ops.clamp(ops.cast(t, "uint8"), None, 2 * self.quantum_num)
-        return [pack(ops, codes, self._bits), norms], layout
+        scale = ops.reshape(ops.where(norms > 0, s / norms, ops.zeros_like(norms)), (nb, 1))
+        hi = 2 * self.quantum_num
+
+        def levels(xc, sc, kc):
+            # floor(s*v/||v|| + u) + s: the stochastic level, shifted to [0, 2s]. Truncation is
+            # floor here (t >= -tiny); the clamp only catches float rounding at +s.
+            t = add_dither(ops, xc * sc, kc, db, s)
+            return ops.clamp(ops.cast(t, "uint8"), None, hi)
+
+        codes = ops.blockwise(levels, xb, scale, ops.reshape(k, (nb, b)))
+        return [pack(ops, ops.slice(codes, 0, n), self._bits), norms], layout
 
     def decompress(self, payload, ctx):
         packed, norms = payload
         ops, n, b = ops_for(packed), ctx.numel, self.bucket_size
         nb = self._buckets(n)
         s = float(self.quantum_num)
-        codes = ops.pad(unpack(ops, packed, self._bits, n), nb * b - n)
-        v = ops.reshape(ops.cast(codes, "float32"), (nb, b))
-        v -= s
-        v *= ops.reshape(norms / s, (nb, 1))
-        return restore(ops, ops.slice(ops.flatten(v), 0, n), ctx)
+        codes = ops.reshape(ops.pad(unpack(ops, packed, self._bits, n), nb * b - n), (nb, b))
+
+        def values(cc, step):
+            v = ops.cast(cc, "float32")
+            v -= s
+            v *= step
+            return v
+
+        v = ops.blockwise(values, codes, ops.reshape(norms / s, (nb, 1)))
+        return restore(ops, ops.slice(v, 0, n), ctx)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return -(-numel * self._bits // 8) + 4 * self._buckets(numel)

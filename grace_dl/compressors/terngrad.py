@@ -2,8 +2,10 @@
 "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning").
 
 With ``m = max|v|`` over the tensor, each element becomes ``m * b_i``, ``b_i`` in {-1, 0, 1},
-``b_i = sign(v_i)`` with probability ``|v_i| / m`` and 0 otherwise: unbiased. (The paper's
-optional 2.5-sigma gradient clipping is left to the training script.)
+``b_i = sign(v_i)`` with probability ``|v_i| / m`` and 0 otherwise: unbiased. The dither has 16
+random bits per element, so that probability is exact within ``2^-17`` (``seeding.dither``): a
+bias of at most ``m / 131072`` per element. (The paper's optional 2.5-sigma gradient clipping is
+left to the training script.)
 
 Wire (tensor of n elements): codes ``b_i + 1`` at 2 bits each, packed into ``ceil(n / 4)``
 uint8, plus the scaler ``m`` as one float32 (4 bytes). Not allreduce-safe (each rank has its
@@ -15,10 +17,14 @@ and the whole tensor decodes to NaN.
 
 from __future__ import annotations
 
+import numpy as np
+
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import LOCAL, Compressor
-from grace_dl.compressors.flat import flat_f32, restore
+from grace_dl.compressors.flat import add_dither, dither_bits, flat_f32, restore
 from grace_dl.registry import register_compressor
+
+_DITHER = dither_bits(1)  # one step per max|v|: 16 bits, bias <= max|v| / 2**17
 
 
 @register_compressor("terngrad")
@@ -32,30 +38,27 @@ class TernGradCompressor(Compressor):
     def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         n = layout.numel
-        u = ops.uniform(self.seed, name, self.next_step(name, tensor), n, like=x,
-                        stream=call.rank)
+        k = ops.dither(self.seed, name, self.next_step(name, tensor), n, _DITHER, like=x,
+                       stream=call.rank)
         if n == 0:
             scaler = ops.zeros((1,), "float32", like=x)
         else:
-            # max|x| without building |x|; "+ 0 * sum" turns m into NaN if any x is NaN/Inf
-            # (reductions of max may skip NaN).
-            scaler = ops.maximum(ops.max(x), -ops.min(x)) + 0.0 * ops.sum(x)
-            scaler = ops.reshape(scaler, (1,))
+            scaler = ops.reshape(ops.abs_max(x), (1,))  # NaN if any x is NaN/Inf
         inv = ops.where(scaler > 0, 1.0 / scaler, ops.zeros_like(scaler))
-        # floor(v/m + u) is in {-1, 0, 1} with E = v/m; + 1 makes a 2-bit code.
-        t = x * inv
-        t += u
-        t += 1.0
-        codes = ops.clamp(ops.cast(t, "uint8"), None, 2)
-        return [ops.pack_bits(codes, 2), scaler], layout
+
+        def ternary(xc, kc):
+            # floor(v/m + u) is in {-1, 0, 1} with E = v/m; + 1 makes a 2-bit code.
+            t = add_dither(ops, xc * inv, kc, _DITHER, 1.0)
+            return ops.pack_bits(ops.clamp(ops.cast(t, "uint8"), None, 2), 2)
+
+        return [ops.blockwise(ternary, x, k), scaler], layout
 
     def decompress(self, payload, ctx):
         packed, scaler = payload
         ops = ops_for(packed)
-        v = ops.cast(ops.unpack_bits(packed, 2, ctx.numel), "float32")
-        v -= 1.0
-        v *= scaler
-        return restore(ops, v, ctx)
+        # Code c decodes to (c - 1) * m (code 3 is never sent).
+        table = (ops.from_numpy(np.arange(4, dtype=np.float32), like=packed) - 1.0) * scaler
+        return restore(ops, ops.unpack_lookup(packed, 2, ctx.numel, table), ctx)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return -(-numel // 4) + 4

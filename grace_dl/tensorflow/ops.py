@@ -23,7 +23,7 @@ NAME = "tensorflow"
 _DTYPES = {
     "float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
     "float64": tf.float64, "uint8": tf.uint8, "int8": tf.int8, "int16": tf.int16,
-    "int32": tf.int32, "int64": tf.int64, "bool": tf.bool,
+    "uint16": tf.uint16, "int32": tf.int32, "int64": tf.int64, "bool": tf.bool,
 }
 
 
@@ -209,6 +209,12 @@ def abs_sum(x):
     return tf.reduce_sum(tf.math.abs(x))
 
 
+def abs_max(x):
+    """``max |x|`` over all (at least one) elements, 0-d; NaN when ``x`` holds a NaN or an
+    infinity (reductions of max may skip NaN: the sum of ``0 * x`` brings it back)."""
+    return tf.maximum(tf.reduce_max(x), -tf.reduce_min(x)) + tf.reduce_sum(0.0 * x)
+
+
 def count_nonzero(x):
     """Number of nonzero (True) elements, an int64 scalar tensor."""
     return tf.math.count_nonzero(x, dtype=tf.int64)
@@ -322,6 +328,21 @@ def uniform(seed: int, name: str, step, n: int, like=None, stream: int = 0):
 def choice(seed: int, name: str, step, n: int, k: int, like=None):
     return _draw(lambda s: seeding.choice(seed, name, s, n, k).astype(np.int64), tf.int64, [k],
                  seed, name, step)
+
+
+def dither(seed: int, name: str, step, n: int, bits: int = 16, like=None, stream: int = 0):
+    """``n`` uniform integers in ``[0, 2**bits)``, uint8 (8 bits) or uint16 (16 bits): the same
+    values as torch's (``seeding.dither``, which states the bias bound)."""
+    dt = tf.uint8 if bits == 8 else tf.uint16
+    return _draw(lambda s: seeding.dither(seed, name, s, n, bits, stream), dt, [n],
+                 seed, name, step)
+
+
+# ------------------------------------------------------------------ blockwise evaluation
+def blockwise(fn, *xs):
+    """``flatten(fn(*xs))`` for a row-wise ``fn`` (torch evaluates it block by block to keep its
+    temporaries in cache; TF reuses its buffers, and evaluates it once)."""
+    return tf.reshape(fn(*xs), [-1])
 
 
 # ------------------------------------------------------------------ bit packing

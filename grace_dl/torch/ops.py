@@ -25,7 +25,7 @@ NAME = "torch"
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
-    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+    "uint16": torch.uint16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -199,6 +199,14 @@ def abs_sum(x):
     return torch.linalg.vector_norm(x, 1)
 
 
+def abs_max(x):
+    """``max |x|`` over all (at least one) elements, 0-d, without building |x|; NaN when ``x``
+    holds a NaN or an infinity. One pass (``aminmax``)."""
+    lo, hi = torch.aminmax(x)
+    m = torch.maximum(hi, -lo)
+    return m + 0.0 * m
+
+
 def count_nonzero(x):
     """Number of nonzero (True) elements, an int64 scalar tensor."""
     return torch.count_nonzero(x)
@@ -326,6 +334,60 @@ def choice(seed: int, name: str, step, n: int, k: int, like=None):
     return from_numpy(seeding.choice(seed, name, int(step), n, k), like)
 
 
+def dither(seed: int, name: str, step, n: int, bits: int = 16, like=None, stream: int = 0):
+    """``n`` uniform integers in ``[0, 2**bits)``, uint8 (8 bits) or uint16 (16 bits), from
+    ``64 // bits`` per 64-bit draw: the dither ``u = (k + 1/2) / 2**bits`` of a stochastic
+    rounding, whose bias is at most ``2**-(bits + 1)`` of a step (``seeding.dither``)."""
+    return from_numpy(seeding.dither(seed, name, int(step), n, bits, stream), like)
+
+
+# ------------------------------------------------------------------ blockwise evaluation
+# Elements per block of ``blockwise`` (and of ``unpack_lookup``'s gather): with one intra-op
+# thread, 512 KB of float32 (cache-sized, and few enough blocks that per-op dispatch stays
+# small); with several, torch's intra-op grain (32768), so each block's ops run on the calling
+# thread: hundreds of small parallel regions cost more in waking and joining threads (far more
+# on a loaded machine) than they save.
+BLOCK = 1 << 17
+BLOCK_THREADED = 1 << 15
+
+
+def _block() -> int:
+    return BLOCK if torch.get_num_threads() == 1 else BLOCK_THREADED
+
+
+def blockwise(fn, *xs):
+    """``flatten(fn(*xs))`` for a row-wise ``fn``: all ``xs`` have the same number of rows (axis 0)
+    and ``fn`` of a block of rows is the matching part of ``fn`` of all of them.
+
+    Here ``fn`` runs on blocks of about ``BLOCK`` elements of ``xs[0]`` (a whole number of rows,
+    each block but the last a multiple of 8 elements, so ``fn`` may bit-pack) and the results
+    are written into one output: the temporaries of an elementwise chain stay in cache and are
+    reused, instead of each being a fresh tensor of the whole size (torch's CPU allocator maps
+    every large tensor anew, so each costs page faults on top of a pass over memory). Every block
+    but the last must give the same number of results. TF evaluates ``fn(*xs)`` once.
+    """
+    # (this module's ``max`` is the tensor one)
+    if xs[0].device.type != "cpu":  # GPU memory is pooled; one launch per op is cheaper
+        return fn(*xs).reshape(-1)
+    rows = xs[0].shape[0] if xs[0].dim() else 1
+    per_row = (xs[0].numel() // rows if rows else 0) or 1
+    align = 8 // math.gcd(per_row, 8)
+    step = -(-(_block() // per_row or 1) // align) * align
+    if rows <= step or xs[0].dim() == 0:
+        return fn(*xs).reshape(-1)
+    starts = range(0, rows, step)
+    first = fn(*(x[:step] for x in xs)).reshape(-1)
+    last = fn(*(x[starts[-1]:] for x in xs)).reshape(-1)
+    m = first.numel()
+    out = first.new_empty(m * (len(starts) - 1) + last.numel())
+    out[:m] = first
+    out[m * (len(starts) - 1):] = last
+    for i in range(1, len(starts) - 1):
+        start = starts[i]
+        out[i * m:(i + 1) * m] = fn(*(x[start:start + step] for x in xs)).reshape(-1)
+    return out
+
+
 # ------------------------------------------------------------------ bit packing
 def pack_bits(codes, bits: int):
     """Pack unsigned codes (< 2**bits, any int dtype) into a uint8 tensor, ``bits`` each.
@@ -338,6 +400,8 @@ def pack_bits(codes, bits: int):
     n = codes.numel()
     if bits == 8:
         return codes.clone()
+    if sys.byteorder == "little" and bits in (2, 4):
+        return _pack_lanes(codes, bits)
     if sys.byteorder == "little":
         return _pack_words(codes, bits)
     if 8 % bits == 0:
@@ -384,6 +448,26 @@ def _replicate(value: int, period: int) -> int:
 # 64-bit lanes), the word's low b bytes being the packed stream (little-endian hosts). A few
 # whole-tensor shift/and/or passes over n/8 words, instead of a bit per element.
 _WORD_STEPS = ((8, 1), (16, 2), (32, 4))
+
+
+def _pack_lanes(codes, bits: int):
+    """2- or 4-bit codes, little-endian host: the ``8 // bits`` codes of a byte read as one
+    int32 (int16) lane and folded into its low byte by shift-ors: a few passes over n/4 (n/2)
+    lanes."""
+    per = 8 // bits
+    n = codes.numel()
+    if n == 0:
+        return codes.new_zeros(0)
+    if n % per or codes.storage_offset() % per or not codes.is_contiguous():
+        codes = torch.cat([codes, codes.new_zeros((-n) % per)])
+    if bits == 4:  # c0 | c1 << 8 -> c0 | c1 << 4
+        v = codes.view(torch.int16)
+        v = v | (v >> 4)
+    else:  # c0 | c1 << 8 | c2 << 16 | c3 << 24 -> c0 | c1 << 2 | c2 << 4 | c3 << 6
+        v = codes.view(torch.int32)
+        v = v | (v >> 6)
+        v |= v >> 12
+    return v.to(torch.uint8)
 
 
 def _pack_words(codes, bits: int):
@@ -456,7 +540,18 @@ def unpack_lookup(packed, bits: int, n, table):
     per = 8 // bits
     codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
     expanded = table.reshape(-1)[torch.from_numpy(codes).to(table.device)]
-    out = torch.index_select(expanded, 0, packed.reshape(-1).to(torch.int32))
+    if per == 1:
+        expanded = expanded.reshape(-1)
+    packed = packed.reshape(-1)
+    if packed.device.type != "cpu" or packed.numel() * per <= _block():
+        return torch.index_select(expanded, 0, packed.to(torch.int32)).reshape(-1)[:n]
+    # On the CPU block by block, straight into the output: the int32 indices stay in cache.
+    out = expanded.new_empty((packed.numel(),) + expanded.shape[1:])
+    step = _block() // per  # a block's worth of results (the grain for rows of ``per`` values)
+    for start in range(0, packed.numel(), step):
+        stop = start + step
+        torch.index_select(expanded, 0, packed[start:stop].to(torch.int32),
+                           out=out[start:stop])
     return out.reshape(-1)[:n]
 
 
