@@ -516,6 +516,8 @@ def pack_mask(mask):
     n = m.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.uint8, device=m.device)
+    if m.device.type == "cpu":  # NumPy's packbits: ~10x faster than the shift-ors below
+        return torch.from_numpy(np.packbits(m.numpy(), bitorder="little"))
     m = m.view(torch.uint8)
     if n % 8 or m.storage_offset() % 8 or not m.is_contiguous():
         m = torch.cat([m, m.new_zeros((-n) % 8)])
