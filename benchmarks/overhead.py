@@ -46,32 +46,53 @@ def run(model: str, pipelines: list[str], rounds: int, steps: int, ranks: int,
     return rows
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict]) -> str:
     ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
     lines = []
     for label in dict.fromkeys(r["label"] for r in rows):
         group = [r for r in rows if r["label"] == label]
+        first = group[0]
         base = next((r["total_s"] for r in group if r["pipeline"] == "none"), None)
         table = []
         for r in group:
+            timed = "sent_bytes" in r  # a grace pipeline (Horovod's own have no phases)
             table.append({
                 "pipeline": r["pipeline"], "step ms": ms(r["total_s"]),
                 "÷ Horovod": f"{r['total_s'] / base:.2f}" if base else "",
                 "fwd+bwd ms": ms(r["backward_s"]), "step() ms": ms(r["step_s"]),
-                **{f"{p} ms": ms(r.get(p + "_s", 0.0)) if r["pipeline"] != "compute" else ""
+                **{f"{p} ms": ms(r.get(p + "_s", 0.0)) if timed or p == "other" else ""
                    for p in PHASES},
-                "sent MB": f"{r['sent_bytes'] / 1e6:.2f}" if "sent_bytes" in r else ""})
-        lines += [f"### {label}", "", f"{group[0]['model']}, {group[0]['ranks']} ranks, "
-                  f"loopback; {group[0].get('when', '')}", "", _table(list(table[0]), table), ""]
+                "sent MB": f"{r['sent_bytes'] / 1e6:.2f}" if r.get("sent_bytes") else ""})
+            if r["pipeline"] == "compute":
+                table[-1]["other ms"] = ""
+        lines += [f"### {label}", "",
+                  f"{first['model']}, {first['ranks']} ranks, loopback, {first.get('when', '')}"
+                  f", code at `{first.get('commit', '?')}`; made with "
+                  f"`{first.get('command', '?')}`.", ""]
+        if first.get("note"):
+            lines += [first["note"], ""]
+        lines += [_table(list(table[0]), table), ""]
     return ("# Pipeline overhead on loopback\n\n"
-            f"Made with `{command}`. Machine: {machine()}.\n\n"
+            f"Machine: {machine()}.\n\n"
             "Medians per step, rank 0. `none` is Horovod's own uncompressed allreduce, "
             "`hvd-fp16` Horovod's fp16 compression, `grace-<name>` a grace pipeline from "
             "`benchmarks.pipelines.GRACE`, and `compute` the same model with no communication "
             "(its step is forward + backward + the SGD update). Phases are wall time inside "
             "grace's methods (`benchmarks/overhead_worker.py`): encode is compensate + compress "
             "+ memory_update and runs inside the backward pass (hooks); wait is time blocked on "
-            "Horovod; other = step − compute − phases.\n\n" + "\n".join(lines))
+            "Horovod; other = step − compute − phases (for Horovod's own rows: everything "
+            "beyond compute).\n\n" + "\n".join(lines))
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, text=True, capture_output=True).stdout.strip()
+        return head + ("+uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
 
 
 def main(argv=None) -> int:
@@ -84,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--label", default="after")
+    ap.add_argument("--note", default="", help="what this run's code changed, for the table")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/overhead.json"))
     args = ap.parse_args(argv)
@@ -91,16 +113,17 @@ def main(argv=None) -> int:
     import time
 
     rows = run(args.model, args.pipelines, args.rounds, args.steps, args.ranks, args.timeout)
-    when = time.strftime("%Y-%m-%d")
+    command = "python -m benchmarks.overhead " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:])
+    stamp = {"label": args.label, "when": time.strftime("%Y-%m-%d"), "commit": commit(),
+             "command": command, "note": args.note}
     for r in rows:
-        r.update(label=args.label, when=when)
+        r.update(stamp)
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else []
     rows = [r for r in old if r.get("label") != args.label] + rows
     out.write_text(json.dumps(rows, indent=1))
-    command = "python -m benchmarks.overhead " + " ".join(argv if argv is not None
-                                                          else sys.argv[1:])
-    out.with_suffix(".md").write_text(markdown(rows, command))
+    out.with_suffix(".md").write_text(markdown(rows))
     print(out.with_suffix(".md").read_text())
     return 0
 
