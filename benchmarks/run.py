@@ -1,10 +1,11 @@
 """The whole benchmark suite in one command (``make bench``), or a smoke run (``--quick``).
 
-Full: the compressor micro table, end-to-end runs at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s for
-the MLP, the CNN, ResNet-18 and the transformer encoder and every pipeline, convergence on
-digits, then the report; results land in benchmarks/results/. Quick: a tiny model, 2 hosts,
-one link speed, two pipelines, one epoch, into a directory of your choice (default: a
-temporary one), so committed results stay as they are.
+Full: the compressor micro table, the pipelines' overhead on loopback (a "make bench" section
+of overhead.md, beside the committed before/after ones), end-to-end runs at 100 Mbit/s, 1
+Gbit/s and 10 Gbit/s for the MLP, the CNN, ResNet-18 and the transformer encoder and every
+pipeline, convergence on digits, then the report; results land in benchmarks/results/. Quick: a
+tiny model, 2 hosts, one link speed, two pipelines, one epoch, into a directory of your choice
+(default: a temporary one), so committed results stay as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import convergence, e2e, report
+from benchmarks import convergence, e2e, overhead, report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +44,7 @@ def main(argv=None) -> int:
         if micro.exists():
             subprocess.run([sys.executable, str(micro), "--threads", "1", "--out",
                             str(results / "compressors.md")], check=True, cwd=str(ROOT))
+        overhead.main(["--label", "make bench", "--out", str(results / "overhead.json")])
         e2e.main(["--out", str(results / "e2e.json")])
         convergence.main(["--out", str(results / "convergence.json")])
     for path in report.write(results):

@@ -44,6 +44,20 @@ def test_sparse_combine_equals_decompress_then_aggregate(key, ranks):
 
 
 @pytest.mark.parametrize("key", sorted(SPARSE))
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sparse_combine_into_a_buffer(key, ranks):
+    """``combine(..., out)`` builds the result in ``out`` (whatever it held) and returns it."""
+    comp = _compressor(key)
+    sent = [comp.compress(_tensor(r), "w", Call(r, ranks)) for r in range(ranks)]
+    ctx = sent[0][1]
+    expected = Compressor.combine(comp, [p for p, _ in sent], ctx)
+    out = torch.full_like(expected, float("nan"))
+    got = comp.combine([p for p, _ in sent], ctx, out)
+    assert got is out
+    np.testing.assert_array_equal(out.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("key", sorted(SPARSE))
 def test_sent_entries_rebuild_the_decompressed_payload(key):
     comp = _compressor(key)
     x = _tensor(4)
@@ -96,6 +110,10 @@ def test_residual_update_called_directly_with_a_sparse_compressor():
     {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
      "communicator": "allgather"},
     {"compressor": "qsgd", "quantum_num": 16, "memory": "residual", "communicator": "twophase"},
+    {"compressor": "randomk", "compress_ratio": 0.1, "memory": "residual",
+     "communicator": "allreduce"},
+    {"compressor": "topk", "compress_ratio": 0.1, "memory": "none", "communicator": "broadcast"},
+    {"compressor": "powersgd", "memory": "powersgd", "communicator": "allreduce"},
 ])
 def test_receive_into_writes_the_average(params):
     a, b = grace_from_params(dict(params)), grace_from_params(dict(params))

@@ -70,9 +70,10 @@ class Allreduce(Communicator):
             payload, ctx = step
             rnd = phase.round + 1
             return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
+        if self.compressor.rounds == 1:
+            return self.compressor.combine([reduced], phase.ctx, handle.into)
         out = self.compressor.decompress(reduced, phase.ctx)
-        if self.compressor.rounds > 1:
-            average = out / coll.size() if self.memory.needs_approximation else None
-            self.memory.update(handle.encoded.compensated, handle.name, self.compressor, reduced,
-                               phase.ctx, average)
+        average = out / coll.size() if self.memory.needs_approximation else None
+        self.memory.update(handle.encoded.compensated, handle.name, self.compressor, reduced,
+                           phase.ctx, average)
         return out

@@ -90,6 +90,8 @@ class Handle:
     coll: Any                       # the Collectives it travels on
     encoded: Encoded
     phase: Phase | None = None      # None while held for its fusion group
+    #: where ``receive`` wants the result (a sparse ``combine`` may build it there), or None
+    into: Any = None
     done: bool = False
     value: Any = None
     received: bool = field(default=False)
@@ -179,6 +181,7 @@ def _finish(handle: Handle, into=None):
             return handle.value
         return ops_for(handle.value).assign_div(into, handle.value)
     comm = handle.comm
+    handle.into = into
     if handle.phase is None:
         comm.fusion.flush(comm, handle.name)
     out = handle.phase

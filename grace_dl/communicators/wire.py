@@ -39,7 +39,7 @@ def combine(comm, pieces, shapes, handle, ranks: int):
     equal = comm.compressor.equal_sizes
     return comm.compressor.combine(
         [[unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)] for r in range(ranks)],
-        handle.encoded.ctx)
+        handle.encoded.ctx, handle.into)
 
 
 def nbytes(tensors):

@@ -111,11 +111,16 @@ class Compressor(Stateful, ABC):
             total = total + t
         return total
 
-    def combine(self, payloads, ctx):
+    def combine(self, payloads, ctx, out=None):
         """``aggregate`` of every rank's decompressed payload (``payloads[r]``: rank r's parts,
         in the layout of this rank's own parts, decompressed with this rank's ``ctx``), what
-        a gathering communicator hands back. Sparse methods override it to add every rank's
-        values into one buffer instead of building N dense tensors and summing them."""
+        a communicator hands back (an allreduce passes its one reduced payload). Sparse
+        methods override it to add every rank's values into one buffer instead of building N
+        dense tensors and summing them; they write into ``out`` (a torch tensor of the
+        result's shape and dtype, or None) when given and return it, which the default
+        ignores."""
+        if len(payloads) == 1:
+            return self.decompress(payloads[0], ctx)
         return self.aggregate([self.decompress(p, ctx) for p in payloads])
 
     def sent_entries(self, payload, ctx):

@@ -67,13 +67,15 @@ class RandomKCompressor(Compressor):
     def sent_entries(self, payload, ctx):
         return ctx[2], payload[0]
 
-    def combine(self, payloads, ctx):
+    def combine(self, payloads, ctx, out=None):
         """The ranks' values (same positions on every rank) summed in rank order, then
         scattered once."""
         total = payloads[0][0]
         for p in payloads[1:]:
             total = total + p[0]
-        return self.decompress([total], ctx)
+        if ctx[1] == 0:
+            return self.decompress([total], ctx)
+        return sparse.scatter_sum(ops_for(total), [ctx[2]], [total], ctx, out)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * sparse.itemsize(dtype)

@@ -153,19 +153,24 @@ class SparseCompressor(Compressor):
     def sent_entries(self, payload, ctx):
         return payload[1], payload[0]
 
-    def combine(self, payloads, ctx):
+    def combine(self, payloads, ctx, out=None):
         """Every rank's values added into one dense buffer at their positions, in rank order
         (the same sums as adding the ranks' decompressed tensors in rank order)."""
-        if type(self).aggregate is not Compressor.aggregate:
+        if len(payloads) > 1 and type(self).aggregate is not Compressor.aggregate:
             return super().combine(payloads, ctx)
         return scatter_sum(ops_for(payloads[0][0]), [p[1] for p in payloads],
-                           [p[0] for p in payloads], ctx)
+                           [p[0] for p in payloads], ctx, out)
 
 
-def scatter_sum(ops, positions: list, values: list, ctx):
+def scatter_sum(ops, positions: list, values: list, ctx, out=None):
     """The sum of N sparse tensors (rank r: ``values[r]`` at distinct ``positions[r]``) of
-    the dense shape in ``ctx`` = ``(shape, numel, ...)``: one buffer, one scatter-add."""
+    the dense shape in ``ctx`` = ``(shape, numel, ...)``: one buffer (``out`` when given),
+    one scatter-add."""
     shape, n = ctx[0], ctx[1]
+    idx, vals = (positions[0], values[0]) if len(values) == 1 else (ops.cat(positions),
+                                                                    ops.cat(values))
+    if out is not None:
+        return ops.assign_scatter(out, idx, vals)
     if len(values) == 1:
-        return ops.reshape(ops.scatter(positions[0], values[0], n), shape)
-    return ops.reshape(ops.scatter_add(ops.cat(positions), ops.cat(values), n), shape)
+        return ops.reshape(ops.scatter(idx, vals, n), shape)
+    return ops.reshape(ops.scatter_add(idx, vals, n), shape)

@@ -508,6 +508,13 @@ def assign_div(var, value, divisor=None):
     return var
 
 
+def assign_scatter(var, idx, values):
+    """In place: ``var`` = zeros, then ``values`` added at the flat positions ``idx`` (duplicates
+    add up, in order); returns var."""
+    var.assign(tf.reshape(scatter(idx, values, tf.size(var)), tf.shape(var)))
+    return var
+
+
 def assign_add(var, value):
     """In place: ``var += value``; returns var."""
     var.assign_add(value)

@@ -585,8 +585,16 @@ def assign_div(var, value, divisor=None):
     """In place: ``var <- value / divisor`` (``value`` itself for None); returns var."""
     value = value.reshape(var.shape)
     if divisor is None:
-        return var.copy_(value)
+        return var if value.data_ptr() == var.data_ptr() else var.copy_(value)
     return torch.div(value, divisor, out=var)
+
+
+def assign_scatter(var, idx, values):
+    """In place: ``var`` = zeros, then ``values`` added at the flat positions ``idx`` (duplicates
+    add up, in order); returns var."""
+    var.zero_()
+    var.view(-1).index_add_(0, idx, values)
+    return var
 
 
 def assign_add(var, value):

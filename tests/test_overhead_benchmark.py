@@ -1,0 +1,29 @@
+"""The overhead benchmark (benchmarks/overhead.py) on a tiny model: a real 2-rank horovodrun
+job, pipelines alternating, phases timed by wrapping, a labelled table that keeps earlier
+labels."""
+
+import json
+
+import pytest
+
+from benchmarks import overhead
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_overhead_rows_phases_and_labels(tmp_path):
+    out = tmp_path / "overhead.json"
+    args = ["--model", "tiny", "--pipelines", "none", "grace-none", "topk", "--rounds", "2",
+            "--steps", "2", "--out", str(out)]
+    assert overhead.main([*args, "--label", "one", "--note", "first run"]) == 0
+    assert overhead.main([*args, "--label", "two"]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["label"] for r in rows].count("one") == 4     # compute + 3 pipelines
+    by = {(r["label"], r["pipeline"]): r for r in rows}
+    topk, hvd = by[("two", "topk")], by[("two", "none")]
+    assert topk["compress_s"] > 0 and topk["issue_s"] > 0 and topk["complete_s"] > 0
+    assert 0 < topk["sent_bytes"] < by[("two", "grace-none")]["sent_bytes"]
+    assert "sent_bytes" not in hvd and hvd["total_s"] > 0
+    table = out.with_suffix(".md").read_text()
+    assert "### one" in table and "### two" in table and "first run" in table
+    assert "--label two" in table and "÷ Horovod" in table
