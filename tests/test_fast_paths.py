@@ -187,3 +187,17 @@ def test_positions_at_least_match_the_mask_in_torch_and_tf(dtype, sign, thr):
         tx = tf.constant(x.numpy())
         got_tf = fops.positions_at_least(tx, tf.constant(thr, tx.dtype), sign)
         np.testing.assert_array_equal(got_tf.numpy(), expected)
+
+
+def test_receive_into_a_channels_last_gradient():
+    """Sparse results land in row-major positions even when the gradient's memory is not."""
+    grc = grace_from_params({"compressor": "topk", "compress_ratio": 0.2, "memory": "none",
+                             "communicator": "allgather"})
+    x = torch.randn(2, 3, 4, 5)
+    plain = grace_from_params({"compressor": "topk", "compress_ratio": 0.2, "memory": "none",
+                               "communicator": "allgather"})
+    expected = plain.receive(plain.send(x.clone(), "w", collectives=OneRank()))
+    into = torch.empty_like(x).to(memory_format=torch.channels_last)
+    assert not into.is_contiguous()
+    grc.receive(grc.send(x.clone(), "w", collectives=OneRank()), into=into)
+    np.testing.assert_array_equal(into.numpy(), expected.numpy())

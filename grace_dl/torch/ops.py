@@ -592,6 +592,8 @@ def assign_div(var, value, divisor=None):
 def assign_scatter(var, idx, values):
     """In place: ``var`` = zeros, then ``values`` added at the flat positions ``idx`` (duplicates
     add up, in order); returns var."""
+    if not var.is_contiguous():  # e.g. a channels_last gradient: positions are row-major
+        return var.copy_(scatter_add(idx, values, var.numel()).view(var.shape))
     var.zero_()
     var.view(-1).index_add_(0, idx, values)
     return var
