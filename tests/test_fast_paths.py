@@ -201,3 +201,16 @@ def test_receive_into_a_channels_last_gradient():
     assert not into.is_contiguous()
     grc.receive(grc.send(x.clone(), "w", collectives=OneRank()), into=into)
     np.testing.assert_array_equal(into.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "signsgd", "topk", "randomk", "qsgd", "fp16"])
+def test_combine_of_one_rank_still_aggregates(name):
+    """A one-rank gather aggregates its one payload (efsignsgd's aggregate divides by lr):
+    ``combine`` never skips ``aggregate``; only ``decompress_into`` (allreduce) does."""
+    comp = lookup("compressor", name)(**({"lr": 0.1} if name == "efsignsgd" else {}))
+    x = torch.randn(37, 29, generator=torch.Generator().manual_seed(7))  # finite: a scale
+    payload, ctx = comp.compress(x, "w")
+    expected = comp.aggregate([comp.decompress(payload, ctx)])
+    np.testing.assert_array_equal(comp.combine([payload], ctx).numpy(), expected.numpy())
+    np.testing.assert_array_equal(comp.decompress_into(payload, ctx).numpy(),
+                                  comp.decompress(payload, ctx).numpy())

@@ -71,7 +71,7 @@ class Allreduce(Communicator):
             rnd = phase.round + 1
             return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
         if self.compressor.rounds == 1:
-            return self.compressor.combine([reduced], phase.ctx, handle.into)
+            return self.compressor.decompress_into(reduced, phase.ctx, handle.into)
         out = self.compressor.decompress(reduced, phase.ctx)
         average = out / coll.size() if self.memory.needs_approximation else None
         self.memory.update(handle.encoded.compensated, handle.name, self.compressor, reduced,

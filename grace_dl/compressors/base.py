@@ -70,8 +70,9 @@ class Compressor(Stateful, ABC):
     Optional capabilities are methods with defaults here, so memories and the cost model call
     them without probing: ``next_round`` (multi-round methods), ``sent_indices`` (which
     positions a sparse payload carries), ``sent_entries`` (its positions and values),
-    ``combine`` (every rank's payload decompressed and aggregated), ``local_share`` (this
-    rank's part of a multi-round result), ``payload_nbytes`` / ``payload_nbytes_for_shape``
+    ``combine`` / ``decompress_into`` (every rank's payload decompressed and aggregated, or
+    the reduced one decompressed, built in a given buffer where possible), ``local_share``
+    (this rank's part of a multi-round result), ``payload_nbytes`` / ``payload_nbytes_for_shape``
     (bytes on the wire).
     """
 
@@ -114,14 +115,16 @@ class Compressor(Stateful, ABC):
     def combine(self, payloads, ctx, out=None):
         """``aggregate`` of every rank's decompressed payload (``payloads[r]``: rank r's parts,
         in the layout of this rank's own parts, decompressed with this rank's ``ctx``), what
-        a communicator hands back (an allreduce passes its one reduced payload). Sparse
-        methods override it to add every rank's values into one buffer instead of building N
-        dense tensors and summing them; they write into ``out`` (a torch tensor of the
-        result's shape and dtype, or None) when given and return it, which the default
-        ignores."""
-        if len(payloads) == 1:
-            return self.decompress(payloads[0], ctx)
+        a gathering communicator hands back. Sparse methods override it to add every rank's
+        values into one buffer instead of building N dense tensors and summing them; they
+        write into ``out`` (a torch tensor of the result's shape and dtype, or None) when
+        given and return it, which the default ignores."""
         return self.aggregate([self.decompress(p, ctx) for p in payloads])
+
+    def decompress_into(self, payload, ctx, out=None):
+        """``decompress``, built in ``out`` (as in ``combine``) where the method can; what an
+        allreduce does with the one reduced payload."""
+        return self.decompress(payload, ctx)
 
     def sent_entries(self, payload, ctx):
         """``(positions, values)`` when ``decompress(payload, ctx)`` is zero except for

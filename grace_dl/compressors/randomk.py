@@ -73,9 +73,12 @@ class RandomKCompressor(Compressor):
         total = payloads[0][0]
         for p in payloads[1:]:
             total = total + p[0]
+        return self.decompress_into([total], ctx, out)
+
+    def decompress_into(self, payload, ctx, out=None):
         if ctx[1] == 0:
-            return self.decompress([total], ctx)
-        return sparse.scatter_sum(ops_for(total), [ctx[2]], [total], ctx, out)
+            return self.decompress(payload, ctx)
+        return sparse.scatter_sum(ops_for(payload[0]), [ctx[2]], [payload[0]], ctx, out)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * sparse.itemsize(dtype)

@@ -153,10 +153,13 @@ class SparseCompressor(Compressor):
     def sent_entries(self, payload, ctx):
         return payload[1], payload[0]
 
+    def decompress_into(self, payload, ctx, out=None):
+        return scatter_sum(ops_for(payload[0]), [payload[1]], [payload[0]], ctx, out)
+
     def combine(self, payloads, ctx, out=None):
         """Every rank's values added into one dense buffer at their positions, in rank order
         (the same sums as adding the ranks' decompressed tensors in rank order)."""
-        if len(payloads) > 1 and type(self).aggregate is not Compressor.aggregate:
+        if type(self).aggregate is not Compressor.aggregate:
             return super().combine(payloads, ctx)
         return scatter_sum(ops_for(payloads[0][0]), [p[1] for p in payloads],
                            [p[0] for p in payloads], ctx, out)
