@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.jobs import local_horovodrun, worker_env
 from benchmarks.pipelines import PIPELINES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,15 +30,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env = worker_env()
     records = []
     for pipeline in tqdm(args.pipelines, desc="convergence", unit="pipeline"):
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             out = tmp.name
-        cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", "localhost:2",
-               "--gloo", sys.executable, "-m", "benchmarks.convergence_worker", "--pipeline",
-               pipeline, "--epochs", str(args.epochs), "--out", out]
+        cmd = local_horovodrun([sys.executable, "-m", "benchmarks.convergence_worker",
+                                "--pipeline", pipeline, "--epochs", str(args.epochs),
+                                "--out", out])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
                               cwd=str(ROOT))
         if proc.returncode != 0:

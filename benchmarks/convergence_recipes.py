@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.jobs import local_horovodrun, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPK1 = {"compressor": "topk", "compress_ratio": 0.01, "communicator": "allgather"}
@@ -62,10 +63,10 @@ def run_one(label, task, seed, epochs, env) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         out = tmp.name
     which = ["--pipeline", "none"] if spec is None else ["--spec", json.dumps(spec)]
-    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", "localhost:2",
-           "--gloo", sys.executable, "-m", "benchmarks.convergence_worker", *which,
-           "--label", label, "--task", task, "--seed", str(seed), "--momentum", str(momentum),
-           "--epochs", str(epochs * EPOCHS.get(label, 1)), "--out", out]
+    cmd = local_horovodrun([sys.executable, "-m", "benchmarks.convergence_worker", *which,
+                            "--label", label, "--task", task, "--seed", str(seed),
+                            "--momentum", str(momentum),
+                            "--epochs", str(epochs * EPOCHS.get(label, 1)), "--out", out])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800,
                           cwd=str(ROOT))
     if proc.returncode != 0:
@@ -172,8 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/recipes.json"))
     args = ap.parse_args(argv)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env = worker_env()
     records = []
     for task in args.tasks:
         seeds = args.mixture_seeds if task == "mixture" and args.mixture_seeds else args.seeds

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,17 +26,11 @@ import time
 from pathlib import Path
 
 from benchmarks.ddp_worker import PIPELINES
+from benchmarks.jobs import worker_env
 from benchmarks.network import EmulatedCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "benchmarks" / "ddp_worker.py")
-
-
-def _env(base: dict) -> dict:
-    env = dict(base)
-    env["PYTHONPATH"] = str(ROOT)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth0"})
-    return env
 
 
 def run_timed(cluster: EmulatedCluster, pipeline: str, steps: int, warmup: int, port: int,
@@ -46,7 +39,7 @@ def run_timed(cluster: EmulatedCluster, pipeline: str, steps: int, warmup: int, 
         out = tmp.name
     argv = [WORKER, "--pipeline", pipeline, "--mode", "time", "--steps", str(steps),
             "--warmup", str(warmup), "--out", out]
-    env = _env(cluster.env())
+    env = worker_env(cluster.env(), GLOO_SOCKET_IFNAME="eth0")
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, cwd=str(ROOT)) for cmd in cluster.torchrun(argv, port)]
     logs, failed = [], False
@@ -74,8 +67,7 @@ def run_accuracy(pipeline: str, epochs: int, timeout: float) -> dict:
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
            WORKER, "--pipeline", pipeline, "--mode", "accuracy", "--epochs", str(epochs),
            "--out", out]
-    env = _env(os.environ)
-    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env = worker_env(GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=str(ROOT))
     if proc.returncode != 0:

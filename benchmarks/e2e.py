@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.jobs import worker_env
 from benchmarks.network import EmulatedCluster
 from benchmarks.pipelines import PIPELINES
 
@@ -34,10 +35,7 @@ def run_one(cluster: EmulatedCluster, launcher: str, model: str, pipeline: str, 
     argv = [sys.executable, "-m", "benchmarks.e2e_worker", "--model", model, "--pipeline",
             pipeline, "--steps", str(steps), "--warmup", str(warmup), "--out", out]
     cmd = cluster.horovodrun(argv) if launcher == "gloo" else cluster.mpirun(argv)
-    env = cluster.env()
-    env["PYTHONPATH"] = str(ROOT)
-    env["GRACE_BENCH_MBIT"] = str(cluster.mbit)
-    env.update({"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1"})
+    env = worker_env(cluster.env(), GRACE_BENCH_MBIT=str(cluster.mbit))
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=str(ROOT))

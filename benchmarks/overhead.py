@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from benchmarks.jobs import local_horovodrun, worker_env
 from benchmarks.report import _table, machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,13 +32,10 @@ def run(model: str, pipelines: list[str], rounds: int, steps: int, ranks: int,
         timeout: float) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         out = tmp.name
-    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(ranks), "-H",
-           f"localhost:{ranks}", "--gloo", sys.executable, "-m", "benchmarks.overhead_worker",
-           "--model", model, "--rounds", str(rounds), "--steps", str(steps), "--out", out,
-           "--pipelines", *pipelines]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+    cmd = local_horovodrun([sys.executable, "-m", "benchmarks.overhead_worker", "--model", model,
+                            "--rounds", str(rounds), "--steps", str(steps), "--out", out,
+                            "--pipelines", *pipelines], ranks)
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout,
                           cwd=str(ROOT))
     if proc.returncode != 0:
         raise SystemExit(f"overhead job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -109,8 +107,6 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/overhead.json"))
     args = ap.parse_args(argv)
-
-    import time
 
     rows = run(args.model, args.pipelines, args.rounds, args.steps, args.ranks, args.timeout)
     command = "python -m benchmarks.overhead " + " ".join(argv if argv is not None
