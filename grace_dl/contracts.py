@@ -22,18 +22,21 @@ GRACE_MEMBERS = ("send", "receive", "synchronize", "end_step", "check_op", "fuse
 class Grace(Protocol):
     """A ``grace=`` object. ``send`` starts a named tensor's exchange and returns at once;
     ``receive`` returns its aggregate (averaged for ``op="average"``), written into ``into``
-    when given (the torch optimizer passes the gradient); ``end_step`` closes an
+    when given to either (the torch optimizer passes the gradient to ``send``, which lets an
+    uncompressed allreduce sum in it in place); ``end_step`` closes an
     optimizer step in ``bytes``; ``fuse`` sets fusion groups (lists of tensor names);
     ``fingerprint`` digests ``config()``, which ranks compare before the first step."""
 
     bytes: Any
     process_set: Any
 
-    def send(self, tensor, name: str, op: str = "average", collectives=None) -> Any: ...
+    def send(self, tensor, name: str, op: str = "average", collectives=None,
+             into=None) -> Any: ...
 
     def receive(self, handle, into=None) -> Any: ...
 
-    def synchronize(self, tensor, name: str, op: str = "average", collectives=None) -> Any: ...
+    def synchronize(self, tensor, name: str, op: str = "average", collectives=None,
+                    into=None) -> Any: ...
 
     def end_step(self) -> dict: ...
 
@@ -229,6 +232,8 @@ class OpsBackend(Protocol):
     def assign_lerp(self, var, value, weight: float): ...
 
     def assign_div(self, var, value, divisor=None): ...
+
+    def aliases(self, a, b) -> bool: ...
 
     def assign_scatter(self, var, idx, values): ...
 

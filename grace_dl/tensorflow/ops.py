@@ -508,6 +508,11 @@ def assign_div(var, value, divisor=None):
     return var
 
 
+def aliases(a, b) -> bool:
+    """Always False: TF tensors are values, never views of a variable's memory."""
+    return False
+
+
 def assign_scatter(var, idx, values):
     """In place: ``var`` = zeros, then ``values`` added at the flat positions ``idx`` (duplicates
     add up, in order); returns var."""

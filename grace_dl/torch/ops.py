@@ -589,6 +589,12 @@ def assign_div(var, value, divisor=None):
     return torch.div(value, divisor, out=var)
 
 
+def aliases(a, b) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in memory (views of one buffer from the
+    same first element, with as many elements): writing one writes the other."""
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
+
+
 def assign_scatter(var, idx, values):
     """In place: ``var`` = zeros, then ``values`` added at the flat positions ``idx`` (duplicates
     add up, in order); returns var."""
