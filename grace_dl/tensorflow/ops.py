@@ -526,6 +526,17 @@ def assign_add(var, value):
     return var
 
 
+def assign_sub(var, value):
+    """In place: ``var -= value``; returns var."""
+    var.assign_sub(tf.reshape(value, tf.shape(var)))
+    return var
+
+
+def flat_view(var):
+    """Always None: TF tensors and variables have no writable views."""
+    return None
+
+
 def assign_sub_at(var, idx, values):
     """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
     flat_idx = tf.reshape(tf.cast(idx, tf.int64), [-1, 1])

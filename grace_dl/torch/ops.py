@@ -424,6 +424,8 @@ def unpack_bits(packed, bits: int, n: int):
     packed = packed.reshape(-1)
     if bits == 8:
         return packed[:n].clone()
+    if bits == 1 and packed.device.type == "cpu":  # NumPy's unpackbits: ~10x the shifts below
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little"))
     if 8 % bits and sys.byteorder == "little":
         return _unpack_words(packed, bits, n)
     mask = (1 << bits) - 1
@@ -609,6 +611,18 @@ def assign_add(var, value):
     """In place: ``var += value``; returns var."""
     var.add_(value)
     return var
+
+
+def assign_sub(var, value):
+    """In place: ``var -= value``; returns var."""
+    var.sub_(value.reshape(var.shape))
+    return var
+
+
+def flat_view(var):
+    """A 1-D view of ``var``'s elements in row-major order, writing which writes ``var``; None
+    when there is none (a non-contiguous tensor)."""
+    return var.view(-1) if var.is_contiguous() else None
 
 
 def assign_sub_at(var, idx, values):
