@@ -24,7 +24,7 @@ _WIDE = {"float16": "float32", "bfloat16": "float32"}
 
 def encode(ops, flat):
     """``ceil(n/8)`` uint8: the packed sign bits of the 1-D tensor ``flat``."""
-    return ops.pack_mask(flat < 0)
+    return ops.pack_compare(flat, "lt", 0)
 
 
 def decode(ops, bits, n, table, dtype: str):

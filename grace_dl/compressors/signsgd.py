@@ -48,7 +48,7 @@ class SignSGDCompressor(Compressor):
 
     @staticmethod
     def _encode(ops, flat):
-        return [ops.cat([signbits.encode(ops, flat), ops.pack_mask(flat == 0),
+        return [ops.cat([signbits.encode(ops, flat), ops.pack_compare(flat, "eq", 0),
                          signbits.status(ops, flat)])]
 
     def decompress(self, payload, ctx):

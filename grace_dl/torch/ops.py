@@ -531,6 +531,25 @@ def pack_mask(mask):
     return (v & 0xFF).to(torch.uint8)
 
 
+COMPARISONS = {"lt": (torch.lt, np.less), "eq": (torch.eq, np.equal)}
+
+
+def pack_compare(x, cmp: str, value):
+    """The packed bits (``pack_mask`` layout) of ``x <cmp> value`` elementwise, ``cmp`` one
+    of ``COMPARISONS``: the sign codes' planes, without a separate boolean tensor
+    (NumPy's comparison on the CPU: several times torch's into bool)."""
+    if cmp not in COMPARISONS:
+        raise ValueError(f"cmp must be one of {sorted(COMPARISONS)}, got {cmp!r}")
+    flat = x.reshape(-1)
+    if flat.device.type == "cpu" and sys.byteorder == "little" and flat.dtype in _NUMPY_CMP:
+        mask = COMPARISONS[cmp][1](flat.detach().numpy(), value)
+        return torch.from_numpy(np.packbits(mask, bitorder="little"))
+    return pack_mask(COMPARISONS[cmp][0](flat, value))
+
+
+_NUMPY_CMP = (torch.float32, torch.float64, torch.float16)
+
+
 def unpack_lookup(packed, bits: int, n, table):
     """Decode through a table: ``table[code]`` for each of the first ``n`` ``bits``-wide codes of
     ``packed`` (``pack_bits`` layout). ``table`` is 1-D with ``2**bits`` entries and gives the
