@@ -1,0 +1,86 @@
+"""``send(..., into=)``: an uncompressed allreduce of the caller's own gradient sums it in place
+(Horovod's ``allreduce_async_``, the average taken by its postscale), and every other case
+keeps the result out of place. Driven in one process by ``Twin``, a two-rank job whose other
+rank holds the same tensor (so the sum is twice it), recording which verb each call used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grace_dl import grace_from_params
+from grace_dl.collectives import Collectives
+
+
+class Twin(Collectives):
+    def __init__(self):
+        self.calls = []
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+    def allreduce_async(self, tensor, name):
+        self.calls.append("allreduce")
+        return tensor * 2
+
+    def allreduce_async_(self, tensor, name, scale=1.0):
+        self.calls.append(f"allreduce_ x{scale}")
+        return tensor.mul_(2 * scale)
+
+    def allgather_async(self, tensor, name):
+        return torch.cat([tensor, tensor])
+
+    def broadcast_async(self, tensor, root, name):
+        return tensor.clone()
+
+    def alltoall_async(self, tensor, splits, name):
+        return tensor.clone(), splits
+
+    def synchronize(self, handle):
+        return handle
+
+
+def test_uncompressed_allreduce_of_into_sums_in_place_and_averages_by_postscale():
+    grc, coll = grace_from_params({"compressor": "none"}), Twin()
+    grad = torch.arange(6.0).reshape(2, 3)
+    handle = grc.send(grad, "w", collectives=coll, into=grad)
+    out = grc.receive(handle)
+    assert coll.calls == ["allreduce_ x0.5"]
+    assert out is grad and out.data_ptr() == grad.data_ptr()
+    torch.testing.assert_close(out, torch.arange(6.0).reshape(2, 3), rtol=0, atol=0)
+
+
+def test_op_sum_in_place_has_no_postscale():
+    grc, coll = grace_from_params({"compressor": "none"}), Twin()
+    grad = torch.ones(4)
+    grc.receive(grc.send(grad, "w", op="sum", collectives=coll, into=grad))
+    assert coll.calls == ["allreduce_ x1.0"]
+    torch.testing.assert_close(grad, torch.full((4,), 2.0), rtol=0, atol=0)
+
+
+def test_receive_into_another_tensor_copies_the_in_place_result():
+    grc, coll = grace_from_params({"compressor": "none"}), Twin()
+    grad, other = torch.ones(4), torch.zeros(4)
+    out = grc.receive(grc.send(grad, "w", collectives=coll, into=grad), into=other)
+    assert out is other
+    torch.testing.assert_close(other, torch.ones(4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("params, into", [
+    ({"compressor": "none"}, "none"),                           # no target given
+    ({"compressor": "none"}, "other"),                          # a target that is not the input
+    ({"compressor": "none", "memory": "residual"}, "grad"),     # the payload is the residual's
+    ({"compressor": "fp16"}, "grad"),                           # the payload is a new tensor
+])
+def test_everything_else_stays_out_of_place(params, into):
+    grc, coll = grace_from_params(params), Twin()
+    grad = torch.arange(4.0)
+    target = {"none": None, "other": torch.zeros(4), "grad": grad}[into]
+    out = grc.receive(grc.send(grad, "w", collectives=coll, into=target))
+    assert coll.calls == ["allreduce"]
+    torch.testing.assert_close(out, torch.arange(4.0), rtol=0, atol=0)
+    if target is not None:
+        assert out is target
