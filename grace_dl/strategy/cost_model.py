@@ -111,17 +111,22 @@ class Throughput:
             raise ValueError(f"throughput file {str(path)!r} does not exist") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"throughput file {str(path)!r} is not JSON: {err}") from None
+        return cls.from_document(data, str(path))
+
+    @classmethod
+    def from_document(cls, data: dict, source: str = "<document>") -> Throughput:
+        """The ``entries`` of a measurement document (the file's JSON, parsed)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"throughput file {str(path)!r} must have \"format\": {FORMAT!r}")
+            raise ValueError(f"throughput file {source!r} must have \"format\": {FORMAT!r}")
         entries = []
         for i, raw in enumerate(data.get("entries", [])):
             try:
                 entries.append((str(raw["compressor"]), dict(raw.get("params", {})),
                                 Linear(**raw["compress"]), Linear(**raw["decompress"])))
             except (KeyError, TypeError) as err:
-                raise ValueError(f"throughput file {str(path)!r} entry {i} is malformed "
+                raise ValueError(f"throughput file {source!r} entry {i} is malformed "
                                  f"({err}); see grace_dl.strategy.cost_model") from None
-        return cls(entries, str(path))
+        return cls(entries, source)
 
     def costs(self, compressor: str, params: dict) -> tuple[Linear, Linear]:
         best, best_size = None, -1
