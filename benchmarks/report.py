@@ -19,7 +19,8 @@ import platform
 import sys
 from pathlib import Path
 
-E2E_COLUMNS = ["model", "Mbit/s", "pipeline", "step ms", "speedup vs none",
+E2E_COLUMNS = ["model", "Mbit/s", "pipeline", "run", "step ms", "predicted ms", "predicted / step",
+               "speedup vs none",
                "speedup vs hvd-fp16", "sent MB/step", "recv MB/step", "compute ms",
                "compress ms", "communicate ms", "bytes/bandwidth ms", "communicate / bound"]
 CONVERGENCE_COLUMNS = ["pipeline", "final acc", "best acc", "epochs to target"]
@@ -66,7 +67,8 @@ def e2e_rows(records: list[dict]) -> list[dict]:
     fp16 = _step_times(records, "hvd-fp16")
     rows = []
     for r in records:
-        row = {"model": r["model"], "Mbit/s": f"{r['mbit']:g}", "pipeline": r["pipeline"]}
+        row = {"model": r["model"], "Mbit/s": f"{r['mbit']:g}", "pipeline": r["pipeline"],
+               "run": r.get("run", "older")}
         if "error" in r:
             row["step ms"] = "failed"
             rows.append(row)
@@ -76,8 +78,11 @@ def e2e_rows(records: list[dict]) -> list[dict]:
         base = baseline.get((r["model"], r["mbit"]))
         half = fp16.get((r["model"], r["mbit"]))
         hidden = r["step_s"] <= r["compute_s"] + r["compress_s"]
+        predicted = r.get("predicted_s")
         row.update({
             "step ms": f"{r['step_s'] * 1e3:.1f}",
+            "predicted ms": f"{predicted * 1e3:.1f}" if predicted else "n/a",
+            "predicted / step": f"{predicted / r['step_s']:.2f}" if predicted else "n/a",
             "speedup vs none": f"{base / r['step_s']:.2f}x" if base else "n/a",
             "speedup vs hvd-fp16": f"{half / r['step_s']:.2f}x" if half else "n/a",
             "sent MB/step": f"{r['sent_bytes'] / 1e6:.3f}",
@@ -192,7 +197,11 @@ def write(results: Path, target: float = 0.95, tta_model: str = "mlp") -> list[P
                 "are timed locally in the same process; communicate = step − compute − "
                 "compress, \"hidden\" where compute + compress timed alone already exceed the "
                 "step (sends overlap the backward pass). "
-                "bytes/bandwidth = max(sent, received) bytes per step ÷ link speed.\n\n"
+                "bytes/bandwidth = max(sent, received) bytes per step ÷ link speed. "
+                "run = when and at which commit the row was measured (\"older\": before runs "
+                "were labelled); predicted = the step model's time for the pipeline "
+                "(grace_dl.strategy.step_model) from the job's own measurement on that link "
+                "(benchmarks/results/calibration/), with the run's compute and update time.\n\n"
                 + _table(E2E_COLUMNS, e2e_rows(e2e)) + "\n\n![speedup](speedup.png)\n")
         (results / "e2e.md").write_text(text)
         plot_speedup([r for r in e2e if "error" not in r], results / "speedup.png")
