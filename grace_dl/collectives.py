@@ -31,6 +31,14 @@ class Collectives(ABC):
 
         return ops_for(tensor).nbytes(tensor)
 
+    def allreduce_async_(self, tensor, name: str, scale: float = 1.0):
+        """Start an element-wise sum of ``tensor`` over ranks **in place**, multiplied by
+        ``scale`` (Horovod's ``allreduce_async_`` with a postscale factor); ``synchronize``
+        then returns ``tensor``. ``None`` when this engine cannot do it for ``tensor`` (the
+        caller then uses ``allreduce_async``): the default, and for frameworks whose tensors
+        are values (TF)."""
+        return None
+
     @abstractmethod
     def allgather_async(self, tensor, name: str):
         """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""

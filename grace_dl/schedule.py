@@ -198,7 +198,7 @@ class Schedule(FanOut):
         for _, stage in self.stages:
             stage.fuse(groups)
 
-    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None):
+    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None, into=None):
         if type(tensor).__module__.startswith("tensorflow"):
             import tensorflow as tf
 
@@ -210,7 +210,7 @@ class Schedule(FanOut):
         if carried is not None:
             tensor = tensor + _like(carried, tensor)
         stage = self.active
-        return _Handle(stage, stage.send(tensor, name, op, collectives))
+        return _Handle(stage, stage.send(tensor, name, op, collectives, into))
 
     def receive(self, handle, into=None):
         if not isinstance(handle, _Handle):
@@ -218,8 +218,8 @@ class Schedule(FanOut):
                              f"{type(handle).__name__}")
         return handle.stage.receive(handle.inner, into)
 
-    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
-        return self.receive(self.send(tensor, name, op, collectives))
+    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None, into=None):
+        return self.receive(self.send(tensor, name, op, collectives, into))
 
     def end_step(self) -> dict:
         """Close the step in the running stage, count it, and switch stage if the next step

@@ -147,7 +147,8 @@ def test_grace_none_is_horovods_optimizer_bit_for_bit(ranks):
 @pytest.mark.multiproc
 def test_none_pipeline_equals_horovod_averaging(ranks):
     for res in ranks:
-        _close(res["none_pipeline"], res["hvd"], rtol=1e-6, atol=1e-7)
+        # the same in-place allreduce of p.grad with the same postscale as Horovod's optimizer
+        assert_equal_dicts(res["none_pipeline"], res["hvd"])
         assert res["none_bytes"] == [NUMEL * 4] * 3   # fp32, ring allreduce over 2 ranks
     assert_equal_dicts(ranks[0]["none_pipeline"], ranks[1]["none_pipeline"])
 
@@ -244,6 +245,16 @@ def test_groups_fuse_payloads_into_fewer_collectives(ranks, pipeline):
         assert fused["warnings"] == [] and alone["warnings"] == []
         assert_equal_dicts(fused["params"], alone["params"])
     assert_equal_dicts(*(res["groups"][pipeline]["2"]["params"] for res in ranks))
+
+
+@pytest.mark.multiproc
+def test_uncompressed_pipeline_sums_in_place_in_p_grad(ranks):
+    """``none``/allreduce hands p.grad itself to Horovod's in-place allreduce (no result
+    allocation, no copy, the average taken by its postscale); compressed payloads do not."""
+    for res in ranks:
+        names = res["groups"]["none"]["None"]["names"]
+        assert names and all(n.endswith(" (in place)") for n in names)
+        assert not any(n.endswith(" (in place)") for n in res["groups"]["topk"]["None"]["names"])
 
 
 @pytest.mark.multiproc

@@ -25,17 +25,19 @@ from typing import Any
 
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase
+from grace_dl.communicators.base import AVERAGE, Communicator, Encoded, Handle, Phase
 from grace_dl.registry import register_communicator
 
 
 @dataclass
 class Reducing(Phase):
-    """Round ``round``'s allreduces in flight, with the ctx that decompresses their sum."""
+    """Round ``round``'s allreduces in flight, with the ctx that decompresses their sum;
+    ``in_place``: the one allreduce sums (and averages) in the handle's ``into``."""
 
     parts: list
     ctx: Any
     round: int = 1
+    in_place: bool = False
 
 
 @register_communicator("allreduce")
@@ -49,22 +51,46 @@ class Allreduce(Communicator):
             return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
-    def _reduce(self, payload, handle: Handle, tag: str) -> list:
+    def _count(self, payload, handle: Handle) -> None:
         coll = handle.coll
-        ops = ops_for(payload[0])
-        pending = [coll.allreduce_async(part, self.wire_name(handle.name, f"{tag}{i}"))
-                   for i, part in enumerate(payload)]
         moved = wire.ring_allreduce_bytes(sum(coll.allreduce_nbytes(p) for p in payload),
                                           coll.size())
-        wire.count(self, ops, handle.name, sent=moved, received=moved)
+        wire.count(self, ops_for(payload[0]), handle.name, sent=moved, received=moved)
+
+    def _reduce(self, payload, handle: Handle, tag: str) -> list:
+        coll = handle.coll
+        pending = [coll.allreduce_async(part, self.wire_name(handle.name, f"{tag}{i}"))
+                   for i, part in enumerate(payload)]
+        self._count(payload, handle)
         return pending
 
+    def _reduce_in_place(self, encoded: Encoded, handle: Handle):
+        """The allreduce of an uncompressed tensor that is the caller's ``into`` (Horovod's
+        ``allreduce_async_`` on ``p.grad``), averaged by its postscale; None when it cannot."""
+        payload = encoded.payload
+        if not (self.compressor.sends_tensor and len(payload) == 1 and handle.into is not None
+                and ops_for(payload[0]).aliases(payload[0], handle.into)):
+            return None
+        coll = handle.coll
+        scale = 1.0 / coll.size() if handle.op == AVERAGE and self.compressor.average else 1.0
+        pending = coll.allreduce_async_(payload[0], self.wire_name(handle.name, "p0"), scale)
+        if pending is None:
+            return None
+        self._count(payload, handle)
+        return Reducing([pending], encoded.ctx, in_place=True)
+
     def issue(self, encoded: Encoded, handle: Handle) -> Reducing:
+        in_place = self._reduce_in_place(encoded, handle)
+        if in_place is not None:
+            return in_place
         return Reducing(self._reduce(encoded.payload, handle, "p"), encoded.ctx)
 
     def complete(self, phase: Reducing, handle: Handle):
         coll = handle.coll
         reduced = [coll.synchronize(h) for h in phase.parts]
+        if phase.in_place:
+            handle.finished_in_place = True
+            return handle.into
         step = self.compressor.next_round(reduced, phase.ctx)
         if step is not None:
             payload, ctx = step

@@ -90,8 +90,11 @@ class Handle:
     coll: Any                       # the Collectives it travels on
     encoded: Encoded
     phase: Phase | None = None      # None while held for its fusion group
-    #: where ``receive`` wants the result (a sparse ``combine`` may build it there), or None
+    #: where ``receive`` wants the result (a sparse ``combine`` may build it there; an
+    #: uncompressed allreduce may sum in it), or None
     into: Any = None
+    #: set by a communicator whose result already sits in ``into``, averaged as asked
+    finished_in_place: bool = False
     done: bool = False
     value: Any = None
     received: bool = field(default=False)
@@ -119,12 +122,16 @@ class Router:
     def check_op(self, op: str) -> str:
         return check_op(op)
 
-    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None) -> Handle:
+    def send(self, tensor, name: str, op: str = AVERAGE, collectives=None,
+             into=None) -> Handle:
         """Encode ``tensor`` and start its collectives (on ``collectives``, or Horovod's for
-        its framework and the process set); returns at once."""
+        its framework and the process set); returns at once. ``into``: where ``receive`` will
+        write the result (its default there). Given here, the pipeline may work in it from the
+        start: an uncompressed allreduce of ``into`` itself sums there in place, as Horovod's
+        own optimizer does with ``p.grad``; ``tensor`` may then be overwritten."""
         op = self.check_op(op)
         comm, coll = self.route(tensor, name, collectives)
-        handle = Handle(name=name, op=op, comm=comm, coll=coll,
+        handle = Handle(name=name, op=op, comm=comm, coll=coll, into=into,
                         encoded=comm.encode(tensor, name, Call(coll.rank(), coll.size())))
         if comm.fusion is not None and comm.fusion.holds(name):
             comm.fusion.hold(comm, handle)
@@ -137,7 +144,8 @@ class Router:
         """Wait for ``handle``'s exchange and return the aggregated tensor (divided by the
         number of ranks for ``op="average"`` when the compressor averages). ``into``: a
         tensor of the result's shape and dtype (torch) or a variable (TF) to write the result
-        into and return instead, which saves the result's own allocation and a copy."""
+        into and return instead, which saves the result's own allocation and a copy; by
+        default the ``into`` given to ``send``."""
         if handle.received:
             raise ValueError(f"handle for {handle.name!r} was already received")
         for other in self.before_receive(handle):
@@ -145,9 +153,9 @@ class Router:
         handle.received = True
         return _finish(handle, into)
 
-    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None):
+    def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None, into=None):
         """``receive(send(...))``: the blocking form."""
-        return self.receive(self.send(tensor, name, op, collectives))
+        return self.receive(self.send(tensor, name, op, collectives, into))
 
     def fingerprint(self) -> str:
         """A short digest of ``config()``; ranks compare it before the first step."""
@@ -175,20 +183,24 @@ class FanOut:
 
 def _finish(handle: Handle, into=None):
     """Run ``handle``'s phases to the end (once) and return its averaged or summed result
-    (written into ``into`` when given)."""
+    (written into ``into`` when given, else into the ``into`` given to ``send``)."""
+    into = handle.into if into is None else into
     if handle.done:   # finished earlier, for another handle's sake (before_receive)
         if into is None:
             return handle.value
         return ops_for(handle.value).assign_div(into, handle.value)
     comm = handle.comm
-    handle.into = into
+    if handle.into is None:
+        handle.into = into
     if handle.phase is None:
         comm.fusion.flush(comm, handle.name)
     out = handle.phase
     while isinstance(out, Phase):
         out = out.value if isinstance(out, Ready) else comm.complete(out, handle)
     divisor = handle.coll.size() if handle.op == AVERAGE and comm.compressor.average else None
-    if into is not None:
+    if handle.finished_in_place:     # averaged (or summed) in send's ``into`` already
+        out = ops_for(out).assign_div(into, handle.into)
+    elif into is not None:
         out = ops_for(out).assign_div(into, out, divisor)
     elif divisor is not None:
         out = out / divisor

@@ -85,6 +85,9 @@ class Compressor(Stateful, ABC):
     needs_shape: bool = False
     #: payloads are sparse: ``sent_entries`` gives their positions and values
     sparse: bool = False
+    #: the payload is the tensor itself, flattened (``decompress`` is a reshape): an
+    #: allreduce may sum it in place when it is the caller's ``into``
+    sends_tensor: bool = False
 
     def __init__(self, seed: int = 0):
         super().__init__()

@@ -16,6 +16,7 @@ class NoneCompressor(Compressor):
     allreduce_safe = True
     two_phase_safe = True
     unbiased = True
+    sends_tensor = True
 
     def __init__(self):
         super().__init__()

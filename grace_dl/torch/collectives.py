@@ -75,6 +75,14 @@ class TorchCollectives(Collectives):
         handle = hvd.allreduce_async(wire, name=name, op=hvd.Sum, process_set=self.process_set)
         return _Pending(handle, post)
 
+    def allreduce_async_(self, tensor, name: str, scale: float = 1.0):
+        """In place, for contiguous tensors Horovod sums as they are (not the widened types)."""
+        if tensor.dtype not in _SUMMABLE or not tensor.is_contiguous():
+            return None
+        handle = hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, postscale_factor=scale,
+                                      process_set=self.process_set)
+        return _Pending(handle, None)
+
     def allreduce_nbytes(self, tensor) -> int:
         return tensor.numel() * _SUM_AS.get(tensor.dtype, tensor.dtype).itemsize
 

@@ -331,11 +331,16 @@ class _GraceDistributedOptimizer:
         tensor = tensor.detach()
         if self.gradient_predivide_factor != 1.0:
             tensor = tensor * (1.0 / self.gradient_predivide_factor)
-        return self.grace.send(tensor, name, self.op)
+        return self.grace.send(tensor, name, self.op, into=self._into(p))
+
+    def _into(self, p):
+        """Where the result goes: ``p.grad`` itself unless it must be rescaled or densified."""
+        return p.grad if self.gradient_predivide_factor == 1.0 and not p.grad.is_sparse else None
 
     def _write(self, p, handle) -> None:
-        if self.gradient_predivide_factor == 1.0 and not p.grad.is_sparse:
-            self.grace.receive(handle, into=p.grad)
+        into = self._into(p)
+        if into is not None:
+            self.grace.receive(handle, into=into)
         else:
             out = self.grace.receive(handle)
             if self.gradient_predivide_factor != 1.0:

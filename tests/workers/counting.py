@@ -14,6 +14,12 @@ class Counting(Wrapping):
         self.calls.append(name)
         return self.inner.allreduce_async(tensor, name)
 
+    def allreduce_async_(self, tensor, name, scale=1.0):
+        handle = self.inner.allreduce_async_(tensor, name, scale)
+        if handle is not None:
+            self.calls.append(f"{name} (in place)")
+        return handle
+
     def allgather_async(self, tensor, name):
         self.calls.append(name)
         return self.inner.allgather_async(tensor, name)
