@@ -158,7 +158,7 @@ def _round_trip(comm, grad, name: str):
     def round_trip():
         tensor = grad.clone()
         start = time.perf_counter()
-        handle = comm.send(tensor, name)
+        handle = comm.send(tensor, name, into=tensor)  # as the optimizers send p.grad
         sent = time.perf_counter()
         comm.receive(handle)
         done = time.perf_counter()
