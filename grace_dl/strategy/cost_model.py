@@ -1,5 +1,7 @@
-"""The cost model behind the ``Auto`` builder: predicted seconds per step for one variable under
-one pipeline.
+"""Per-variable formulas behind the ``Auto`` builder: the alpha-beta time of one variable's
+communication under one pipeline, payload bytes, and the compression throughput file. The step
+model (``grace_dl.strategy.step_model``) uses them for whatever the running job did not measure
+itself (``grace_dl.strategy.calibrate``).
 
     time = communication(pattern, payload bytes, N, bandwidth B, latency a)
          + compress passes * c(n) + decompressions * d(n)
