@@ -9,6 +9,11 @@ by default; ``tiny`` for smoke tests.
 For each link speed the same cluster of namespaces is re-shaped, and every pipeline runs on it
 back to back, so ratios against uncompressed Horovod are taken in one run on one machine.
 ``--launcher mpi`` uses mpirun instead of horovodrun --gloo.
+
+Before the pipelines of a link speed, the job measures itself on that link (``python -m
+grace_dl strategy measure`` on the same hosts: collectives, every pipeline end to end,
+compression; ``grace_dl.strategy.calibrate``) into ``--calibration-dir``; Auto chooses from that
+measurement and every row's ``predicted_s`` is the step model's time from it.
 """
 
 from __future__ import annotations
@@ -23,19 +28,36 @@ from pathlib import Path
 
 from benchmarks.jobs import worker_env
 from benchmarks.network import EmulatedCluster
-from benchmarks.pipelines import PIPELINES
+from benchmarks.pipelines import GRACE, PIPELINES
+from grace_dl.strategy.builders import DEFAULT_CANDIDATES
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def calibrate(cluster: EmulatedCluster, launcher: str, out: Path, timeout: float) -> Path:
+    """Measure the job on the cluster's current link (Auto's candidates and every grace
+    pipeline of the benchmarks) into ``out``."""
+    candidates = list(DEFAULT_CANDIDATES) + list(GRACE.values())
+    argv = [sys.executable, "-m", "grace_dl", "strategy", "measure", "--candidates",
+            json.dumps(candidates), "--mbit", f"{cluster.mbit:g}", "-o", str(out)]
+    cmd = cluster.horovodrun(argv) if launcher == "gloo" else cluster.mpirun(argv)
+    proc = subprocess.run(cmd, env=worker_env(cluster.env()), capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(f"measuring the job at {cluster.mbit:g} Mbit/s failed:\n"
+                           f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+    return out
+
+
 def run_one(cluster: EmulatedCluster, launcher: str, model: str, pipeline: str, steps: int,
-            warmup: int, timeout: float) -> dict:
+            warmup: int, timeout: float, calibration: Path | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         out = tmp.name
     argv = [sys.executable, "-m", "benchmarks.e2e_worker", "--model", model, "--pipeline",
             pipeline, "--steps", str(steps), "--warmup", str(warmup), "--out", out]
     cmd = cluster.horovodrun(argv) if launcher == "gloo" else cluster.mpirun(argv)
-    env = worker_env(cluster.env(), GRACE_BENCH_MBIT=str(cluster.mbit))
+    env = worker_env(cluster.env(), GRACE_BENCH_MBIT=str(cluster.mbit),
+                     **({"GRACE_BENCH_CALIBRATION": str(calibration)} if calibration else {}))
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=str(ROOT))
@@ -46,6 +68,23 @@ def run_one(cluster: EmulatedCluster, launcher: str, model: str, pipeline: str, 
     Path(out).unlink(missing_ok=True)
     record["wall_s"] = time.time() - t0
     return record
+
+
+def _key(record: dict) -> tuple:
+    return record["model"], record["mbit"], record["pipeline"]
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with each record that ``new`` re-ran replaced in place; new ones appended."""
+    fresh = {_key(r): r for r in new}
+    merged = [fresh.pop(_key(r), r) for r in old]
+    return merged + [r for r in new if _key(r) in fresh]
+
+
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=str(ROOT))
+    return proc.stdout.strip() or "unknown commit"
 
 
 def main(argv=None) -> int:
@@ -61,25 +100,39 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", default="gracebench",
                     help="namespace name prefix; a run removes stale namespaces of its prefix")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/e2e.json"))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep --out's other records; replace those of the same model, link "
+                         "speed and pipeline")
+    ap.add_argument("--calibration-dir", default=str(ROOT / "benchmarks/results/calibration"),
+                    help="where each link's measurement is written (e2e-<mbit>mbit.json)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
 
     runs = [(m, model, p) for m in args.mbit for model in args.models for p in args.pipelines]
-    records = []
+    records, measured = [], {}
+    run = f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} {_commit()}"
+    Path(args.calibration_dir).mkdir(parents=True, exist_ok=True)
     with EmulatedCluster(args.hosts, mbit=args.mbit[0], prefix=args.prefix) as cluster:
         bar = tqdm(runs, desc="e2e", unit="run")
         for mbit, model, pipeline in bar:
             if cluster.mbit != mbit:
                 cluster.set_bandwidth(mbit)
+            if mbit not in measured:
+                bar.set_postfix_str(f"{mbit:g} Mbit/s: measuring the job")
+                measured[mbit] = calibrate(cluster, args.launcher, Path(args.calibration_dir)
+                                           / f"e2e-{mbit:g}mbit.json", args.timeout)
             bar.set_postfix_str(f"{mbit:g} Mbit/s {model} {pipeline}")
             rec = run_one(cluster, args.launcher, model, pipeline, args.steps, args.warmup,
-                          args.timeout)
-            rec.update({"mbit": mbit, "hosts": args.hosts, "launcher": args.launcher})
+                          args.timeout, measured[mbit])
+            rec.update({"mbit": mbit, "hosts": args.hosts, "launcher": args.launcher,
+                        "run": run})
             records.append(rec)
             if "error" in rec:
                 tqdm.write(f"FAILED {mbit:g} {model} {pipeline}: {rec['error'][-400:]}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and Path(args.out).exists():
+        records = merge(json.loads(Path(args.out).read_text()), records)
     Path(args.out).write_text(json.dumps(records, indent=1))
     print(f"wrote {args.out} ({len(records)} runs, {sum('error' in r for r in records)} failed)")
     return 0

@@ -9,7 +9,11 @@ Horovod's ring allreduce moves), and the time split:
 - compress: compress + decompress of every gradient through the pipeline's compressor, timed
   locally (no collectives);
 - communicate: step time − compute − compress (what the network and the collectives cost,
-  minus what overlapped with the backward pass).
+  minus what overlapped with the backward pass);
+- predicted: the step model's time for this pipeline (``grace_dl.strategy.step_model``, from the
+  measurement ``GRACE_BENCH_CALIBRATION`` names, the job's own on this link) with this run's
+  compute time (averaged over the ranks, so every rank's Auto decides the same) plus the
+  optimizer's own update, timed alone.
 
 Models (``--model``; synthetic inputs from ``torch.randn``, labels from ``torch.randint``, no
 downloads). Tensors = gradient tensors, i.e. one collective or one compression call each
@@ -46,7 +50,7 @@ import torch
 import torch.nn as nn
 
 import grace_dl.torch.horovod as hvd
-from benchmarks.pipelines import PIPELINES, make_grace
+from benchmarks.pipelines import PIPELINES, make_grace, predict_step
 from grace_dl.strategy.dispatcher import StrategyDispatcher
 
 MODELS = ("tiny", "mlp", "cnn", "resnet18", "transformer")
@@ -131,6 +135,17 @@ def time_compute(model, x, y, loss_fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_update(model, repeats: int) -> float:
+    """The wrapped optimizer's own ``step()`` (SGD on every parameter), no communication."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def time_compress(grc, model, repeats: int) -> float:
     if grc is None:
         return 0.0
@@ -176,7 +191,12 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
 
     compute_s = time_compute(model, x, y, loss_fn, repeats=5)
-    grc, hvd_kwargs = make_grace(args.pipeline, model)
+    update_s = time_update(model, repeats=5)
+    # Every rank must build the same strategy: they share one (average) compute time.
+    compute_s, update_s = hvd.allreduce(torch.tensor([compute_s, update_s], dtype=torch.float64),
+                                        name="e2e.compute").tolist()
+    grc, hvd_kwargs = make_grace(args.pipeline, model, compute_s=compute_s)
+    predicted = predict_step(args.pipeline, model, compute_s=compute_s)
     compress_s = time_compress(grc, model, repeats=3)
 
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
@@ -209,6 +229,8 @@ def main() -> None:
             "model": args.model, "pipeline": args.pipeline, "ranks": hvd.size(),
             "params": n_params, "step_s": step_s, "compute_s": compute_s,
             "compress_s": compress_s, "communicate_s": max(0.0, step_s - compute_s - compress_s),
+            "update_s": update_s,
+            "predicted_s": None if predicted is None else predicted + update_s,
             "sent_bytes": sent, "received_bytes": received, "steps": args.steps,
         }
         with open(args.out, "w") as f:

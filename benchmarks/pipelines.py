@@ -39,8 +39,40 @@ PIPELINES: dict[str, dict | str | None] = {
 }
 
 
-def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2):
-    """``(grace object or None, extra DistributedOptimizer kwargs)`` for ``pipeline``."""
+def calibration():
+    """The measurement Auto and the predictions use: the job's own (``GRACE_BENCH_CALIBRATION``,
+    which benchmarks/e2e.py measures on each emulated link), else the committed compression
+    throughput, else nothing measured."""
+    import os
+
+    path = os.environ.get("GRACE_BENCH_CALIBRATION")
+    if path:
+        return path
+    return THROUGHPUT if THROUGHPUT.exists() else None
+
+
+def _resources(mbit: float | None, workers: int):
+    import os
+
+    from grace_dl.strategy import ResourceSpec
+
+    mbit = float(os.environ.get("GRACE_BENCH_MBIT", mbit or 1000))
+    return ResourceSpec.local(workers, bandwidth_gbps=mbit / 1000)
+
+
+def build_auto(model, mbit: float | None = None, workers: int = 2, compute_s: float = 0.0):
+    """``(Auto builder, strategy)`` for ``model`` on this link (every rank gets the same one
+    when they pass the same ``compute_s``)."""
+    from grace_dl.strategy import Auto
+
+    builder = Auto(throughput=calibration(), compute_s=compute_s)
+    return builder, builder.build(model.named_parameters(), _resources(mbit, workers))
+
+
+def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2,
+               compute_s: float = 0.0):
+    """``(grace object or None, extra DistributedOptimizer kwargs)`` for ``pipeline``;
+    ``compute_s`` (forward + backward, the same on every rank) is for Auto's step model."""
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline must be one of {sorted(PIPELINES)}, got {pipeline!r}")
     spec = PIPELINES[pipeline]
@@ -51,16 +83,34 @@ def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2
 
         return None, {"compression": hvd.Compression.fp16}
     if spec == "auto":
-        import os
+        from grace_dl.strategy import from_strategy
+        from grace_dl.strategy.builders import horovod_path
 
-        from grace_dl.strategy import Auto, ResourceSpec, from_strategy
-
-        mbit = float(os.environ.get("GRACE_BENCH_MBIT", mbit or 1000))
-        resources = ResourceSpec.local(workers, bandwidth_gbps=mbit / 1000)
-        throughput = THROUGHPUT if THROUGHPUT.exists() else None
-        strategy = Auto(throughput=throughput).build(model.named_parameters(), resources)
-        return from_strategy(strategy), {}
+        _, strategy = build_auto(model, mbit, workers, compute_s)
+        return (None, {}) if horovod_path(strategy) else (from_strategy(strategy), {})
     return grace_from_params(dict(spec)), {}
+
+
+def predict_step(pipeline: str, model, mbit: float | None = None, workers: int = 2,
+                 compute_s: float = 0.0) -> float | None:
+    """The step model's time (seconds, without the optimizer's update) for ``pipeline`` on
+    ``model``, from ``calibration()``; ``None`` when nothing was measured."""
+    from grace_dl.strategy import Pipeline
+    from grace_dl.strategy.cost_model import Network
+    from grace_dl.strategy.step_model import HOROVOD, HOROVOD_FP16
+    from grace_dl.strategy.step_model import predict_step as step
+    from grace_dl.strategy.variables import variables_of
+
+    if calibration() is None:
+        return None
+    if PIPELINES.get(pipeline) == "auto":
+        return build_auto(model, mbit, workers, compute_s)[0].prediction.step_s
+    variables = variables_of(model.named_parameters())
+    choice = {"none": HOROVOD, "hvd-fp16": HOROVOD_FP16}.get(pipeline)
+    if choice is None:
+        choice = Pipeline.from_params(dict(PIPELINES[pipeline]))
+    return step(variables, [choice] * len(variables), calibration(),
+                Network.of(_resources(mbit, workers)), compute_s).step_s
 
 
 def make_spec(spec: dict, steps_per_epoch: int = 1):

@@ -19,7 +19,8 @@ import platform
 import sys
 from pathlib import Path
 
-E2E_COLUMNS = ["model", "Mbit/s", "pipeline", "step ms", "speedup vs none",
+E2E_COLUMNS = ["model", "Mbit/s", "pipeline", "run", "step ms", "predicted ms", "predicted / step",
+               "speedup vs none",
                "speedup vs hvd-fp16", "sent MB/step", "recv MB/step", "compute ms",
                "compress ms", "communicate ms", "bytes/bandwidth ms", "communicate / bound"]
 CONVERGENCE_COLUMNS = ["pipeline", "final acc", "best acc", "epochs to target"]
@@ -66,7 +67,8 @@ def e2e_rows(records: list[dict]) -> list[dict]:
     fp16 = _step_times(records, "hvd-fp16")
     rows = []
     for r in records:
-        row = {"model": r["model"], "Mbit/s": f"{r['mbit']:g}", "pipeline": r["pipeline"]}
+        row = {"model": r["model"], "Mbit/s": f"{r['mbit']:g}", "pipeline": r["pipeline"],
+               "run": r.get("run", "older")}
         if "error" in r:
             row["step ms"] = "failed"
             rows.append(row)
@@ -76,8 +78,11 @@ def e2e_rows(records: list[dict]) -> list[dict]:
         base = baseline.get((r["model"], r["mbit"]))
         half = fp16.get((r["model"], r["mbit"]))
         hidden = r["step_s"] <= r["compute_s"] + r["compress_s"]
+        predicted = r.get("predicted_s")
         row.update({
             "step ms": f"{r['step_s'] * 1e3:.1f}",
+            "predicted ms": f"{predicted * 1e3:.1f}" if predicted else "n/a",
+            "predicted / step": f"{predicted / r['step_s']:.2f}" if predicted else "n/a",
             "speedup vs none": f"{base / r['step_s']:.2f}x" if base else "n/a",
             "speedup vs hvd-fp16": f"{half / r['step_s']:.2f}x" if half else "n/a",
             "sent MB/step": f"{r['sent_bytes'] / 1e6:.3f}",
@@ -90,6 +95,36 @@ def e2e_rows(records: list[dict]) -> list[dict]:
                                     if bound_s and not hidden else "n/a"),
         })
         rows.append(row)
+    return rows
+
+
+AUTO_COLUMNS = ["model", "Mbit/s", "auto ms", "auto vs none", "best fixed pipeline",
+                "auto / best fixed", "predictions within 25%", "worst predicted / step"]
+
+
+def auto_rows(records: list[dict]) -> list[dict]:
+    """Per model and link speed of the same run: Auto against uncompressed Horovod and against
+    the fastest fixed pipeline, and how many rows' predictions fall within 25% of the step."""
+    rows = []
+    groups = sorted({(r["model"], r["mbit"]) for r in records}, key=lambda k: (k[0], k[1]))
+    for model, mbit in groups:
+        rs = [r for r in records if (r["model"], r["mbit"]) == (model, mbit) and "step_s" in r]
+        auto = next((r for r in rs if r["pipeline"] == "auto"), None)
+        none = next((r for r in rs if r["pipeline"] == "none"), None)
+        fixed = [r for r in rs if r["pipeline"] != "auto"]
+        if auto is None or none is None or not fixed:
+            continue
+        best = min(fixed, key=lambda r: r["step_s"])
+        ratios = [r["predicted_s"] / r["step_s"] for r in rs if r.get("predicted_s")]
+        worst = max(ratios, key=lambda x: abs(x - 1), default=None)
+        rows.append({
+            "model": model, "Mbit/s": f"{mbit:g}", "auto ms": f"{auto['step_s'] * 1e3:.1f}",
+            "auto vs none": f"{none['step_s'] / auto['step_s']:.2f}x",
+            "best fixed pipeline": f"{best['pipeline']} {best['step_s'] * 1e3:.1f} ms",
+            "auto / best fixed": f"{auto['step_s'] / best['step_s']:.2f}",
+            "predictions within 25%": (f"{sum(0.75 <= x <= 1.25 for x in ratios)} of "
+                                       f"{len(ratios)}" if ratios else "n/a"),
+            "worst predicted / step": f"{worst:.2f}" if worst is not None else "n/a"})
     return rows
 
 
@@ -192,8 +227,17 @@ def write(results: Path, target: float = 0.95, tta_model: str = "mlp") -> list[P
                 "are timed locally in the same process; communicate = step − compute − "
                 "compress, \"hidden\" where compute + compress timed alone already exceed the "
                 "step (sends overlap the backward pass). "
-                "bytes/bandwidth = max(sent, received) bytes per step ÷ link speed.\n\n"
-                + _table(E2E_COLUMNS, e2e_rows(e2e)) + "\n\n![speedup](speedup.png)\n")
+                "bytes/bandwidth = max(sent, received) bytes per step ÷ link speed. "
+                "run = when and at which commit the row was measured (\"older\": before runs "
+                "were labelled); predicted = the step model's time for the pipeline "
+                "(grace_dl.strategy.step_model) from the job's own measurement on that link "
+                "(benchmarks/results/calibration/), with the run's compute and update time.\n\n"
+                + _table(E2E_COLUMNS, e2e_rows(e2e)) + "\n\n## Auto against the fixed pipelines"
+                "\n\nPer model and link speed: Auto's step against uncompressed Horovod and "
+                "against the fastest fixed pipeline of the same run (\"none\" and \"hvd-fp16\" "
+                "count as fixed pipelines), and how many of the rows' predictions are within "
+                "25% of the measured step.\n\n"
+                + _table(AUTO_COLUMNS, auto_rows(e2e)) + "\n\n![speedup](speedup.png)\n")
         (results / "e2e.md").write_text(text)
         plot_speedup([r for r in e2e if "error" not in r], results / "speedup.png")
         written += [results / "e2e.md", results / "speedup.png"]

@@ -32,7 +32,8 @@ def main(argv=None) -> int:
         results.mkdir(parents=True, exist_ok=True)
         e2e.main(["--mbit", "1000", "--models", "tiny", "--pipelines", "none", "topk",
                   "--steps", "3", "--warmup", "1", "--prefix", "gracequick",
-                  "--out", str(results / "e2e.json")])
+                  "--out", str(results / "e2e.json"),
+                  "--calibration-dir", str(results / "calibration")])
         convergence.main(["--pipelines", "none", "topk", "--epochs", "1",
                           "--out", str(results / "convergence.json")])
     else:
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, str(micro), "--threads", "1", "--out",
                             str(results / "compressors.md")], check=True, cwd=str(ROOT))
         overhead.main(["--label", "make bench", "--out", str(results / "overhead.json")])
-        e2e.main(["--out", str(results / "e2e.json")])
+        e2e.main(["--out", str(results / "e2e.json"),
+                  "--calibration-dir", str(results / "calibration")])
         convergence.main(["--out", str(results / "convergence.json")])
     for path in report.write(results):
         print(f"wrote {path}")

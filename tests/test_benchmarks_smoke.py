@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import report, run
+from benchmarks import e2e, report, run
 from benchmarks.network import EmulatedCluster, cleanup_stale
 
 pytestmark = pytest.mark.multiproc
@@ -37,6 +37,13 @@ def test_bad_cluster_arguments_are_rejected():
         EmulatedCluster(2, mbit=0)
 
 
+def test_e2e_merge_replaces_rerun_rows_in_place():
+    old = [{"model": "mlp", "mbit": 100, "pipeline": p, "step_s": 1} for p in ("none", "auto")]
+    new = [{"model": "mlp", "mbit": 100, "pipeline": "auto", "step_s": 2},
+           {"model": "cnn", "mbit": 100, "pipeline": "auto", "step_s": 3}]
+    assert [r["step_s"] for r in e2e.merge(old, new)] == [1, 2, 3]
+
+
 def test_quick_suite_writes_reports_with_every_column(tmp_path):
     assert run.main(["--quick", "--results", str(tmp_path)]) == 0
     e2e = json.loads((tmp_path / "e2e.json").read_text())
@@ -45,6 +52,10 @@ def test_quick_suite_writes_reports_with_every_column(tmp_path):
     topk = next(r for r in e2e if r["pipeline"] == "topk")
     none = next(r for r in e2e if r["pipeline"] == "none")
     assert 0 < topk["sent_bytes"] < none["sent_bytes"]
+    # every row carries the step model's prediction from the job's measurement on that link
+    assert all(r["predicted_s"] > 0 for r in e2e)
+    assert json.loads((tmp_path / "calibration" / "e2e-1000mbit.json").read_text())["job"][
+        "workers"] == 2
     table = (tmp_path / "e2e.md").read_text()
     header = next(line for line in table.splitlines() if line.startswith("| model"))
     assert [c.strip() for c in header.strip("|").split("|")] == report.E2E_COLUMNS

@@ -15,6 +15,7 @@ from grace_dl.strategy import (
     Uniform,
     from_strategy,
 )
+from grace_dl.strategy.builders import horovod_path
 from grace_dl.strategy.cost_model import Network, Throughput, communication_time, predict
 from grace_dl.strategy.pipeline import Pipeline
 from grace_dl.strategy.variables import variables_of
@@ -184,41 +185,48 @@ SHAPES = {"big.weight": (4096, 1024), "mid.weight": (256, 256), "small.weight": 
           "big.bias": (1024,)}
 
 
+CANDIDATES = ({"compressor": "none"}, {"compressor": "fp16"}, TOPK)
+
+
 def _chosen(strategy):
     return {n.var_name: Pipeline.from_node(n).compressor for n in strategy.node_config}
 
 
 def test_auto_picks_none_everywhere_at_very_high_bandwidth():
     spec = ResourceSpec.local(8, bandwidth_gbps=1e6, latency_us=25)
-    assert set(_chosen(Auto().build(SHAPES, spec)).values()) == {"none"}
+    strategy = Auto().build(SHAPES, spec)
+    assert set(_chosen(strategy).values()) == {"none"}
+    assert horovod_path(strategy)  # run as grace=None, as predicted
 
 
 def test_auto_compresses_large_tensors_at_low_bandwidth():
     spec = ResourceSpec.local(8, bandwidth_gbps=1.0)
-    builder = Auto()
+    builder = Auto(candidates=CANDIDATES)
     strategy = builder.build(SHAPES, spec)
     chosen = _chosen(strategy)
     assert chosen["big.weight"] == "topk" and chosen["mid.weight"] != "none"
     assert chosen["small.weight"] == "none"  # 64 elements: the per-call cost dominates
     assert chosen["big.bias"] == "none"
-    # In its own model the pick is never slower than no compression, which is always a candidate.
-    for node, (var, predictions) in zip(strategy.node_config, builder.report):
-        assert var.name == node.var_name
-        by_pipeline = {p.pipeline: p.total_s for p in predictions}
-        assert by_pipeline[Pipeline.from_node(node)] <= by_pipeline[Pipeline()]
-        assert by_pipeline[Pipeline.from_node(node)] == min(by_pipeline.values())
+    assert not horovod_path(strategy)
+    # The pick is predicted faster than no compression (run as Horovod's own allreduce) by
+    # the margin, and the strategy carries its prediction.
+    assert builder.prediction.step_s * (1 + builder.margin) < builder.baseline.step_s
+    assert strategy.predicted_step_s == builder.prediction.step_s
+    for node, (var, costs) in zip(strategy.node_config, builder.report):
+        assert var.name == node.var_name and [p for p, _ in costs] == builder.candidates
 
 
 def test_auto_uses_measured_throughput(tmp_path):
     """A measured, very slow topk makes Auto fall back to fp16 for the large tensor."""
     spec = ResourceSpec.local(8, bandwidth_gbps=1.0)
-    assert _chosen(Auto().build(SHAPES, spec))["big.weight"] == "topk"
+    assert _chosen(Auto(CANDIDATES).build(SHAPES, spec))["big.weight"] == "topk"
     path = tmp_path / "tp.json"
     path.write_text(json.dumps({"format": "grace_dl.compression_throughput/1", "entries": [
         {"compressor": "topk", "params": {"compress_ratio": 0.01},
          "compress": {"overhead_s": 1.0, "per_element_s": 0.0},
          "decompress": {"overhead_s": 0.0, "per_element_s": 0.0}}]}))
-    assert _chosen(Auto(throughput=str(path)).build(SHAPES, spec))["big.weight"] == "fp16"
+    assert _chosen(Auto(CANDIDATES, throughput=str(path)).build(SHAPES, spec))["big.weight"] \
+        == "fp16"
     with pytest.raises(ValueError, match="must have \"format\""):
         Throughput.load(_write(tmp_path, "{}"))
 

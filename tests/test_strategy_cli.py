@@ -71,11 +71,37 @@ def test_validate_reports_problems(tmp_path, capsys):
 def test_auto_from_the_command_line(tmp_path, capsys):
     spec = tmp_path / "slow.yaml"
     spec.write_text("nodes:\n  - {address: a, slots: 4, network_bandwidth: 1}\n")
+    candidates = json.dumps([{"compressor": "none"}, {"compressor": "topk",
+                             "compress_ratio": 0.01, "memory": "residual",
+                             "communicator": "allgather"}])
     assert main(["build", "--variables", _shapes(tmp_path), "--builder", "auto",
-                 "--resource-spec", str(spec)]) == 0
+                 "--candidates", candidates, "--resource-spec", str(spec)]) == 0
     text = capsys.readouterr().out
     assert 'name: "topk"' in text and 'replicas: "a:CPU:3"' in text
+    assert "predicted_step_s: " in text
     assert main(["show", "--text", str(tmp_path / "missing.pbtxt")]) == 1
+    capsys.readouterr()
+    # After a run, show puts the measured step time next to Auto's prediction.
+    out = tmp_path / "auto.pbtxt"
+    assert main(["build", "--variables", _shapes(tmp_path), "--builder", "auto",
+                 "--candidates", candidates, "--resource-spec", str(spec), "-o", str(out)]) == 0
+    predicted = load(out).predicted_step_s
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"step_s": 2 * predicted}))
+    capsys.readouterr()
+    assert main(["show", str(out), "--measured", str(run)]) == 0
+    assert f"measured {2e3 * predicted:.1f} ms (predicted / measured 0.50)" in \
+        capsys.readouterr().out
+    for bad, words in (("-1", "positive step time"), (str(tmp_path / "nope"), "neither"),
+                       (str(_write_json(tmp_path, {"step": 1})), "no numeric \"step_s\"")):
+        assert main(["show", str(out), "--measured", bad]) == 1
+        assert words in capsys.readouterr().err
+
+
+def _write_json(tmp_path, obj):
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(obj))
+    return path
 
 
 def test_measure_writes_a_throughput_file_auto_reads(tmp_path, capsys):
@@ -85,7 +111,9 @@ def test_measure_writes_a_throughput_file_auto_reads(tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert main(["measure", "--sizes", "256,8192", "--repeats", "2", "-o", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert [e["compressor"] for e in doc["entries"]] == ["none", "fp16", "topk"]
+    assert [e["compressor"] for e in doc["entries"]] == [
+        "none", "fp16", "topk", "randomk", "qsgd", "signsgd", "powersgd"]
+    assert "collectives" not in doc  # not started by horovodrun: compression only
     for entry in doc["entries"]:
         for what in ("compress", "decompress"):
             assert entry[what]["overhead_s"] >= 0 and entry[what]["per_element_s"] >= 0

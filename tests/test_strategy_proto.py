@@ -38,7 +38,8 @@ def _numbers(message):
 
 def test_autodist_field_numbers_kept():
     assert _numbers(strategy_pb2.Strategy) == {
-        "id": 1, "path": 2, "node_config": 3, "graph_config": 4, "version": 5}
+        "id": 1, "path": 2, "node_config": 3, "graph_config": 4, "version": 5,
+        "predicted_step_s": 6}
     node = _numbers(strategy_pb2.Strategy.Node)
     assert {k: node[k] for k in ("var_name", "PSSynchronizer", "AllReduceSynchronizer",
                                  "partitioner", "part_config")} == {

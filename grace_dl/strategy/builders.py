@@ -25,15 +25,17 @@ from abc import ABC, abstractmethod
 from datetime import datetime, timezone
 
 from grace_dl.strategy import strategy_pb2 as pb
-from grace_dl.strategy.cost_model import (
-    PATTERNS,
-    Network,
-    Prediction,
-    Throughput,
-    predict,
-)
+from grace_dl.strategy.cost_model import PATTERNS, Network
 from grace_dl.strategy.pipeline import LEGACY_NAMES, Pipeline
 from grace_dl.strategy.resource_spec import ResourceSpec
+from grace_dl.strategy.step_model import (
+    HOROVOD,
+    Calibration,
+    Cost,
+    StepPrediction,
+    simulate,
+    variable_cost,
+)
 from grace_dl.strategy.variables import Variable, variables_of
 from grace_dl.validate import in_range, one_of
 
@@ -172,23 +174,41 @@ DEFAULT_CANDIDATES = (
     {"compressor": "fp16"},
     {"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
      "communicator": "allgather"},
+    {"compressor": "randomk", "compress_ratio": 0.01, "memory": "residual",
+     "communicator": "allreduce"},
+    {"compressor": "qsgd", "quantum_num": 64, "memory": "residual", "communicator": "twophase"},
+    {"compressor": "signsgd", "memory": "residual", "communicator": "twophase"},
+    {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
+     "communicator": "allreduce"},
 )
 
 
 class Auto(StrategyBuilder):
-    """Per variable, the candidate pipeline with the least predicted time in
-    ``grace_dl.strategy.cost_model`` (network from the resource spec: workers, the slowest
-    node's bandwidth, latency; compression cost from ``throughput``, a JSON path or
-    ``Throughput``, else the spec's ``compression_throughput``, else pessimistic defaults).
+    """Per variable, the candidate pipeline that makes the **step** fastest in
+    ``grace_dl.strategy.step_model`` (gradients ready in reverse order during the backward
+    pass, encode on the training thread, exchanges fused on one channel).
 
-    ``none`` (plain allreduce) is always a candidate and wins ties, so in its own model a
-    strategy from ``Auto`` is never slower than no compression. Candidates whose payload size
-    depends on the data (threshold, DGC) cannot be predicted and raise ``ValueError``.
-    After ``build``, ``report`` holds each variable's predictions (seconds) for inspection.
+    Costs come from ``throughput``: a measurement file (``grace-dl strategy measure``; run under
+    horovodrun it holds the job's collectives and every candidate pipeline timed end to end), a
+    ``Calibration`` or ``Throughput``; else the resource spec's ``compression_throughput``; else
+    the spec's bandwidth and latency with pessimistic compression costs. ``compute_s``: the
+    model's forward + backward time, which communication can overlap (0: none to hide behind).
+
+    Choice: each variable's cheapest candidate alone (kept only when ``margin`` better than
+    ``none``), and every candidate for all variables, are simulated; the fastest is taken only
+    when it is predicted ``margin`` faster than no compression at all, run as Horovod's own
+    allreduce. Otherwise every variable gets ``none``: such a strategy is meant to run with
+    ``grace=None`` (``horovod_path(strategy)`` says so), and it is what the prediction assumed.
+    So Auto never picks a pipeline it predicts to lose to uncompressed Horovod.
+
+    After ``build``: ``prediction`` (the chosen step, a ``StepPrediction``), ``baseline`` (the
+    uncompressed step), ``report`` (each variable's cost under every candidate); the strategy's
+    ``predicted_step_s`` holds the prediction. Candidates whose payload size depends on the
+    data (threshold, DGC) cannot be predicted and raise ``ValueError``.
     """
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, chunk_size: int = 1, spec="AUTO",
-                 throughput=None):
+                 throughput=None, compute_s: float = 0.0, margin: float = 0.1):
         super().__init__(chunk_size, spec)
         pipelines = [Pipeline.from_params(c) for c in candidates]
         if NONE not in pipelines:
@@ -202,36 +222,67 @@ class Auto(StrategyBuilder):
                                  f"modelled: {list(PATTERNS)}")
             p.build()
         self._compressors = {p: p.build_compressor() for p in self.candidates}
-        if throughput is None or isinstance(throughput, Throughput):
-            self.throughput = throughput
-        else:
-            self.throughput = Throughput.load(throughput)
-        self.report: list[tuple[Variable, list[Prediction]]] = []
+        self.calibration = None if throughput is None else Calibration.coerce(throughput)
+        self.compute_s = in_range("compute_s", compute_s, 0.0, None)
+        self.margin = in_range("margin", margin, 0.0, None)
+        self.report: list[tuple[Variable, list[tuple[Pipeline, Cost]]]] = []
+        self.prediction: StepPrediction | None = None
+        self.baseline: StepPrediction | None = None
 
-    def _throughput(self, resources) -> Throughput:
-        if self.throughput is not None:
-            return self.throughput
-        if resources is not None and resources.throughput_path:
-            return Throughput.load(resources.throughput_path)
-        return Throughput()
+    def _calibration(self, resources) -> Calibration:
+        if self.calibration is not None:
+            return self.calibration
+        return Calibration.coerce(resources.throughput_path)
+
+    def build(self, named_parameters_or_shapes, resource_spec=None):
+        strategy = super().build(named_parameters_or_shapes, resource_spec)
+        strategy.predicted_step_s = self.prediction.step_s
+        return strategy
 
     def choose(self, variables, resources):
         if resources is None:
             raise ValueError("Auto needs a resource spec (workers, bandwidth, latency) to "
                              "predict times; pass one to build()")
-        net, throughput = Network.of(resources), self._throughput(resources)
-        self.report = []
-        chosen = []
+        net, calib = Network.of(resources), self._calibration(resources)
+        table = []
         for var in variables:
-            predictions = []
+            row = []
             for p in self.candidates:
-                pred = predict(p, var.shape, var.dtype, net, throughput, self._compressors[p])
-                if pred is None:
+                cost = variable_cost(p, var.shape, var.dtype, calib, net, self._compressors[p])
+                if cost is None:
                     raise ValueError(f"Auto cannot predict the payload of compressor "
                                      f"{p.compressor!r} (its size depends on the data); "
                                      f"leave it out of the candidates")
-                predictions.append(pred)
-            best = min(predictions, key=lambda q: q.total_s)  # first (none) wins ties
-            self.report.append((var, predictions))
-            chosen.append(best.pipeline)
-        return chosen
+                row.append(cost)
+            table.append(row)
+        self.report = [(v, list(zip(self.candidates, row))) for v, row in zip(variables, table)]
+        numels = [v.numel for v in variables]
+        self.baseline = simulate([variable_cost(HOROVOD, v.shape, v.dtype, calib, net)
+                                  for v in variables], numels, self.compute_s, calib.overlap)
+        options = [[_cheapest(row, self.margin) for row in table]]
+        options += [[i] * len(variables) for i in range(1, len(self.candidates))]
+        best, best_step = None, None
+        for option in options:
+            step = simulate([row[i] for row, i in zip(table, option)], numels, self.compute_s,
+                            calib.overlap)
+            if best_step is None or step.step_s < best_step.step_s:
+                best, best_step = option, step
+        if best_step is not None and best_step.step_s * (1 + self.margin) < self.baseline.step_s:
+            self.prediction = best_step
+            return [self.candidates[i] for i in best]
+        self.prediction = self.baseline
+        return [NONE] * len(variables)
+
+
+def _cheapest(row: list[Cost], margin: float) -> int:
+    """Index of the cheapest cost in ``row`` (index 0 is ``none``), kept only when it beats
+    ``none`` by ``margin``."""
+    best = min(range(len(row)), key=lambda i: row[i].total_s)
+    return best if row[best].total_s * (1 + margin) < row[0].total_s else 0
+
+
+def horovod_path(strategy) -> bool:
+    """Whether every node of ``strategy`` is plain, uncompressed allreduce: then run it as
+    ``grace=None`` (Horovod's own optimizer), which is what ``Auto`` predicted for it."""
+    return all(node.WhichOneof("synchronizer") != "PSSynchronizer"
+               and Pipeline.from_node(node) == NONE for node in strategy.node_config)

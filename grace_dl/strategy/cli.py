@@ -5,9 +5,12 @@
              [--chunk-size N] [--spec AUTO|NCCL|RING] [--min-elements N] [--destination R]
              [--candidates '[{...}, ...]'] [--throughput file.json]
              [--resource-spec cluster.yaml] -o strategy.pbtxt|strategy.pb
-    show     strategy-file [--text]
+    show     strategy-file [--text] [--measured SECONDS|run.json]  (Auto's predicted step
+             time next to the measured one)
     validate strategy-file [--variables ... | --model ...] [--workers N]
     measure  [--candidates '[{...}, ...]'] [--sizes 4096,262144] [--repeats 5] -o tp.json
+             under horovodrun/mpirun also the job's collectives and pipelines
+             (grace_dl.strategy.calibrate) unless --no-job; [--mbit M] is recorded
 
 ``--variables`` is a YAML/JSON mapping ``name: [d0, d1, ...]``; ``--model`` names a function
 returning a torch module (its ``named_parameters()``) or a Keras model (its
@@ -158,7 +161,35 @@ def cmd_show(args) -> int:
           f"variables, {len(dispatcher.state_dict())} pipelines, replicas "
           f"{len(strategy.graph_config.replicas) or 'unspecified'}; fingerprint "
           f"{dispatcher.fingerprint()}")
+    measured = _measured_step(args.measured) if args.measured else None
+    if strategy.predicted_step_s:
+        line = f"predicted step {strategy.predicted_step_s * 1e3:.1f} ms"
+        if measured:
+            line += (f", measured {measured * 1e3:.1f} ms (predicted / measured "
+                     f"{strategy.predicted_step_s / measured:.2f})")
+        print(line)
+    elif measured:
+        print(f"measured step {measured * 1e3:.1f} ms; the strategy holds no prediction "
+              f"(only Auto predicts)")
     return 0
+
+
+def _measured_step(value: str) -> float:
+    """Seconds per step: a number, or a JSON file with ``step_s`` (an e2e record)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"--measured {value!r} is neither seconds nor a JSON file") \
+                from None
+        record = _json(path.read_text(), f"--measured {value!r}")
+        seconds = record.get("step_s") if isinstance(record, dict) else None
+        if not isinstance(seconds, (int, float)):
+            raise ValueError(f"--measured {value!r} has no numeric \"step_s\"") from None
+    if not seconds > 0:
+        raise ValueError(f"--measured must be a positive step time in seconds, got {value!r}")
+    return float(seconds)
 
 
 def cmd_validate(args) -> int:
@@ -195,13 +226,22 @@ def cmd_measure(args) -> int:
     if len(sizes) != 2:
         raise ValueError(f"--sizes must be two comma-separated integers, got {args.sizes!r}")
     _check_output(args.output)
-    document = measure.measure(candidates, sizes, args.repeats, args.framework)
+    document = measure.measure(candidates, sizes, args.repeats, args.framework,
+                               job=False if args.no_job else None, mbit=args.mbit)
+    if "job" in document and _rank() != 0:
+        return 0  # rank 0 writes the job's measurement
     if args.output:
         measure.write(document, args.output)
         print(f"wrote {args.output}: {len(document['entries'])} compressors")
     else:
         print(json.dumps(document, indent=2))
     return 0
+
+
+def _rank() -> int:
+    import horovod.torch as hvd
+
+    return hvd.rank()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -231,6 +271,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print a strategy as a table (or as text)")
     s.add_argument("strategy")
     s.add_argument("--text", action="store_true", help="protobuf text format instead")
+    s.add_argument("--measured", help="measured step time after a run: seconds, or a JSON "
+                                      "file with step_s; printed next to Auto's prediction")
     s.set_defaults(func=cmd_show)
 
     v = sub.add_parser("validate", help="check a strategy (and against a model)")
@@ -245,6 +287,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--sizes", default="4096,262144", help="two tensor sizes to fit a line")
     m.add_argument("--repeats", type=_positive_int, default=5)
     m.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
+    m.add_argument("--no-job", action="store_true",
+                   help="under horovodrun/mpirun, skip timing the job's collectives and "
+                        "pipelines")
+    m.add_argument("--mbit", type=float, help="link speed to record with the job's timings")
     m.add_argument("-o", "--output", help="JSON file to write; else stdout")
     m.set_defaults(func=cmd_measure)
     return p

@@ -1,5 +1,7 @@
-"""The cost model behind the ``Auto`` builder: predicted seconds per step for one variable under
-one pipeline.
+"""Per-variable formulas behind the ``Auto`` builder: the alpha-beta time of one variable's
+communication under one pipeline, payload bytes, and the compression throughput file. The step
+model (``grace_dl.strategy.step_model``) uses them for whatever the running job did not measure
+itself (``grace_dl.strategy.calibrate``).
 
     time = communication(pattern, payload bytes, N, bandwidth B, latency a)
          + compress passes * c(n) + decompressions * d(n)
@@ -111,17 +113,22 @@ class Throughput:
             raise ValueError(f"throughput file {str(path)!r} does not exist") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"throughput file {str(path)!r} is not JSON: {err}") from None
+        return cls.from_document(data, str(path))
+
+    @classmethod
+    def from_document(cls, data: dict, source: str = "<document>") -> Throughput:
+        """The ``entries`` of a measurement document (the file's JSON, parsed)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"throughput file {str(path)!r} must have \"format\": {FORMAT!r}")
+            raise ValueError(f"throughput file {source!r} must have \"format\": {FORMAT!r}")
         entries = []
         for i, raw in enumerate(data.get("entries", [])):
             try:
                 entries.append((str(raw["compressor"]), dict(raw.get("params", {})),
                                 Linear(**raw["compress"]), Linear(**raw["decompress"])))
             except (KeyError, TypeError) as err:
-                raise ValueError(f"throughput file {str(path)!r} entry {i} is malformed "
+                raise ValueError(f"throughput file {source!r} entry {i} is malformed "
                                  f"({err}); see grace_dl.strategy.cost_model") from None
-        return cls(entries, str(path))
+        return cls(entries, source)
 
     def costs(self, compressor: str, params: dict) -> tuple[Linear, Linear]:
         best, best_size = None, -1

@@ -23,9 +23,10 @@ which pipeline carried it shows in its bytes).
 * **PSSynchronizer** (``sync: true``, ``staleness: 0``): reduce to ``reduction_destination`` and
   broadcast (the core's ``ps`` communicator). ``sync: false`` or ``staleness > 0`` raise "not
   supported": Horovod's collectives are synchronous.
-* **Order.** The first ``receive`` of a step finishes every outstanding handle in the strategy's
-  node order, so collectives started while finishing (later PowerSGD rounds, the PS broadcast)
-  are issued in the same order on every rank, whatever order the framework receives in.
+* **Order.** The first ``receive`` of a step finishes every outstanding handle whose completion
+  starts collectives (later PowerSGD rounds, two-phase's gather, the PS broadcast) in the
+  strategy's node order, so those are issued in the same order on every rank, whatever order
+  the framework receives in; handles that only wait are finished by their own ``receive``.
 * **Agreement.** Before its first collective a dispatcher checks, with one small allgather,
   that every rank has the same fingerprint (strategy and built pipelines); on a mismatch every
   rank raises ``ValueError`` naming the variables whose nodes differ (``grace_dl.strategy.
@@ -63,11 +64,12 @@ class Route:
 
 
 def strategy_digest(strategy) -> str:
-    """Digest of what a strategy asks for (its ``id`` and ``path`` left out)."""
+    """Digest of what a strategy asks for (its ``id``, ``path`` and ``predicted_step_s`` left
+    out)."""
     copy = pb.Strategy()
     copy.CopyFrom(strategy)
-    copy.ClearField("id")
-    copy.ClearField("path")
+    for note in ("id", "path", "predicted_step_s"):
+        copy.ClearField(note)
     return hashlib.sha256(to_bytes(copy)).hexdigest()[:16]
 
 
@@ -107,6 +109,14 @@ def _check_node(node) -> None:
             raise ValueError(f"node {node.var_name!r}: PSSynchronizer staleness={ps.staleness} "
                              f"is not supported (bounded-staleness training needs asynchronous "
                              f"servers); set staleness: 0")
+
+
+def _finishes_alone(handle: Handle) -> bool:
+    """Whether finishing ``handle`` only waits: its collectives are all issued and its
+    communicator starts no more (single-round allreduce or allgather)."""
+    comm = handle.comm
+    return handle.phase is not None and comm.name in ("allreduce", "allgather") \
+        and comm.compressor.rounds == 1
 
 
 class StrategyDispatcher(Router, FanOut):
@@ -240,15 +250,22 @@ class StrategyDispatcher(Router, FanOut):
         self._outstanding[handle.name] = handle
 
     def before_receive(self, handle: Handle) -> list:
-        """The first receive of a step finishes every outstanding handle in node order."""
+        """Every outstanding handle whose completion starts collectives (two-phase, PowerSGD's
+        later rounds, PS, broadcast's sized rounds, a held fusion group) is finished in node
+        order at the first receive of a step. The others (issued allreduce or allgather of a
+        single-round method) only wait, so each is left to its own receive, which writes the
+        result straight into the caller's buffer (``into``) instead of allocating and copying."""
         if handle.done:
             return []
         if self._outstanding.get(handle.name) is not handle:
             raise ValueError(f"handle for {handle.name!r} was already received or is not from "
                              f"this dispatcher")
-        pending = sorted(self._outstanding.values(), key=lambda h: self._routes[h.name].index)
-        self._outstanding.clear()
-        return pending
+        ordered = sorted((h for h in self._outstanding.values() if not _finishes_alone(h)),
+                         key=lambda h: self._routes[h.name].index)
+        for h in ordered:
+            del self._outstanding[h.name]
+        self._outstanding.pop(handle.name, None)
+        return ordered
 
     def end_step(self) -> dict:
         return self.bytes.end_step()

@@ -7,6 +7,11 @@ For each candidate's compressor, random normal float32 tensors of two sizes are 
 decompressed ``repeats`` times after a warm-up; the medians give a line ``overhead_s +
 per_element_s * n`` through the two points (clipped at zero). torch tensors on the CPU by
 default; ``framework="tensorflow"`` measures eager TF instead.
+
+Started under horovodrun or mpirun (or with ``job=True``), ``measure`` also times the job
+itself, its collectives and every candidate pipeline end to end (``grace_dl.strategy.calibrate``),
+and adds those sections to the same document; ``grace_dl.strategy.step_model.Calibration``
+reads all of it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from grace_dl.strategy import calibrate
 from grace_dl.strategy.cost_model import FORMAT
 from grace_dl.strategy.pipeline import Pipeline
 from grace_dl.validate import in_range
@@ -36,9 +42,11 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def measure(candidates, sizes=(4096, 262144), repeats: int = 5,
-            framework: str = "torch") -> dict:
-    """The throughput document (a dict, ready for ``json.dump``) for ``candidates`` (dicts of
-    GRACE keys); ``sizes`` are the two tensor sizes the line is fitted through."""
+            framework: str = "torch", job: bool | None = None, mbit: float | None = None) -> dict:
+    """The measurement document (a dict, ready for ``json.dump``) for ``candidates`` (dicts of
+    GRACE keys); ``sizes`` are the two tensor sizes the compression line is fitted through.
+    ``job``: also measure the running Horovod job (default: when started by a launcher);
+    ``mbit``: the link speed to record with it, if known."""
     small, large = (in_range("size", s, 1, None, kind=int) for s in sizes)
     if large <= small:
         raise ValueError(f"sizes must be two increasing element counts, got {sizes!r}")
@@ -67,8 +75,14 @@ def measure(candidates, sizes=(4096, 262144), repeats: int = 5,
             per = max(0.0, (t_large - t_small) / (large - small))
             entry[what] = {"overhead_s": max(0.0, t_small - per * small), "per_element_s": per}
         entries.append(entry)
-    return {"format": FORMAT, "device": f"cpu ({platform.processor() or platform.machine()})",
-            "framework": framework, "sizes": [small, large], "entries": entries}
+    document = {"format": FORMAT,
+                "device": f"cpu ({platform.processor() or platform.machine()})",
+                "framework": framework, "sizes": [small, large], "entries": entries}
+    if calibrate.in_job() if job is None else job:
+        if framework != "torch":
+            raise ValueError(f"measuring the job needs framework='torch', got {framework!r}")
+        document.update(calibrate.measure_job(candidates, mbit=mbit))
+    return document
 
 
 def write(document: dict, path) -> Path:

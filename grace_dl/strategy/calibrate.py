@@ -1,0 +1,212 @@
+"""Measure the running Horovod job for the step model (``grace_dl.strategy.step_model``).
+
+    horovodrun -np 2 -H a:1,b:1 python -m grace_dl strategy measure -o measured.json
+
+Run on every rank of the job (torch). Two things are timed, each call after a barrier, each
+time the slowest rank's, the median of several calls after a warm-up (at least ``repeats``,
+up to 8x as many where calls are cheap and Horovod's cycle makes single times noisy):
+
+* **collectives**: Horovod's allreduce (float32 and float16: the fp16 sum runs on the CPU here
+  and is slow), allgather, alltoall and broadcast, at three sizes in bytes; each gets a line
+  ``latency_s + per_byte_s * bytes`` (``Fit.through``), so the per-byte part includes the wire,
+  the copies and the reduction as this job does them.
+* **pipelines**: every candidate pipeline end to end on square float32 tensors of three sizes:
+  ``encode`` (``send``: compensate, compress, memory update, on the training thread) and
+  ``exchange`` (``receive``: collectives, wait, decode, aggregate), each fitted per element.
+
+* **overlap**: how much of an in-flight allreduce (2 MB) a CPU-bound loop of matrix products
+  hides, from 0 (none: communication and compute share the cores, as 2 ranks on 2 cores do) to
+  1 (all: compute elsewhere, a GPU, or spare cores): ``(comm + work - both) / min(comm,
+  work)``, clipped.
+
+Sizes grow (collectives to 32 MB, tensors to 8.4M elements) while a call is expected to take
+under ``MAX_CALL_S``, so a measurement takes under 30 s on 2 ranks even over a 100 Mbit/s link,
+and the largest sizes are as large as a step's traffic where that is cheap: a token-bucket link
+(tc tbf, bursts of 10 ms of traffic) lets a lone 8 MB call through faster than a step's 23 MB.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from grace_dl.strategy.pipeline import Pipeline
+from grace_dl.strategy.step_model import Fit
+
+COLLECTIVES = (("allreduce", "float32"), ("allreduce", "float16"), ("allgather", "float32"),
+               ("alltoall", "float32"), ("broadcast", "float32"))
+SIZES_BYTES = (4096, 1 << 20, 8 << 20, 32 << 20)
+SHAPES = ((32, 32), (512, 512), (1448, 1448), (2896, 2896))
+#: a size is measured only while its call is expected (from the last size, scaled) to take
+#: less than this; the first two sizes always are
+MAX_CALL_S = 0.3
+#: seconds of calls per measured point beyond the minimum number of repeats
+BUDGET_S = 0.25
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def in_job() -> bool:
+    """Whether this process was started by horovodrun or mpirun."""
+    return any(v in os.environ for v in _RANK_VARS)
+
+
+def _too_slow(points: dict, size: int) -> bool:
+    """Whether a call at ``size`` is expected to exceed ``MAX_CALL_S`` (two sizes always run;
+    the measured times are every rank's slowest, so every rank decides the same)."""
+    if len(points) < 2:
+        return False
+    last = max(points)
+    return points[last] * size / last > MAX_CALL_S
+
+
+def _timed(fn):
+    """``fn`` made to return the seconds it took."""
+    def timed():
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    return timed
+
+
+def _median_of_slowest(hvd, torch, fn, repeats: int):
+    """Median of the slowest rank's seconds over several calls of ``fn`` (after one warm-up,
+    each after a barrier), as ``fn()`` returns them: a number, or a tuple of parts (each part's
+    median). At least ``repeats`` calls, more (up to 8x) where a call is cheap: as many as fit
+    in ``BUDGET_S``, from the slowest rank's warm-up, so every rank makes the same number."""
+    first = fn()
+    warm = sum(first) if isinstance(first, tuple) else first
+    warm = hvd.allreduce(torch.tensor([warm], dtype=torch.float64), op=hvd.Max,
+                         name="grace.calibrate.warm").item()
+    calls = int(min(8 * repeats, max(repeats, BUDGET_S / max(warm, 1e-6))))
+    samples = []
+    for _ in range(calls):
+        hvd.barrier()
+        out = fn()
+        samples.append(out if isinstance(out, tuple) else (out,))
+    worst = hvd.allreduce(torch.tensor(samples, dtype=torch.float64), op=hvd.Max,
+                          name="grace.calibrate.times")
+    medians = tuple(float(m) for m in worst.median(dim=0).values)
+    return medians if isinstance(first, tuple) else medians[0]
+
+
+def measure_collectives(repeats: int = 4, sizes=SIZES_BYTES, collectives=COLLECTIVES) -> list:
+    """Fits of Horovod's collectives in this job (see the module docstring)."""
+    import horovod.torch as hvd
+    import torch
+
+    size = hvd.size()
+    out = []
+    for name, dtype in collectives:
+        wire = getattr(torch, dtype)
+        points = {}
+        for nbytes in sizes:
+            if _too_slow(points, nbytes):
+                break
+            numel = max(size, nbytes // wire.itemsize // size * size)  # alltoall splits evenly
+            # random values: the CPU's fp16 sum is several times slower on them than on ones
+            data = torch.randn(numel, generator=torch.Generator().manual_seed(nbytes))
+            call = _collective(hvd, name, data.to(wire),
+                               f"grace.calibrate.{name}.{dtype}.{nbytes}")
+            points[numel * wire.itemsize] = _median_of_slowest(hvd, torch, _timed(call), repeats)
+        fit = Fit.through(points)
+        out.append({"collective": name, "dtype": dtype, "latency_s": fit.latency_s,
+                    "per_byte_s": fit.per_unit_s,
+                    "points": {str(k): v for k, v in sorted(points.items())}})
+    return out
+
+
+def _collective(hvd, name: str, x, tag: str):
+    """A blocking call of Horovod's ``name`` collective on ``x``."""
+    if name == "allreduce":
+        return lambda: hvd.synchronize(hvd.allreduce_async(x, name=tag, op=hvd.Sum))
+    if name == "broadcast":
+        return lambda: hvd.synchronize(hvd.broadcast_async(x, root_rank=0, name=tag))
+    start = getattr(hvd, f"{name}_async")
+    return lambda: hvd.synchronize(start(x, name=tag))
+
+
+def measure_pipelines(candidates, repeats: int = 4, shapes=SHAPES) -> list:
+    """Encode and exchange fits of each candidate pipeline (dicts of GRACE keys) in this job."""
+    import horovod.torch as hvd
+    import torch
+
+    out, seen = [], set()
+    for params in candidates:
+        pipeline = Pipeline.from_params(params)
+        if pipeline in seen:
+            continue
+        seen.add(pipeline)
+        comm = pipeline.build()
+        encode, exchange = {}, {}
+        for shape in shapes:
+            numel = shape[0] * shape[1]
+            if _too_slow({n: encode[n] + exchange[n] for n in encode}, numel):
+                break
+            grad = torch.randn(*shape, generator=torch.Generator().manual_seed(numel))
+            encode[numel], exchange[numel] = _median_of_slowest(
+                hvd, torch, _round_trip(comm, grad, f"calibrate.{numel}"), repeats)
+        enc, exc = Fit.through(encode), Fit.through(exchange)
+        out.append({"pipeline": pipeline.label(), "params": pipeline.as_params(),
+                    "encode": enc.as_dict(), "exchange": exc.as_dict(),
+                    "points": {str(n): [encode[n], exchange[n]] for n in sorted(encode)}})
+    return out
+
+
+def _round_trip(comm, grad, name: str):
+    """A function that sends ``grad`` through ``comm``, receives it, closes the step, and
+    returns the seconds of ``(send, receive)``."""
+    def round_trip():
+        tensor = grad.clone()
+        start = time.perf_counter()
+        handle = comm.send(tensor, name, into=tensor)  # as the optimizers send p.grad
+        sent = time.perf_counter()
+        comm.receive(handle)
+        done = time.perf_counter()
+        comm.end_step()
+        return sent - start, done - sent
+    return round_trip
+
+
+def measure_overlap(repeats: int = 4, nbytes: int = 1 << 21) -> float:
+    """The fraction of communication that overlapping compute hides in this job (docstring)."""
+    import horovod.torch as hvd
+    import torch
+
+    data = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(1))
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
+
+    def comm():
+        hvd.synchronize(hvd.allreduce_async(data, name="grace.calibrate.overlap", op=hvd.Sum))
+
+    t_comm = _median_of_slowest(hvd, torch, _timed(comm), repeats)
+    t_product = _median_of_slowest(hvd, torch, _timed(lambda: a @ a), 2 * repeats)
+    iterations = max(1, round(t_comm / max(t_product, 1e-7)))
+
+    def work():
+        for _ in range(iterations):
+            a @ a
+
+    def both():
+        handle = hvd.allreduce_async(data, name="grace.calibrate.overlap", op=hvd.Sum)
+        work()
+        hvd.synchronize(handle)
+
+    t_work = _median_of_slowest(hvd, torch, _timed(work), repeats)
+    t_both = _median_of_slowest(hvd, torch, _timed(both), repeats)
+    hidden = (t_comm + t_work - t_both) / max(min(t_comm, t_work), 1e-9)
+    return min(1.0, max(0.0, hidden))
+
+
+def measure_job(candidates, repeats: int = 4, mbit: float | None = None) -> dict:
+    """The job's sections of a measurement document: ``job`` (size, link, overlap, seconds
+    taken), ``collectives``, ``pipelines``."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    start = time.perf_counter()
+    collectives = measure_collectives(repeats)
+    overlap = measure_overlap(repeats)
+    pipelines = measure_pipelines(candidates, repeats)
+    return {"job": {"workers": hvd.size(), "mbit": mbit, "overlap": overlap,
+                    "seconds": round(time.perf_counter() - start, 2)},
+            "collectives": collectives, "pipelines": pipelines}

@@ -1,0 +1,277 @@
+"""Predicted time of one training **step** under a per-variable choice of pipelines.
+
+    calibration = Calibration.load("benchmarks/results/compression_throughput.json")
+    step = predict_step(variables, choices, calibration, network, compute_s=0.012)
+
+A step is simulated, not summed:
+
+1. **Forward** takes a third of ``compute_s``, the **backward** pass the rest, shared among the
+   variables by size; gradients become ready in reverse order of the variables (the last layer
+   first), as the post-accumulate hooks fire.
+2. When a gradient is ready its pipeline **encodes** it on the training thread (compensate,
+   compress, memory update): that time delays the rest of the backward pass, so it is on the
+   critical path.
+3. Its **exchange** (collectives, the wait, decode and aggregate) runs on one channel, Horovod's
+   background thread: one operation at a time, in the order they were issued. Operations of the
+   same kind that are queued when the channel frees are **fused** as Horovod's cycle fuses them:
+   one latency for the batch, the per-byte part of each.
+4. The step ends when both the training thread and the channel are done. That is the ideal
+   overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
+   in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
+   few cores) moves the prediction from the serial sum (forward + backward + every encode +
+   every exchange) towards it: ``ideal + (1 - overlap) * (serial - ideal)``.
+
+Each variable's cost comes from what was measured in the running job (``grace_dl.strategy.
+calibrate``, stored in the measurement file): a pipeline measured end to end has an encode fit
+and an exchange fit (latency + seconds per element); otherwise the cost is built from the
+compressor's payload bytes, the measured collective fit (latency + seconds per byte, which
+includes the reduction: Horovod's fp16 sum on the CPU is slow and the fit shows it) and the
+measured compression throughput; with no measured collectives, from the alpha-beta formulas
+of ``grace_dl.strategy.cost_model`` and the resource spec's bandwidth and latency.
+
+Two choices are not grace pipelines: ``HOROVOD`` (Horovod's own fp32 allreduce, what a strategy
+with no compression runs as: ``grace=None``) and ``HOROVOD_FP16`` (Horovod's
+``Compression.fp16``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grace_dl.dtypes import itemsize
+from grace_dl.strategy.cost_model import (
+    FORMAT,
+    Network,
+    Throughput,
+    communication_time,
+    payload_bytes,
+)
+from grace_dl.strategy.pipeline import Pipeline
+
+HOROVOD = "horovod"
+HOROVOD_FP16 = "horovod-fp16"
+#: collectives a communicator's pattern issues (two-phase: a scatter then a gather)
+PATTERN_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
+                       "broadcast": ("broadcast",), "twophase": ("alltoall", "allgather")}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``latency_s + per_unit_s * units`` (units: bytes for collectives, elements for
+    pipelines)."""
+
+    latency_s: float = 0.0
+    per_unit_s: float = 0.0
+
+    def __call__(self, units: float) -> float:
+        return self.latency_s + self.per_unit_s * units
+
+    @classmethod
+    def through(cls, points: dict) -> Fit:
+        """The slope of the two largest of ``points`` (``units -> seconds``), under every
+        point (the latency is the least remainder, so one slow small call does not inflate
+        it); both clipped at zero."""
+        xs = sorted(points)
+        if len(xs) < 2:
+            raise ValueError(f"a fit needs two or more sizes, got {xs}")
+        x1, x2 = xs[-2:]
+        per = max(0.0, (points[x2] - points[x1]) / (x2 - x1))
+        return cls(max(0.0, min(points[x] - per * x for x in xs)), per)
+
+    def as_dict(self) -> dict:
+        return {"latency_s": self.latency_s, "per_unit_s": self.per_unit_s}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One variable's cost under one choice: ``encode_s`` on the training thread, then an
+    exchange of ``latency_s + transfer_s`` on the channel; ``kind`` says what it fuses with."""
+
+    encode_s: float
+    latency_s: float
+    transfer_s: float
+    kind: str
+
+    @property
+    def total_s(self) -> float:
+        return self.encode_s + self.latency_s + self.transfer_s
+
+
+class Calibration:
+    """What a measurement file holds: compression throughput (``entries``), collective fits
+    (``collectives``: name and dtype -> seconds per byte) and pipeline fits (``pipelines``:
+    label -> encode and exchange, seconds per element), with the job size they were taken at."""
+
+    def __init__(self, throughput: Throughput | None = None, collectives=None, pipelines=None,
+                 workers: int | None = None, mbit: float | None = None, overlap: float = 1.0):
+        self.throughput = throughput or Throughput()
+        self.overlap = overlap
+        self.collectives: dict[tuple[str, str], Fit] = dict(collectives or {})
+        self.pipelines: dict[str, tuple[Fit, Fit]] = dict(pipelines or {})
+        self.workers = workers
+        self.mbit = mbit
+
+    @classmethod
+    def from_document(cls, data: dict, source: str = "<document>") -> Calibration:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"measurement file {source!r} must have \"format\": {FORMAT!r}")
+        try:
+            collectives = {(c["collective"], c["dtype"]): Fit(c["latency_s"], c["per_byte_s"])
+                           for c in data.get("collectives", [])}
+            pipelines = {p["pipeline"]: (Fit(**p["encode"]), Fit(**p["exchange"]))
+                         for p in data.get("pipelines", [])}
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"measurement file {source!r}: a collective or pipeline entry is "
+                             f"malformed ({err}); see grace_dl.strategy.calibrate") from None
+        job = data.get("job") or {}
+        overlap = job.get("overlap", 1.0)
+        if not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
+            raise ValueError(f"measurement file {source!r}: job overlap must be a number in "
+                             f"[0, 1], got {overlap!r}")
+        return cls(Throughput.from_document(data, source), collectives, pipelines,
+                   job.get("workers"), job.get("mbit"), float(overlap))
+
+    @classmethod
+    def load(cls, path) -> Calibration:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"measurement file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"measurement file {str(path)!r} is not JSON: {err}") from None
+        return cls.from_document(data, str(path))
+
+    @classmethod
+    def coerce(cls, value) -> Calibration:
+        """``None`` (nothing measured), a ``Calibration``, a ``Throughput`` or a file path."""
+        if value is None:
+            return cls()
+        if isinstance(value, Calibration):
+            return value
+        if isinstance(value, Throughput):
+            return cls(value)
+        return cls.load(value)
+
+    def collective(self, name: str, dtype: str) -> Fit | None:
+        return self.collectives.get((name, dtype))
+
+
+def _alpha_beta(net: Network, pattern: str) -> Fit:
+    """The resource spec's formula as a fit in bytes (``cost_model.communication_time``)."""
+    per = communication_time(pattern, 1.0, 1.0, net) - communication_time(pattern, 0.0, 0.0, net)
+    return Fit(communication_time(pattern, 0.0, 0.0, net), per)
+
+
+def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Network,
+                  compressor=None) -> Cost | None:
+    """What ``choice`` (a ``Pipeline``, ``HOROVOD`` or ``HOROVOD_FP16``) costs one variable;
+    ``None`` when its payload size cannot be known in advance."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if choice in (HOROVOD, HOROVOD_FP16):
+        wire = "float16" if choice == HOROVOD_FP16 else dtype
+        fit = calib.collective("allreduce", wire) or _alpha_beta(net, "allreduce")
+        encode = decode = 0.0
+        if choice == HOROVOD_FP16:
+            cast, uncast = calib.throughput.costs("fp16", {})
+            encode, decode = cast(numel), uncast(numel)
+        return Cost(encode, fit.latency_s, fit.per_unit_s * numel * itemsize(wire) + decode,
+                    f"{choice}:{wire}")
+    measured = calib.pipelines.get(choice.label())
+    if measured is not None:
+        encode, exchange = measured
+        return Cost(encode(numel), exchange.latency_s, exchange.per_unit_s * numel,
+                    choice.label())
+    return _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
+
+
+def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Calibration,
+                   net: Network, compressor) -> Cost | None:
+    """Payload bytes over the measured (or formula) collectives, plus measured compression."""
+    compressor = compressor or pipeline.build_compressor()
+    nbytes = payload_bytes(compressor, shape, dtype)
+    if nbytes is None:
+        return None
+    pattern = pipeline.communicator
+    workers = max(net.workers, 1)
+    compress, decompress = calib.throughput.costs(pipeline.compressor,
+                                                  pipeline.params("compressor"))
+    wire = "float16" if pipeline.compressor == "fp16" else dtype
+    names = PATTERN_COLLECTIVES.get(pattern)
+    fits = [calib.collective(c, wire if c == "allreduce" else dtype) for c in names or ()]
+    if names and all(fits):
+        share = nbytes / workers if pattern == "twophase" else nbytes
+        latency = sum(f.latency_s for f in fits)
+        transfer = sum(f.per_unit_s * share for f in fits)
+    else:
+        formula = communication_time(pattern, nbytes, numel * itemsize(dtype), net)
+        latency = communication_time(pattern, 0.0, 0.0, net) if pattern != "ps" else 0.0
+        transfer = formula - latency
+    encode = compress(numel) + (decompress(numel) if pipeline.memory != "none" else 0.0)
+    if pattern == "allreduce":
+        decode = decompress(numel)
+    elif pattern == "twophase":
+        chunk = numel / workers
+        encode, decode = workers * compress(chunk), 2 * workers * decompress(chunk)
+    else:
+        decode = workers * decompress(numel)
+    return Cost(encode, latency, transfer + decode, pipeline.label())
+
+
+@dataclass
+class StepPrediction:
+    """A simulated step: ``step_s`` in total; ``ideal_s`` and ``serial_s``, the step with full
+    and with no overlap; when the training thread and the channel finished (ideal overlap);
+    each variable's cost."""
+
+    step_s: float
+    compute_s: float
+    ideal_s: float
+    serial_s: float
+    main_s: float
+    channel_s: float
+    costs: list = field(default_factory=list)
+
+
+def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
+             overlap: float = 1.0) -> StepPrediction:
+    """One step for variables in model order with these ``costs`` (module docstring)."""
+    forward = compute_s / 3
+    backward = compute_s - forward
+    total = sum(numels) or 1
+    t, ready = forward, []
+    for i in reversed(range(len(costs))):
+        t += backward * numels[i] / total + costs[i].encode_s
+        ready.append((t, costs[i]))
+    free, j, channel = 0.0, 0, 0.0
+    while j < len(ready):
+        start = max(free, ready[j][0])
+        kind, busy = ready[j][1].kind, ready[j][1].latency_s
+        while j < len(ready) and ready[j][0] <= start and ready[j][1].kind == kind:
+            busy += ready[j][1].transfer_s
+            j += 1
+        free = start + busy
+        channel += busy
+    ideal, serial = max(t, free), t + channel
+    return StepPrediction(ideal + (1.0 - overlap) * (serial - ideal), compute_s, ideal, serial,
+                          t, free, costs)
+
+
+def predict_step(variables, choices, calib, net: Network, compute_s: float = 0.0,
+                 compressors=None) -> StepPrediction:
+    """``simulate`` for ``variables`` (``grace_dl.strategy.variables.Variable``) under
+    ``choices`` (one per variable: a ``Pipeline``, ``HOROVOD`` or ``HOROVOD_FP16``)."""
+    calib = Calibration.coerce(calib)
+    costs = []
+    for var, choice in zip(variables, choices):
+        cost = variable_cost(choice, var.shape, var.dtype, calib, net,
+                             (compressors or {}).get(choice))
+        if cost is None:
+            raise ValueError(f"cannot predict the payload of {choice.label()!r} for variable "
+                             f"{var.name!r} (its size depends on the data)")
+        costs.append(cost)
+    return simulate(costs, [v.numel for v in variables], compute_s, calib.overlap)

@@ -1,0 +1,191 @@
+"""The step model behind ``Auto``: overlap with the backward pass, encode on the critical path,
+fusion, measured overlap; Auto's choice from a measurement file; the in-job measurement under a
+real 2-rank horovodrun."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grace_dl.strategy import Auto, Pipeline, ResourceSpec
+from grace_dl.strategy.builders import horovod_path
+from grace_dl.strategy.cost_model import FORMAT, Network
+from grace_dl.strategy.step_model import (
+    HOROVOD,
+    HOROVOD_FP16,
+    Calibration,
+    Cost,
+    Fit,
+    predict_step,
+    simulate,
+)
+from grace_dl.strategy.variables import variables_of
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPK = {"compressor": "topk", "compress_ratio": 0.01, "memory": "residual",
+        "communicator": "allgather"}
+RANDOMK = {"compressor": "randomk", "compress_ratio": 0.01, "memory": "residual",
+           "communicator": "allreduce"}
+MLP = {"1.weight": (2048, 784), "1.bias": (2048,), "3.weight": (2048, 2048), "3.bias": (2048,),
+       "5.weight": (10, 2048), "5.bias": (10,)}
+
+
+def test_exchanges_overlap_the_backward_pass_as_far_as_the_job_measured():
+    # forward 10 ms, backward 20 ms shared by two equal variables; the last one is ready first
+    costs = [Cost(0.0, 0.0, 0.005, "a"), Cost(0.0, 0.0, 0.005, "b")]
+    full = simulate(costs, [1, 1], compute_s=0.03, overlap=1.0)
+    assert full.ideal_s == pytest.approx(0.035)  # var 1 sent at 20 ms hides; var 0 at 30 ms
+    assert full.serial_s == pytest.approx(0.04)
+    assert full.step_s == pytest.approx(0.035)
+    assert simulate(costs, [1, 1], 0.03, overlap=0.0).step_s == pytest.approx(0.04)
+    assert simulate(costs, [1, 1], 0.03, overlap=0.5).step_s == pytest.approx(0.0375)
+
+
+def test_encode_is_on_the_critical_path():
+    costs = [Cost(0.0, 0.0, 0.005, "a"), Cost(0.004, 0.0, 0.005, "b")]
+    step = simulate(costs, [1, 1], compute_s=0.03)
+    # var 1's encode delays the rest of the backward pass: var 0 is ready at 34 ms
+    assert step.main_s == pytest.approx(0.034) and step.step_s == pytest.approx(0.039)
+
+
+def test_queued_exchanges_of_one_kind_fuse_into_one_latency():
+    same = [Cost(0.0, 0.01, 0.001, "a")] * 3
+    mixed = [Cost(0.0, 0.01, 0.001, k) for k in "abc"]
+    assert simulate(same, [1, 1, 1]).step_s == pytest.approx(0.013)
+    assert simulate(mixed, [1, 1, 1]).step_s == pytest.approx(0.033)
+
+
+def test_fit_latency_is_not_inflated_by_one_slow_small_call():
+    fit = Fit.through({4096: 8e-3, 1 << 20: 3e-3, 8 << 20: 10e-3})
+    assert fit.per_unit_s == pytest.approx(7e-3 / (7 << 20))
+    assert fit.latency_s == pytest.approx(3e-3 - fit.per_unit_s * (1 << 20))
+    with pytest.raises(ValueError, match="two or more sizes"):
+        Fit.through({1: 1.0})
+
+
+def _document(tmp_path, collectives=(), pipelines=(), overlap=1.0, name="m.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({
+        "format": FORMAT, "entries": [], "job": {"workers": 2, "overlap": overlap},
+        "collectives": [{"collective": c, "dtype": d, "latency_s": a, "per_byte_s": b}
+                        for c, d, a, b in collectives],
+        "pipelines": [{"pipeline": Pipeline.from_params(p).label(),
+                       "encode": {"latency_s": 0.0, "per_unit_s": e},
+                       "exchange": {"latency_s": 1e-4, "per_unit_s": x}}
+                      for p, e, x in pipelines]}))
+    return path
+
+
+def test_auto_does_not_pick_fp16_when_the_job_measured_its_sum_slow(tmp_path):
+    """The 10 Gbit/s failure: fp16 halves the bytes, but this job's CPU sums fp16 5x slower
+    per byte than fp32; measured, Horovod's own fp32 allreduce wins."""
+    slow_fp16 = [("allreduce", "float32", 1e-3, 1e-9), ("allreduce", "float16", 1e-3, 5e-9)]
+    spec = ResourceSpec.local(2, bandwidth_gbps=10)
+    builder = Auto([{"compressor": "none"}, {"compressor": "fp16"}],
+                   throughput=_document(tmp_path, slow_fp16))
+    strategy = builder.build(MLP, spec)
+    assert horovod_path(strategy)
+    assert strategy.predicted_step_s == builder.baseline.step_s
+    # with a fast fp16 sum the same builder compresses
+    fast = [("allreduce", "float32", 1e-3, 1e-9), ("allreduce", "float16", 1e-3, 0.25e-9)]
+    strategy = Auto([{"compressor": "none"}, {"compressor": "fp16"}],
+                    throughput=_document(tmp_path, fast, name="fast.json")).build(MLP, spec)
+    assert {Pipeline.from_node(n).compressor for n in strategy.node_config} == {"fp16"}
+
+
+def test_auto_takes_measured_pipelines_and_never_one_predicted_to_lose(tmp_path):
+    base = [("allreduce", "float32", 1e-3, 1e-9)]  # 23 MB: ~24 ms
+    spec = ResourceSpec.local(2, bandwidth_gbps=10)
+    cheap = _document(tmp_path, base, [(TOPK, 1e-9, 1e-9), (RANDOMK, 1e-10, 1e-10)])
+    builder = Auto([{"compressor": "none"}, TOPK, RANDOMK], throughput=cheap)
+    chosen = {Pipeline.from_node(n).compressor for n in builder.build(MLP, spec).node_config}
+    assert "randomk" in chosen and "topk" not in chosen
+    # topk measured only ~5% faster than Horovod's allreduce: within the margin, not taken
+    close = _document(tmp_path, base, [(TOPK, 0.0, 3.9e-9)], name="close.json")
+    builder = Auto([{"compressor": "none"}, TOPK], throughput=close, margin=0.1)
+    assert horovod_path(builder.build(MLP, spec))
+    assert builder.prediction is builder.baseline
+    assert not horovod_path(Auto([{"compressor": "none"}, TOPK], throughput=close,
+                                 margin=0.0).build(MLP, spec))
+
+
+def test_predict_step_covers_horovods_own_paths(tmp_path):
+    calib = Calibration.load(_document(tmp_path, [("allreduce", "float32", 1e-3, 1e-9),
+                                                  ("allreduce", "float16", 1e-3, 4e-9)]))
+    variables = variables_of(MLP)
+    numel = sum(v.numel for v in variables)
+    network = Network(2, 1.25e9, 25e-6)
+    none = predict_step(variables, [HOROVOD] * 6, calib, network)
+    half = predict_step(variables, [HOROVOD_FP16] * 6, calib, network)
+    assert none.step_s == pytest.approx(1e-3 + 4e-9 * numel)  # all ready at once: one fusion
+    assert half.step_s > none.step_s  # 2 bytes at 4 ns each, plus the casts
+
+
+@pytest.mark.parametrize("job, match", [({"overlap": 2}, "overlap must be a number in"),
+                                        ({"overlap": "x"}, "overlap must be a number in")])
+def test_bad_measurement_files_name_the_problem(tmp_path, job, match):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"format": FORMAT, "entries": [], "job": job}))
+    with pytest.raises(ValueError, match=match):
+        Calibration.load(path)
+    path.write_text(json.dumps({"format": FORMAT, "entries": [], "collectives": [{"x": 1}]}))
+    with pytest.raises(ValueError, match="bad.json.*malformed"):
+        Calibration.load(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        Calibration.load(tmp_path / "missing.json")
+
+
+def test_bad_auto_arguments_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="margin"):
+        Auto(margin=-0.1)
+    with pytest.raises(ValueError, match="compute_s"):
+        Auto(compute_s=-1)
+
+
+def test_auto_chooses_for_a_160_tensor_model():
+    """Choosing is a handful of simulated steps, not a search; the time is printed (see
+    benchmarks/results/e2e.md for the number), not asserted."""
+    named = [(f"layer{i}.{'weight' if i % 2 == 0 else 'bias'}",
+              torch.nn.Parameter(torch.zeros((256, 256 + i) if i % 2 == 0 else (256,))))
+             for i in range(160)]
+    builder = Auto(compute_s=0.2)
+    start = time.perf_counter()
+    strategy = builder.build(named, ResourceSpec.local(2, bandwidth_gbps=1))
+    elapsed = time.perf_counter() - start
+    print(f"Auto chose pipelines for 160 tensors in {elapsed * 1e3:.1f} ms")
+    assert [n.var_name for n in strategy.node_config] == [n for n, _ in named]
+    assert len(builder.report) == 160 and strategy.predicted_step_s > 0
+
+
+def test_measure_under_horovodrun_times_the_job(tmp_path):
+    """``grace-dl strategy measure`` on 2 real ranks adds the job's collectives, overlap and
+    pipelines to the compression file, and Auto builds from it."""
+    out = tmp_path / "job.json"
+    candidates = json.dumps([{"compressor": "none"}, TOPK])
+    bin_dir = Path(sys.executable).parent
+    cmd = [str(bin_dir / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+           sys.executable, "-m", "grace_dl", "strategy", "measure", "--candidates", candidates,
+           "--sizes", "256,8192", "--repeats", "1", "--mbit", "1000", "-o", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["job"]["workers"] == 2 and doc["job"]["mbit"] == 1000
+    assert 0.0 <= doc["job"]["overlap"] <= 1.0
+    assert {(c["collective"], c["dtype"]) for c in doc["collectives"]} == {
+        ("allreduce", "float32"), ("allreduce", "float16"), ("allgather", "float32"),
+        ("alltoall", "float32"), ("broadcast", "float32")}
+    for c in doc["collectives"]:
+        assert c["latency_s"] >= 0 and c["per_byte_s"] >= 0 and len(c["points"]) >= 2
+    labels = [p["pipeline"] for p in doc["pipelines"]]
+    assert labels == [Pipeline().label(), Pipeline.from_params(TOPK).label()]
+    calib = Calibration.load(out)
+    assert calib.workers == 2 and calib.collective("allreduce", "float16") is not None
+    strategy = Auto([{"compressor": "none"}, TOPK], throughput=out).build(
+        MLP, ResourceSpec.local(2, bandwidth_gbps=1))
+    assert strategy.predicted_step_s > 0
