@@ -16,8 +16,9 @@ Why the families differ (see ``grace_dl.memory.momentum``):
   epochs) that alone ends ~5 points short; two more of DGC's practices close most of the gap:
   one **dense warm-up epoch** (§3.4; momentum in the memory, so it carries over) and **small
   tensors sent dense** (biases and the 1280-weight output layer, 6% of the parameters, under
-  ``SizeThreshold(2000, ...)`` with momentum in their memory too). Measured: within 1 point of
-  uncompressed on the table's 3 seeds, 1.2-2.3 points short over 6 seeds (recipes.md);
+  ``SizeThreshold(2000, ...)`` with momentum in their memory too). Measured on digits: 0.8
+  point below uncompressed on recipes.md's 3 seeds, but 2.3 short over 6 seeds (1.2 with the
+  dgc memory's momentum at 0.7; ``recipes_exploration.md``): close, not robustly within 1;
 * **random-k**: error feedback makes every coordinate wait a geometric number of steps (mean
   n/k) whatever its size and then arrive as one burst, which the optimizer's momentum keeps
   re-applying; send an unbiased (n/k-scaled) random-k of the momentum instead (memory
