@@ -36,7 +36,7 @@ RANDK10 = {"compressor": "randomk", "compress_ratio": 0.1, "communicator": "allr
 MOMENTUM_NO_EF = {"memory": "momentum", "error_feedback": False, "factor_masking": False}
 
 
-def topk_recipe(memory_momentum: float = 0.9) -> dict:
+def topk_recipe(memory_momentum: float) -> dict:
     """``grace_dl.recipes``' top-k spec, its dgc memory's momentum set to ``memory_momentum``."""
     spec = recipe("topk")[0]
     spec["schedule"]["1e"]["size_threshold"]["params"]["momentum"] = memory_momentum
@@ -50,9 +50,10 @@ PIPELINES: dict[str, tuple[dict | None, float, str]] = {
     "topk1-dgc": ({**TOPK1, "memory": "dgc"}, 0.0, "DGC's memory alone, every tensor"),
     "topk1-dgc-20ep": ({**TOPK1, "memory": "dgc"}, 0.0, "DGC's memory alone, twice the epochs"),
     "topk1-recipe": (*recipe("topk"),
-                     "recipe: 1 dense epoch, then topk 1% + dgc on weights of 2000+ elements, "
-                     "the rest dense (momentum in the memory throughout)"),
-    "topk1-recipe-m0.7": (topk_recipe(0.7), 0.0, "the recipe with memory momentum 0.7"),
+                     "recipe: 1 dense epoch, then topk 1% + dgc (momentum 0.8) on weights of "
+                     "2000+ elements, the rest dense (momentum 0.9 in the memory)"),
+    "topk1-recipe-m0.9": (topk_recipe(0.9), 0.0, "the recipe with dgc momentum 0.9"),
+    "topk1-recipe-m0.7": (topk_recipe(0.7), 0.0, "the recipe with dgc momentum 0.7"),
     "randk10-residual": ({**RANDK10, "memory": "residual"}, 0.9, "default until now"),
     "randk10-dgc": ({**RANDK10, "memory": "dgc"}, 0.0, "DGC's memory"),
     "randk10-unbiased-momentum": (*recipe("randomk"),
