@@ -28,30 +28,38 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.jobs import local_horovodrun, worker_env
+from grace_dl.recipes import recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPK1 = {"compressor": "topk", "compress_ratio": 0.01, "communicator": "allgather"}
 RANDK10 = {"compressor": "randomk", "compress_ratio": 0.1, "communicator": "allreduce"}
 MOMENTUM_NO_EF = {"memory": "momentum", "error_feedback": False, "factor_masking": False}
 
+
+def topk_recipe(memory_momentum: float) -> dict:
+    """``grace_dl.recipes``' top-k spec, its dgc memory's momentum set to ``memory_momentum``."""
+    spec = recipe("topk")[0]
+    spec["schedule"]["1e"]["size_threshold"]["params"]["momentum"] = memory_momentum
+    return spec
+
+
 # label -> (spec for --spec, or None for uncompressed Horovod; optimizer momentum; role)
 PIPELINES: dict[str, tuple[dict | None, float, str]] = {
     "none": (None, 0.9, "baseline: uncompressed Horovod, SGD momentum 0.9"),
     "topk1-residual": ({**TOPK1, "memory": "residual"}, 0.9, "default until now"),
-    "topk1-dgc": ({**TOPK1, "memory": "dgc"}, 0.0, "recipe"),
-    "topk1-dgc-20ep": ({**TOPK1, "memory": "dgc"}, 0.0, "recipe, twice the epochs"),
-    "topk1-warmup": ({"schedule": {
-        "0": {"compressor": "none", "communicator": "allreduce", **MOMENTUM_NO_EF},
-        "1e": {**TOPK1, "memory": "dgc"}}}, 0.0,
-        "recipe + Schedule: 1 dense epoch (momentum in the memory), then topk1-dgc"),
+    "topk1-dgc": ({**TOPK1, "memory": "dgc"}, 0.0, "DGC's memory alone, every tensor"),
+    "topk1-dgc-20ep": ({**TOPK1, "memory": "dgc"}, 0.0, "DGC's memory alone, twice the epochs"),
+    "topk1-recipe": (*recipe("topk"),
+                     "recipe: 1 dense epoch, then topk 1% + dgc (momentum 0.8) on weights of "
+                     "2000+ elements, the rest dense (momentum 0.9 in the memory)"),
+    "topk1-recipe-m0.9": (topk_recipe(0.9), 0.0, "the recipe with dgc momentum 0.9"),
+    "topk1-recipe-m0.7": (topk_recipe(0.7), 0.0, "the recipe with dgc momentum 0.7"),
     "randk10-residual": ({**RANDK10, "memory": "residual"}, 0.9, "default until now"),
     "randk10-dgc": ({**RANDK10, "memory": "dgc"}, 0.0, "DGC's memory"),
-    "randk10-unbiased-momentum": ({**RANDK10, "unbiased": True, **MOMENTUM_NO_EF}, 0.0,
-                                  "recipe"),
-    "qsgd-2phase": ({"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
-                     "communicator": "twophase"}, 0.9, "recipe (unchanged)"),
-    "powersgd-r2": ({"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
-                     "communicator": "allreduce"}, 0.9, "recipe (unchanged)"),
+    "randk10-unbiased-momentum": (*recipe("randomk"),
+                                  "recipe (digits only; diverges on the mixture)"),
+    "qsgd-2phase": (*recipe("qsgd"), "recipe (unchanged)"),
+    "powersgd-r2": (*recipe("powersgd"), "recipe (unchanged)"),
 }
 TARGETS = {"digits": 0.95, "mixture": 0.85}
 EPOCHS = {"topk1-dgc-20ep": 2}     # multiple of --epochs
@@ -86,19 +94,25 @@ def steps_to(acc, target, steps_per_epoch):
 def tables(records, command: str) -> str:
     from benchmarks.report import machine
 
+    reused = sum(1 for r in records if r.get("reused"))
     lines = ["# Recipes: accuracy under momentum SGD, 2 ranks", "",
-             f"Machine: {machine()}", "", f"Command: `{command}`", "",
+             f"Machine: {machine()}", "", f"Command: `{command}`", ""]
+    if reused:
+        lines += [f"{reused} of the {len(records)} records were taken from `--reuse`'s file "
+                  f"(same pipeline, spec, optimizer momentum, task, seed and epochs; a run is "
+                  f"deterministic per seed), the rest were run now.", ""]
+    lines += [
              "SGD lr 0.05, batch 32 per rank; the optimizer's momentum is the column *opt "
              "mom.* (0 where the memory holds the momentum). *final* is the test accuracy "
              "after the last epoch, mean over seeds (each seed: model initialisation and batch "
              "order); *vs none* is its difference to uncompressed Horovod in points. "
-             "Time to target: estimate (see `benchmarks/convergence_recipes.py`): steps to the "
-             "target x (measured s/step on loopback + bytes/step / link speed), from the mean "
-             "over seeds of the steps needed; '> N ep' where a seed did not reach it in its N "
-             "epochs. On these small models (digits 26k, mixture 108k parameters) the bytes "
-             "are few and per-tensor Python work dominates the step: uncompressed Horovod "
-             "wins at every link speed on digits, and on the mixture only at 1 and 10 Gbit/s; "
-             "see `e2e.md` for where compression pays on larger models.", ""]
+             "**Time to target is an estimate, not a run over a shaped link**: steps to the "
+             "target x (s/step measured on this machine's loopback + bytes/step / link "
+             "speed), from the mean over seeds of the steps needed; '> N ep' where a seed did "
+             "not reach it in its N epochs (see `benchmarks/convergence_recipes.py`). On these "
+             "small models (digits 26k, mixture 108k parameters) the bytes are few and "
+             "per-tensor Python work dominates the step on this shared 2-core machine; "
+             "`e2e.md` measures step times over `tc`-shaped links on larger models.", ""]
     for task in sorted({r["task"] for r in records}):
         rows = [r for r in records if r["task"] == task and "error" not in r]
         target = TARGETS.get(task, 0.9)
@@ -110,7 +124,7 @@ def tables(records, command: str) -> str:
         lines += [f"## {task} (target {target})", "",
                   "| pipeline | opt mom. | epochs | final (mean) | vs none | final per seed | "
                   "best (mean) | mean sent KB/step | s/step | "
-                  + " | ".join(f"time to {target} @ {m / 1000:g} Gbit/s (s)"
+                  + " | ".join(f"est. time to {target} @ {m / 1000:g} Gbit/s (s)"
                                for m in LINKS_MBIT) + " | role |",
                   "|" + "---|" * (10 + len(LINKS_MBIT))]
         for label in PIPELINES:
@@ -157,6 +171,16 @@ def tables(records, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reusable(records, label, task, seed, epochs) -> dict | None:
+    spec, momentum, _ = PIPELINES[label]
+    for r in records:
+        if ("error" not in r and r["pipeline"] == label and r["task"] == task
+                and r["seed"] == seed and r["spec"] == spec and r["momentum"] == momentum
+                and r["epochs"] == epochs * EPOCHS.get(label, 1)):
+            return {**r, "reused": True}
+    return None
+
+
 def _dense_bytes(record) -> float:
     """Uncompressed Horovod (grace=None) counts nothing: the ring allreduce of every fp32
     parameter, 2(N-1)/N of the model's bytes with N = 2."""
@@ -172,14 +196,21 @@ def main(argv=None) -> int:
                     help="seeds for the mixture task (default: --seeds)")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/recipes.json"))
+    ap.add_argument("--reuse", default=None,
+                    help="a recipes.json whose records are taken instead of a run where "
+                         "pipeline, spec, optimizer momentum, task, seed and epochs are the "
+                         "same (runs are deterministic per seed)")
     args = ap.parse_args(argv)
     env = worker_env()
+    old = json.loads(Path(args.reuse).read_text()) if args.reuse else []
     records = []
     for task in args.tasks:
         seeds = args.mixture_seeds if task == "mixture" and args.mixture_seeds else args.seeds
         for seed in seeds:
             for label in args.pipelines:
-                r = run_one(label, task, seed, args.epochs, env)
+                r = _reusable(old, label, task, seed, args.epochs)
+                if r is None:
+                    r = run_one(label, task, seed, args.epochs, env)
                 records.append(r)
                 status = r.get("error", "")[-300:] or " ".join(f"{a:.3f}" for a in r["accuracy"])
                 print(f"{task} seed {seed} {label}: {status}", flush=True)

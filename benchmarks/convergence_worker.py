@@ -15,8 +15,9 @@ Tasks:
   test accuracy for every teacher size tried, which would rank pipelines by overfitting.)
 
 The pipeline is a name from ``benchmarks.pipelines.PIPELINES`` (``--pipeline``) or a JSON
-spec (``--spec``): a ``grace_from_params`` dict, or ``{"schedule": {"<step>": dict, ...}}`` for
-a ``grace_dl.Schedule``; ``--momentum`` is the wrapped SGD's momentum.
+spec (``--spec``) in ``grace_dl.strategy.from_spec``'s form (a ``grace_from_params`` dict, a
+``size_threshold`` strategy, or a ``schedule`` of those); ``--momentum`` is the wrapped SGD's
+momentum.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main() -> None:
 
     steps = len(x_tr) // args.batch
     if args.spec is not None:
-        grc, kwargs = make_spec(json.loads(args.spec), steps), {}
+        grc, kwargs = make_spec(json.loads(args.spec), steps, model), {}
     else:
         grc, kwargs = make_grace(args.pipeline, model)
     opt = hvd.DistributedOptimizer(

@@ -113,16 +113,8 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
                 Network.of(_resources(mbit, workers)), compute_s).step_s
 
 
-def make_spec(spec: dict, steps_per_epoch: int = 1):
-    """A grace object from a JSON-able spec: a ``grace_from_params`` dict, or
-    ``{"schedule": {"<step>": dict, ...}}`` for a ``grace_dl.Schedule`` (a key ``"<n>e"``
-    starts its stage after n epochs of ``steps_per_epoch`` steps)."""
-    if "schedule" in spec:
-        from grace_dl.schedule import Schedule
+def make_spec(spec: dict, steps_per_epoch: int = 1, model=None):
+    """A grace object from a JSON-able spec (``grace_dl.strategy.from_spec``)."""
+    from grace_dl.strategy import from_spec
 
-        def step(key):
-            key = str(key)
-            return int(key[:-1]) * steps_per_epoch if key.endswith("e") else int(key)
-
-        return Schedule({step(k): dict(v) for k, v in spec["schedule"].items()})
-    return grace_from_params(dict(spec))
+    return from_spec(spec, None if model is None else model.named_parameters(), steps_per_epoch)

@@ -41,8 +41,9 @@ from the stage that ends to the one that starts, so nothing the old stage left u
 
 Compressor state (randomk's step counters, PowerSGD's warm-start Q) belongs to its stage and
 is kept in the stage's ``state_dict``. A stage that is a strategy dispatcher (several
-pipelines) runs and checkpoints like any other, but its memories take no part in the hand-over:
-what they hold stays with them.
+pipelines, e.g. ``SizeThreshold``'s compressed and dense ones) hands over and receives per
+tensor: each tensor's residual and momentum go to the memory of the pipeline that carries that
+tensor in the new stage (flushed if that one has no residual slot, as above).
 
 **Checkpoints.** ``state_dict()`` holds the step counter, every stage's state and any residual
 waiting to be flushed; ``load_state_dict()`` restores them, so a run resumed mid-schedule is in
@@ -66,6 +67,7 @@ import numpy as np
 from grace_dl.communicators.base import AVERAGE, ByteCounter, FanOut, fingerprint_of
 from grace_dl.contracts import check_grace
 from grace_dl.params import grace_from_params
+from grace_dl.recipes import communicators
 
 
 class _ScheduleBytes(ByteCounter):
@@ -235,13 +237,25 @@ class Schedule(FanOut):
 
     def _switch(self, index: int) -> None:
         old, new = self.active, self.stages[index][1]
-        old_memory, new_memory = getattr(old, "memory", None), getattr(new, "memory", None)
-        momenta = _take_momenta(old_memory) if _has_momentum(new_memory) else {}
-        carried = _take_residuals(old_memory)
+        momenta, carried = {}, {}
+        for memory in _memories(old):
+            momenta.update(_take_momenta(memory))
+            carried.update(_take_residuals(memory))
         for name, value in self._carry.items():        # not yet flushed: keep it
             carried[name] = carried.get(name, 0) + value
-        self._carry = _give_residuals(new_memory, carried)
-        _give_momenta(new_memory, momenta)
+        # each tensor's residual and momentum go to the memory that carries it in the new stage
+        owners: dict[int, tuple] = {}
+        for name in set(carried) | set(momenta):
+            memory = _memory_for(new, name)
+            entry = owners.setdefault(id(memory), (memory, {}, {}))
+            if name in carried:
+                entry[1][name] = carried[name]
+            if name in momenta:
+                entry[2][name] = momenta[name]
+        self._carry = {}
+        for memory, residuals, moms in owners.values():
+            self._carry.update(_give_residuals(memory, residuals))
+            _give_momenta(memory, moms)
         self._index = index
 
     # ------------------------------------------------------------------ checkpoints
@@ -296,12 +310,27 @@ def _knows(memory) -> bool:
     return _residual_keys(memory) is not None
 
 
+def _memories(stage) -> list:
+    """Every memory of a stage: a communicator's, or each pipeline's of a strategy dispatcher."""
+    return [comm.memory for comm in communicators(stage)]
+
+
+def _memory_for(stage, name: str):
+    """The memory that carries tensor ``name`` in ``stage`` (None if no pipeline names it)."""
+    if callable(getattr(stage, "communicator", None)):      # a strategy dispatcher
+        try:
+            return stage.communicator(name).memory
+        except ValueError:
+            return None
+    return getattr(stage, "memory", None)
+
+
 def _warn_if_not_carried(step, stage) -> None:
-    memory = getattr(stage, "memory", None)
-    if memory is not None and not _knows(memory):
-        warnings.warn(f"Schedule stage at step {step}: memory {type(memory).__name__} defines "
-                      f"no residuals()/add_residuals(); its error-feedback state is not handed "
-                      f"to the next stage", UserWarning, stacklevel=3)
+    for memory in _memories(stage):
+        if not _knows(memory):
+            warnings.warn(f"Schedule stage at step {step}: memory {type(memory).__name__} "
+                          f"defines no residuals()/add_residuals(); its error-feedback state is "
+                          f"not handed to the next stage", UserWarning, stacklevel=3)
 
 
 def _has_momentum(memory) -> bool:

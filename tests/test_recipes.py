@@ -14,9 +14,26 @@ RANDK = {"compressor": "randomk", "compress_ratio": 0.1, "communicator": "allred
 
 @pytest.mark.parametrize("family", sorted(RECIPES))
 def test_every_recipe_builds_and_has_no_known_problem(family):
-    params, momentum = recipe(family)
-    grc = grace_from_params(params)
+    from grace_dl.strategy import from_spec
+
+    spec, momentum = recipe(family)
+    grc = from_spec(spec, {"w": (64, 128), "b": (128,), "out": (128, 10)}, steps_per_epoch=21)
     assert problems(grc, momentum) == []
+    assert problems(grc, 0.9) == [] or momentum == 0.0
+
+
+def test_topk_recipe_warms_up_dense_then_compresses_only_large_weights():
+    from grace_dl.strategy import from_spec
+
+    grc = from_spec(recipe("topk")[0], {"w": (64, 128), "b": (128,), "out": (128, 10)},
+                    steps_per_epoch=21)
+    assert [start for start, _ in grc.stages] == [0, 21]
+    assert type(grc.stages[0][1].compressor).__name__ == "NoneCompressor"
+    sparse = grc.stages[1][1]
+    assert type(sparse.communicator("w").compressor).__name__ == "TopKCompressor"
+    for small in ("b", "out"):
+        assert type(sparse.communicator(small).compressor).__name__ == "NoneCompressor"
+        assert type(sparse.communicator(small).memory).__name__ == "MomentumMemory"
 
 
 def test_unknown_family_names_the_accepted_ones():
@@ -55,3 +72,22 @@ def test_schedule_stages_are_each_checked():
 def test_optimizer_momentum_reads_param_groups():
     assert optimizer_momentum([{"momentum": 0.0}, {"momentum": 0.9}]) == 0.9
     assert optimizer_momentum([{"lr": 0.1}]) == 0.0
+
+
+@pytest.mark.parametrize("spec, kwargs, words", [
+    (3, {}, ["spec must be a dict", "3"]),
+    ({"schedule": [(0, {})]}, {}, ["'schedule' must be a dict"]),
+    ({"schedule": {"x": {}}}, {}, ["schedule key 'x'"]),
+    ({"schedule": {"0": {}, "1e": {}}}, {}, ["'1e' counts epochs", "steps_per_epoch"]),
+    ({"schedule": {"0": {}, "-1e": {}}}, {"steps_per_epoch": 5}, ["'-1e'"]),
+    ({"size_threshold": {"min_elements": 10, "params": {}}}, {}, ["needs the model"]),
+    ({"size_threshold": 10}, {"named_parameters": {"w": (4, 4)}}, ["SizeThreshold arguments"]),
+    ({"compressor": "topq"}, {}, ["topq"]),
+])
+def test_from_spec_refuses_bad_specs_naming_them(spec, kwargs, words):
+    from grace_dl.strategy import from_spec
+
+    with pytest.raises(ValueError) as err:
+        from_spec(spec, **kwargs)
+    for word in words:
+        assert word in str(err.value)

@@ -157,6 +157,39 @@ def test_dgc_momentum_moves_with_the_velocity():
     assert not grc.stages[0][1].memory.state_dict()["momentum/a"].any()
 
 
+def _size_threshold(params, small):
+    from grace_dl.strategy import SizeThreshold, from_strategy
+
+    d = from_strategy(SizeThreshold(20, params, small=small).build(SHAPES))
+    d._verified = True      # one process: no other rank to agree with
+    return d
+
+
+def test_dispatcher_stages_hand_over_per_tensor():
+    # 'a' (32 elements) is compressed, 'b' (1-D) dense with momentum in the memory, in both
+    # stages: a's residual reaches the new topk memory, b's momentum the new dense memory
+    mom = {"compressor": "none", "memory": "momentum", "error_feedback": False,
+           "factor_masking": False}
+    grc = Schedule({0: _size_threshold(TOPK, mom),
+                    4: _size_threshold({**TOPK, "compress_ratio": 0.1}, mom)})
+    outs = run(grc, 0, 3)
+    old = {c.memory.__class__.__name__: c.memory for c in grc.stages[0][1].parts()}
+    momentum_b = old["MomentumMemory"].state_dict()["momentum/b"].copy()
+    assert np.abs(momentum_b).sum() > 0
+    outs += run(grc, 3, 8)
+    new = {c.memory.__class__.__name__: c.memory for c in grc.stages[1][1].parts()}
+    residual_a = new["ResidualMemory"].state_dict()["a"]
+    np.testing.assert_allclose(_total(outs)["a"] + residual_a, _inputs(0, 8)["a"], atol=1e-4)
+    assert not old["ResidualMemory"].state_dict()["a"].any()
+    # b's momentum went on: after 8 steps it is the momentum of all 8 gradients
+    want = np.zeros(SHAPES["b"])
+    for step in range(8):
+        want = 0.9 * want + grads(step)["b"].numpy()
+    np.testing.assert_allclose(new["MomentumMemory"].state_dict()["momentum/b"], want,
+                               rtol=1e-5)
+    assert grc.state_dict()["carry"] == {}
+
+
 def test_resume_mid_schedule_is_bit_for_bit():
     stages = {0: DENSE, 2: TOPK, 5: {**TOPK, "compress_ratio": 0.1}}
     whole = run(Schedule(dict(stages)), 0, 8)

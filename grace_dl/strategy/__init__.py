@@ -14,6 +14,7 @@
 * ``dispatcher``: ``from_strategy``, the ``grace=`` object that routes each gradient to its
   node's pipeline (the send path, fusion and the PS communicator are the core's);
 * ``consensus``: ``broadcast_strategy`` and the cross-rank agreement check;
+* ``spec``: ``from_spec``, a ``grace=`` object (schedule, size threshold, params) from JSON;
 * ``serialize``: text and binary files; ``python -m grace_dl strategy build|show|validate``.
 """
 
@@ -24,11 +25,13 @@ from grace_dl.strategy.dispatcher import StrategyDispatcher, from_strategy
 from grace_dl.strategy.pipeline import Pipeline
 from grace_dl.strategy.resource_spec import ResourceSpec
 from grace_dl.strategy.serialize import from_bytes, from_text, load, save, to_bytes, to_text
+from grace_dl.strategy.spec import from_spec
 
 Strategy = strategy_pb2.Strategy
 
 __all__ = [
     "PS", "AllReduce", "Auto", "Pipeline", "ResourceSpec", "SizeThreshold", "Strategy",
     "StrategyBuilder", "StrategyDispatcher", "Uniform", "broadcast_strategy", "from_bytes",
-    "from_strategy", "from_text", "load", "save", "strategy_pb2", "to_bytes", "to_text",
+    "from_spec", "from_strategy", "from_text", "load", "save", "strategy_pb2", "to_bytes",
+    "to_text",
 ]

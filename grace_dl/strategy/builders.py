@@ -129,18 +129,25 @@ class Uniform(StrategyBuilder):
 
 class SizeThreshold(StrategyBuilder):
     """``params``' pipeline for variables of at least ``min_elements`` elements and two or more
-    dimensions; plain allreduce (``none``) for the rest. Small tensors and 1-D ones (biases,
-    norm scales) gain little from compression and are where it hurts accuracy most; the rule
-    is PowerSGD's ``min_compression_rate`` / BytePS's ``min_compress_bytes`` in its simplest
-    form."""
+    dimensions; ``small`` (default: plain allreduce, ``none``) for the rest. Small tensors and
+    1-D ones (biases, norm scales) gain little from compression and are where it hurts accuracy
+    most; the rule is PowerSGD's ``min_compression_rate`` / BytePS's ``min_compress_bytes`` in
+    its simplest form, and DGC's (Lin et al. 2018) dense exchange of small layers.
 
-    def __init__(self, min_elements: int, params: dict, chunk_size: int = 1, spec="AUTO"):
+    ``small`` is its own pipeline so that it can keep what the compressed one moved out of
+    the optimizer: with momentum in the memory (``dgc``, ``momentum``) and the optimizer's at 0,
+    the dense tensors need ``{"memory": "momentum", "error_feedback": False,
+    "factor_masking": False}`` or they train without momentum."""
+
+    def __init__(self, min_elements: int, params: dict, chunk_size: int = 1, spec="AUTO",
+                 small: dict | None = None):
         super().__init__(chunk_size, spec)
         self.min_elements = in_range("min_elements", min_elements, 0, None, kind=int)
         self.pipeline = Pipeline.from_params(params)
+        self.small = NONE if small is None else Pipeline.from_params(small)
 
     def choose(self, variables, resources):
-        return [self.pipeline if v.numel >= self.min_elements and v.ndim >= 2 else NONE
+        return [self.pipeline if v.numel >= self.min_elements and v.ndim >= 2 else self.small
                 for v in variables]
 
 
