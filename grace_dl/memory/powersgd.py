@@ -32,6 +32,16 @@ class PowerSGDMemory(Memory):
         ops = ops_for(tensor)
         return ops.read(self.state.zeros(name, ops, tensor)) + tensor
 
+    def compensate_for(self, tensor, name, compressor):
+        """In the residual's own slot (M_w is only read until ``update``, which then turns
+        the slot into e_w by subtracting this rank's share there): no fresh tensor a step."""
+        ops = ops_for(tensor)
+        return ops.read(ops.assign_add(self.state.zeros(name, ops, tensor), tensor))
+
+    def wants_approximation(self, compressor) -> bool:
+        """Multi-round: ``update`` takes this rank's share from the compressor instead."""
+        return compressor.rounds == 1
+
     def refusal(self, compressor) -> str | None:
         if compressor.rounds > 1 and \
                 type(compressor).local_share is Compressor.local_share:
@@ -48,4 +58,9 @@ class PowerSGDMemory(Memory):
             ops.assign(slot, tensor - sent)
             return
         sent = compressor.local_share(ctx)
-        ops.assign(slot, ops.zeros_like(tensor) if sent is None else tensor - sent)
+        if sent is None:
+            ops.assign(slot, ops.zeros_like(tensor))
+        elif ops.aliases(slot, tensor):    # compensated in the slot (compensate_for)
+            ops.assign_sub(slot, sent)
+        else:
+            ops.assign(slot, tensor - sent)

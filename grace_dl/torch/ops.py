@@ -611,6 +611,18 @@ def assign_add(var, value):
     return var
 
 
+def assign_sub(var, value):
+    """In place: ``var -= value``; returns var."""
+    var.sub_(value)
+    return var
+
+
+def assign_matmul(var, a, b):
+    """In place: ``var <- a @ b`` (``var`` shaped like the product), with no result of its own;
+    returns var."""
+    return torch.matmul(a, b, out=var)
+
+
 def assign_sub_at(var, idx, values):
     """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
     var.view(-1).index_add_(0, idx, values, alpha=-1)
