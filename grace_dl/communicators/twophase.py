@@ -99,9 +99,8 @@ class TwoPhase(Communicator):
         like = encoded.compensated
         if not encoded.payload:
             return like
-        parts = [self.compressor.decompress(p, c) for p, c in zip(encoded.payload, encoded.ctx)]
-        ops = ops_for(parts[0])
-        return ops.reshape(ops.cat(parts), ops.shape(like))
+        ops = ops_for(like)
+        return self._decompress_chunks(encoded.payload, encoded.ctx, ops.zeros_like(like))
 
     # ------------------------------------------------------------------ phase 1
     def issue(self, encoded: Encoded, handle: Handle) -> Phase:
@@ -167,23 +166,47 @@ class TwoPhase(Communicator):
         lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                    for i in range(n_parts)]
         pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
-        chunks = [self.compressor.decompress(
-            [ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)], ctxs[j])
-            for j in range(m)]
-        return ops.reshape(ops.cat(chunks), ops.shape(handle.encoded.compensated))
+        payloads = [[ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)]
+                    for j in range(m)]
+        return self._decompress_chunks(payloads, ctxs, handle.into, handle.encoded.compensated)
+
+    def _decompress_chunks(self, payloads, ctxs, out, like=None):
+        """Every chunk's payload decompressed and joined in the tensor's shape: each straight
+        into its slice of ``out`` where ``out`` has a flat view (torch), else joined by a
+        concatenation shaped like ``like``."""
+        ops = ops_for(payloads[0][0])
+        flat = None if out is None else ops.flat_view(out)
+        if flat is None:
+            chunks = [self.compressor.decompress(p, c) for p, c in zip(payloads, ctxs)]
+            return ops.reshape(ops.cat(chunks), ops.shape(like if out is None else out))
+        start = 0
+        for payload, ctx, n in zip(payloads, ctxs,
+                                   wire.chunk_sizes(ops.numel(out), len(payloads))):
+            piece = ops.slice(flat, start, start + n)
+            chunk = self.compressor.decompress_into(payload, ctx, piece)
+            if not ops.aliases(chunk, piece):
+                ops.assign(piece, ops.flatten(chunk))
+            start += n
+        return out
 
     def _recompress(self, reduced, key: str, call: Call):
         """Compress this rank's reduced chunk with server-side error feedback; returns its
-        payload flattened for the wire."""
+        payload flattened for the wire. The feedback is kept in its slot, which is also where
+        the chunk is compensated (unless the payload would be that slot itself: ``none``)."""
         ops = ops_for(reduced)
-        if self.server_error_feedback:
-            slot = self.server.zeros(key, ops, reduced)
+        if not self.server_error_feedback:
+            return wire.flatten(self.compressor.compress(reduced, f"{key}/server", call)[0])[0]
+        slot = self.server.zeros(key, ops, reduced)
+        if self.compressor.sends_tensor:
             compensated = reduced + ops.read(slot)
         else:
-            compensated = reduced
+            compensated = ops.read(ops.assign_add(slot, reduced))
         payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
-        if self.server_error_feedback:
-            ops.assign(slot, compensated - self.compressor.decompress(payload, ctx))
+        sent = self.compressor.decompress(payload, ctx)
+        if self.compressor.sends_tensor:
+            ops.assign(slot, compensated - sent)
+        else:
+            ops.assign_sub(slot, sent)
         return wire.flatten(payload)[0]
 
     # ------------------------------------------------------------------ checkpointing

@@ -24,7 +24,7 @@ _WIDE = {"float16": "float32", "bfloat16": "float32"}
 
 def encode(ops, flat):
     """``ceil(n/8)`` uint8: the packed sign bits of the 1-D tensor ``flat``."""
-    return ops.pack_mask(flat < 0)
+    return ops.pack_compare(flat, "lt", 0)
 
 
 def decode(ops, bits, n, table, dtype: str):
@@ -59,3 +59,32 @@ def nan_if(ops, flag):
     return ops.where(flag > 0, ops.full([1], float("nan"), "float32", like=like),
                      ops.zeros([1], "float32", like=like))
 
+
+
+def codes(ops, packed, n):
+    """The ``n`` elements of a pure-sign payload (sign plane, zero plane, status byte: see
+    ``signsgd``) as int8 ``1 - sign``: 0 where positive, 1 where zero, 2 where negative. From
+    the unpacked bytes of the two planes, without any float pass."""
+    nbytes = (ops.numel(packed) - 1) // 2
+    neg = ops.unpack_bits(ops.slice(packed, 0, nbytes), 1, n)
+    zero = ops.unpack_bits(ops.slice(packed, nbytes, 2 * nbytes), 1, n)
+    return ops.cast(neg * 2 + zero, "int8")
+
+
+def flag(ops, packed):
+    """A pure-sign payload's status byte, as a 1-element uint8 (1: NaN or Inf in the input)."""
+    nbytes = (ops.numel(packed) - 1) // 2
+    return ops.slice(packed, 2 * nbytes, 2 * nbytes + 1)
+
+
+def values(ops, signs, status, dtype: str, out=None):
+    """``signs`` (-1/0/+1 integers) in ``dtype``, or NaN everywhere when ``status`` is set;
+    written into the 1-D ``out`` (cast on the copy: one pass) when given."""
+    def nan():
+        full = ops.full(ops.shape(signs), float("nan"), dtype, like=signs)
+        return full if out is None else ops.assign(out, full)
+
+    def finite():
+        return ops.cast(signs, dtype) if out is None else ops.assign(out, signs)
+
+    return ops.cond(ops.sum(ops.cast(status, "int32")) > 0, nan, finite)

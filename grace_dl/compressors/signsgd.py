@@ -48,21 +48,38 @@ class SignSGDCompressor(Compressor):
 
     @staticmethod
     def _encode(ops, flat):
-        return [ops.cat([signbits.encode(ops, flat), ops.pack_mask(flat == 0),
+        return [ops.cat([signbits.encode(ops, flat), ops.pack_compare(flat, "eq", 0),
                          signbits.status(ops, flat)])]
 
     def decompress(self, payload, ctx):
+        return self.decompress_into(payload, ctx)
+
+    def decompress_into(self, payload, ctx, out=None):
+        """From the unpacked planes' int8 codes, cast once into ``out`` when it has a flat
+        view (torch), else into a new tensor."""
         shape, dtype = ctx
         packed = payload[0]
         ops = ops_for(packed)
-        nbytes = (ops.numel(packed) - 1) // 2
+        flat = None if out is None else ops.flat_view(out)
+        signs = 1 - signbits.codes(ops, packed, math.prod(shape))
+        got = signbits.values(ops, signs, signbits.flag(ops, packed), dtype, flat)
+        return out if flat is not None else ops.reshape(got, shape)
+
+    def combine(self, payloads, ctx, out=None):
+        """The majority vote straight from every rank's codes: the sum of the ranks' signs is
+        ``ranks - sum(codes)``, counted in int16 (no rank's ±1 tensor is built), and its
+        sign is the vote; NaN everywhere when any rank's status byte is set."""
+        shape, dtype = ctx
+        ops = ops_for(payloads[0][0])
         n = math.prod(shape)
-        nan = signbits.nan_if(ops, ops.slice(packed, 2 * nbytes, 2 * nbytes + 1))
-        signs = signbits.decode(ops, ops.slice(packed, 0, nbytes), n,
-                                ops.cat([nan + 1.0, nan - 1.0]), dtype)
-        nonzero = signbits.decode(ops, ops.slice(packed, nbytes, 2 * nbytes), n,
-                                  ops.cat([nan + 1.0, nan]), dtype)
-        return ops.reshape(signs * nonzero, shape)
+        count = status = None
+        for (packed,) in payloads:
+            codes = ops.cast(signbits.codes(ops, packed, n), "int16")
+            flag = ops.cast(signbits.flag(ops, packed), "int32")
+            count = codes if count is None else count + codes
+            status = flag if status is None else status + flag
+        votes = ops.sign(len(payloads) - count)
+        return ops.reshape(signbits.values(ops, votes, status, dtype), shape)
 
     def aggregate(self, tensors):
         """Majority vote: the sign of the sum of the ranks' -1/0/+1 (0 where the vote ties);

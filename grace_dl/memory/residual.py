@@ -4,10 +4,10 @@
     compensate: x' = beta * residual[name] + gamma * x
     update:     residual[name] = x' - decompress(compress(x'))
 
-For sparse compressors (``Compressor.sparse``) the update subtracts the k sent values at their
-positions, never building the dense approximation; with beta = gamma = 1 a communicator's
-compensation is also done in the residual's slot (``compensate_for``), so a step costs one pass
-over the tensor plus O(k).
+With beta = gamma = 1 a communicator's compensation is done in the residual's slot
+(``compensate_for``) and the update subtracts what was sent there: no per-step tensors. For
+sparse compressors (``Compressor.sparse``) that is the k sent values at their positions, never
+the dense approximation, so a step costs one pass over the tensor plus O(k).
 
 With the defaults (beta = gamma = 1) nothing is ever lost: the sum over steps of what was sent
 equals the sum of the gradients minus the final residual.
@@ -40,9 +40,11 @@ class ResidualMemory(Memory):
         return not compressor.sparse
 
     def compensate_for(self, tensor, name, compressor):
-        """For sparse compressors with beta = gamma = 1, in the residual's own slot: the
-        update then only subtracts the k sent values there."""
-        if not (compressor.sparse and self.beta == 1.0 and self.gamma == 1.0):
+        """With beta = gamma = 1, in the residual's own slot (no new tensor): the update then
+        subtracts what was sent there, only the k sent values for sparse compressors. Not
+        for compressors whose payload is the compensated tensor itself (``sends_tensor``),
+        which that subtraction would zero before it is sent."""
+        if not (self.beta == 1.0 and self.gamma == 1.0) or compressor.sends_tensor:
             return self.compensate(tensor, name)
         ops = ops_for(tensor)
         self._in_slot.add(name)
@@ -55,7 +57,11 @@ class ResidualMemory(Memory):
         self._in_slot.discard(name)
         entries = compressor.sent_entries(payload, ctx) if approximation is None else None
         if entries is None:
-            ops.assign(residual, tensor - self.sent(compressor, payload, ctx, approximation))
+            sent = self.sent(compressor, payload, ctx, approximation)
+            if in_slot:     # the slot holds ``tensor`` already
+                ops.assign_sub(residual, sent)
+            else:
+                ops.assign(residual, tensor - sent)
             return
         # sparse: the same values, without building the dense approximation
         if not in_slot:

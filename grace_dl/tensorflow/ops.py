@@ -433,6 +433,17 @@ def packed_size(n: int, bits: int) -> int:
     return math.ceil(n * bits / 8)
 
 
+COMPARISONS = {"lt": tf.less, "eq": tf.equal}
+
+
+def pack_compare(x, cmp: str, value):
+    """The packed bits (``pack_mask`` layout) of ``x <cmp> value`` elementwise, ``cmp`` one
+    of ``COMPARISONS``: the sign codes' planes, without a separate boolean tensor."""
+    if cmp not in COMPARISONS:
+        raise ValueError(f"cmp must be one of {sorted(COMPARISONS)}, got {cmp!r}")
+    return pack_mask(COMPARISONS[cmp](tf.reshape(x, [-1]), tf.cast(value, x.dtype)))
+
+
 def pack_mask(mask):
     """Pack a boolean tensor (or nonzero-ness of any tensor) into bits: the same ``ceil(n/8)``
     uint8 as ``pack_bits(mask, 1)``, from n/8 int64 words by three shift-ors (see torch's)."""
@@ -528,8 +539,13 @@ def assign_add(var, value):
 
 def assign_sub(var, value):
     """In place: ``var -= value``; returns var."""
-    var.assign_sub(value)
+    var.assign_sub(tf.reshape(value, tf.shape(var)))
     return var
+
+
+def flat_view(var):
+    """Always None: TF tensors and variables have no writable views."""
+    return None
 
 
 def assign_matmul(var, a, b):

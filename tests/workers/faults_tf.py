@@ -49,6 +49,7 @@ w = tf.Variable(tf.range(8, dtype=tf.float32), name="ckpt_w")
 reduce(topk, lambda: tf.reduce_sum(w * w), [w])
 path = tf.train.Checkpoint(grace=checkpointable(topk)).save(
     os.path.join(CKPT_DIR, f"rank{rank}", "ckpt"))
+hvd.allreduce(tf.constant(0.0), name="saved")   # a barrier: rank 1 reads rank 0's file next
 
 
 def restore(grc, ckpt_path):
