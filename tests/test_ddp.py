@@ -115,7 +115,7 @@ def test_distributed_collectives_on_gloo():
         expect = [[100.0 * j + r, float(j)] for j in range(N) for _ in range(r + j + 1)]
         assert recv == expect
         assert "splits" in out["bad_splits_error"]
-        assert list(out["alltoall_big"]) == [True, [(r + j + 1) * 20000 for j in range(N)]]
+        assert list(out["alltoall_big"]) == [True, [(r + j + 1) * 80000 for j in range(N)]]
         same, values, int8_refused = out["in_place"]
         assert same and values == [(2 * i + 1) * 0.5 for i in range(5)] and int8_refused
 

@@ -28,7 +28,7 @@ What goes on the wire, per call (``N`` ranks of the group):
 - ``alltoall_async``: rows ``splits[j]`` go to rank j. A first ``all_gather`` of every rank's
   splits (N int64 each), **waited for** inside the call, tells each rank what it will receive
   and how long the longest segment is; then ``all_to_all_single`` of the bytes starts: one
-  call, or on gloo one per 64 KiB of the longest segment (gloo carries one large message at
+  call, or on gloo one per 256 KiB of the longest segment (gloo carries one large message at
   about half the link rate when all ranks send at once; in pieces it runs at the link rate).
   Resolves to ``(received, received_splits)`` like Horovod's.
 - ``allreduce_async_``: one ``all_reduce`` (SUM) in the caller's tensor, then scaled in place
@@ -80,10 +80,11 @@ def _from_bytes(raw, dtype, trailing):
 
 
 #: gloo moves one large all_to_all_single message at about half the link rate when every
-#: rank sends at once (2.9 MB each way between 2 ranks over 100 Mbit/s: 400-434 ms, an
-#: allgather of it 244 ms); in pieces of at most this many bytes per peer it runs at the
-#: link rate (64 KiB: 237 ms)
-_A2A_PIECE_BYTES = 64 * 1024
+#: rank sends at once; in pieces of at most this many bytes per peer it runs at about the
+#: link rate. 2.9 MB each way between 2 ranks: over 100 Mbit/s one message 400-434 ms, pieces
+#: of 64 KiB 237, 256 KiB 258, 1 MiB 321 ms (an allgather of it 244); over 1 Gbit/s one
+#: message 30 ms, 64 KiB 46, 256 KiB 24, 1 MiB 24 ms (allgather 24)
+_A2A_PIECE_BYTES = 256 * 1024
 
 
 def _alltoall_pieces(out, raw, splits, received, longest: int, piece: int, group) -> list:
@@ -216,14 +217,16 @@ class DistCollectives(Collectives):
         if raw.shape[0] < longest:
             padded = torch.zeros(longest, width, dtype=torch.uint8, device=raw.device)
             padded[:raw.shape[0]] = raw
-        outs = [torch.empty(longest, width, dtype=torch.uint8, device=raw.device)
-                for _ in range(size)]
+        joined = torch.empty(size, longest, width, dtype=torch.uint8, device=raw.device)
+        outs = list(joined.unbind(0))
         work = dist.all_gather(outs, padded.contiguous(), group=group, async_op=True)
         dtype = tensor.dtype
 
         def finish():
-            joined = torch.cat([o[:n] for o, n in zip(outs, counts)])
-            return back(_from_bytes(joined, dtype, trailing))
+            rows = joined.reshape(size * longest, width)
+            if any(n != longest for n in counts):   # drop the padding
+                rows = torch.cat([o[:n] for o, n in zip(outs, counts)])
+            return back(_from_bytes(rows, dtype, trailing))
 
         return _Pending(work, finish)
 

@@ -292,13 +292,13 @@ def mode_collectives() -> dict:
     rows = torch.cat([torch.tensor([[100.0 * r + j, r]] * s) for j, s in enumerate(splits)])
     recv, recv_splits = coll.synchronize(coll.alltoall_async(rows, splits, "a2a"))
     out["alltoall"] = (recv.tolist(), recv_splits.tolist())
-    # alltoall with segments longer than one gloo piece (64 KiB): rank r sends
-    # (j + r + 1) * 20000 float32 values to rank j, value 1e6 r + 1e5 j + position
-    splits = [(j + r + 1) * 20000 for j in range(n)]
+    # alltoall with segments longer than one gloo piece (256 KiB): rank r sends
+    # (j + r + 1) * 80000 float32 values to rank j, value 1e6 r + 1e5 j + position
+    splits = [(j + r + 1) * 80000 for j in range(n)]
     rows = torch.cat([1e6 * r + 1e5 * j + torch.arange(s, dtype=torch.float32)
                       for j, s in enumerate(splits)])
     recv, recv_splits = coll.synchronize(coll.alltoall_async(rows, splits, "a2a.big"))
-    expect = torch.cat([1e6 * j + 1e5 * r + torch.arange((r + j + 1) * 20000,
+    expect = torch.cat([1e6 * j + 1e5 * r + torch.arange((r + j + 1) * 80000,
                                                          dtype=torch.float32)
                         for j in range(n)])
     out["alltoall_big"] = (torch.equal(recv, expect), recv_splits.tolist())
