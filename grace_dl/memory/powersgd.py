@@ -27,15 +27,19 @@ from grace_dl.registry import register_memory
 class PowerSGDMemory(Memory):
     def __init__(self):
         super().__init__()
+        self._in_slot: set[str] = set()    # names compensated in their slot, not yet updated
 
     def compensate(self, tensor, name):
         ops = ops_for(tensor)
         return ops.read(self.state.zeros(name, ops, tensor)) + tensor
 
     def compensate_for(self, tensor, name, compressor):
-        """In the residual's own slot (M_w is only read until ``update``, which then turns
-        the slot into e_w by subtracting this rank's share there): no fresh tensor a step."""
+        """In the error's own slot (no new tensor); the update then subtracts this rank's
+        share there. Not for compressors whose payload is the compensated tensor itself."""
+        if compressor.sends_tensor:
+            return self.compensate(tensor, name)
         ops = ops_for(tensor)
+        self._in_slot.add(name)
         return ops.read(ops.assign_add(self.state.zeros(name, ops, tensor), tensor))
 
     def wants_approximation(self, compressor) -> bool:
@@ -53,14 +57,16 @@ class PowerSGDMemory(Memory):
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
         slot = self.state.zeros(name, ops, tensor)
+        in_slot = name in self._in_slot     # the slot holds ``tensor`` already
+        self._in_slot.discard(name)
         if compressor.rounds == 1:
             sent = self.sent(compressor, payload, ctx, approximation)
-            ops.assign(slot, tensor - sent)
-            return
-        sent = compressor.local_share(ctx)
-        if sent is None:
-            ops.assign(slot, ops.zeros_like(tensor))
-        elif ops.aliases(slot, tensor):    # compensated in the slot (compensate_for)
+        else:
+            sent = compressor.local_share(ctx)
+            if sent is None:
+                ops.assign(slot, ops.zeros_like(tensor))
+                return
+        if in_slot:
             ops.assign_sub(slot, sent)
         else:
             ops.assign(slot, tensor - sent)
