@@ -27,7 +27,13 @@ memory, compresses and *starts* the collectives, then returns an unfinished futu
 hands over the last bucket (``bucket.is_last()``), the hook ``receive``\\ s every bucket of the
 step in bucket order (multi-round PowerSGD and two-phase start their later collectives there,
 in the same order on every rank), completes the futures with the averaged gradients, and
-closes the step in ``grc.bytes`` (``grc.end_step()``). Communication of early buckets thus
+closes the step in ``grc.bytes`` (``grc.end_step()``). Results land in DDP's own bucket:
+each grace tensor that is the bucket's buffer or a gradient's view of it is sent and received
+with ``into=`` that memory, and the future returns the buffer. The grace tensors of one bucket
+(``"parameter"`` granularity) share one ``GroupCollectives`` and are received together
+(``Router.receive_all``, phases in lockstep), so each round goes out as one collective per
+kind and dtype per bucket: PowerSGD sends one allreduce of the bucket's Ps (and uncompressed
+tensors) and one of its Qs, as PyTorch's ``powerSGD_hook`` does. Communication of early buckets thus
 overlaps the rest of the backward pass; the wire traffic is the communicator's (see its
 module docstring), and ``grc.bytes.steps[-1]`` says how many bytes this rank moved.
 
