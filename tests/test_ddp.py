@@ -115,6 +115,21 @@ def test_distributed_collectives_on_gloo():
         expect = [[100.0 * j + r, float(j)] for j in range(N) for _ in range(r + j + 1)]
         assert recv == expect
         assert "splits" in out["bad_splits_error"]
+        assert list(out["alltoall_big"]) == [True, [(r + j + 1) * 80000 for j in range(N)]]
+        same, values, int8_refused = out["in_place"]
+        assert same and values == [(2 * i + 1) * 0.5 for i in range(5)] and int8_refused
+
+
+@pytest.mark.multiproc
+def test_powersgd_units_of_a_bucket_go_in_one_collective_per_round():
+    res = torchrun("fused", 3)
+    for out in res:
+        # 3 weight matrices (P, then Q) and 3 biases: alone, 6 + 3 all_reduce calls a step;
+        # fused, one for the Ps and biases and one for the Qs (powerSGD_hook's batching)
+        assert out["alone"]["calls"] == [9, 9, 9]
+        assert out["fused"]["calls"] == [2, 2, 2]
+        assert_equal_dicts(out["fused"]["params"], out["alone"]["params"])
+    assert_equal_dicts(res[0]["fused"]["params"], res[1]["fused"]["params"])
 
 
 @pytest.mark.multiproc

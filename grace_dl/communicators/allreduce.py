@@ -98,8 +98,9 @@ class Allreduce(Communicator):
             return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
         if self.compressor.rounds == 1:
             return self.compressor.decompress_into(reduced, phase.ctx, handle.into)
-        out = self.compressor.decompress(reduced, phase.ctx)
-        average = out / coll.size() if self.memory.needs_approximation else None
+        out = self.compressor.decompress_into(reduced, phase.ctx, handle.into)
+        average = out / coll.size() if self.memory.wants_approximation(self.compressor) \
+            else None
         self.memory.update(handle.encoded.compensated, handle.name, self.compressor, reduced,
                            phase.ctx, average)
         return out

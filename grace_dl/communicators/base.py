@@ -153,6 +153,34 @@ class Router:
         handle.received = True
         return _finish(handle, into)
 
+    def receive_all(self, handles, intos=None) -> list:
+        """``receive`` for several handles (``intos``: their ``into``, or None), their phases
+        advanced in lockstep: each pass starts every handle's next collectives before it waits
+        for any, so later rounds (PowerSGD's second, two-phase's gather) are in flight
+        together, and handles issued on one fusion group's ``GroupCollectives`` send each
+        later round fused too (one collective per kind and dtype). Every rank must pass the
+        same handles in the same order."""
+        handles = list(handles)
+        intos = [None] * len(handles) if intos is None else list(intos)
+        if len(intos) != len(handles):
+            raise ValueError(f"receive_all got {len(handles)} handles and {len(intos)} intos")
+        order, seen = [], set()
+        for handle in handles:
+            if handle.received:
+                raise ValueError(f"handle for {handle.name!r} was already received")
+            if id(handle) in seen:    # a dispatcher's before_receive listed it already
+                continue
+            for h in (*self.before_receive(handle), handle):
+                if id(h) not in seen:
+                    seen.add(id(h))
+                    order.append(h)
+        for handle, into in zip(handles, intos):
+            handle.received = True
+            if into is not None:
+                handle.into = into
+        _advance_together([h for h in order if not h.done])
+        return [_finish(h, into) for h, into in zip(handles, intos)]
+
     def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None, into=None):
         """``receive(send(...))``: the blocking form."""
         return self.receive(self.send(tensor, name, op, collectives, into))
@@ -206,6 +234,29 @@ def _finish(handle: Handle, into=None):
         out = out / divisor
     handle.phase, handle.done, handle.value = None, True, out
     return out
+
+
+def _advance_together(handles) -> None:
+    """Run the phases of ``handles`` in lockstep passes (``Router.receive_all``); a finished
+    handle's result is left as ``Ready``. Fusion groups' collectives record each pass's calls
+    (``collect``) and send them fused when the pass ends."""
+    for handle in handles:
+        if handle.phase is None:
+            handle.comm.fusion.flush(handle.comm, handle.name)
+    live = [h for h in handles if not isinstance(h.phase, Ready)]
+    while live:
+        groups = {id(h.coll): h.coll for h in live if hasattr(h.coll, "collect")}
+        for coll in groups.values():
+            coll.collect()
+        nxt = []
+        for handle in live:
+            out = handle.comm.complete(handle.phase, handle)
+            if isinstance(out, Phase) and not isinstance(out, Ready):
+                nxt.append(handle)
+            handle.phase = out if isinstance(out, Phase) else Ready(out)
+        for coll in groups.values():
+            coll.close()
+        live = nxt
 
 
 class Communicator(Router, ABC):

@@ -197,6 +197,14 @@ class GroupCollectives(Wrapping):
 
 
     # ------------------------------------------------------------------ fusion
+    def collect(self) -> None:
+        """Record calls again until the next ``close`` (one lockstep pass of
+        ``Router.receive_all``, which fuses later rounds). Later rounds' sizes may differ
+        across ranks even where the first payloads' do not (two-phase's gathered chunks), so
+        fused allgathers then carry their lengths."""
+        self.collecting = True
+        self.equal_sizes = False
+
     def close(self) -> None:
         """Issue every recorded call; later calls go out at once."""
         self.flush()

@@ -174,6 +174,19 @@ class PowerSGDCompressor(Compressor):
         ops.assign(self._q_slot(ops, ctx.name, ops.shape(q), q), q)
         return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(q)), ctx.shape)
 
+    def decompress_into(self, payload, ctx, out=None):
+        """``decompress`` with P_hat (reduced Q)^T multiplied straight into ``out`` (the
+        caller's gradient) where its memory is the matrix's (torch layout, contiguous)."""
+        ops = ops_for(payload[0])
+        if out is None or not ctx.low_rank or ops.NAME != "torch" or not out.is_contiguous() \
+                or tuple(out.shape) != tuple(ctx.shape) or out.dtype != payload[0].dtype:
+            return self.decompress(payload, ctx)
+        q = payload[0]
+        ops.assign(self._q_slot(ops, ctx.name, ops.shape(q), q), q)
+        n, r = ops.shape(ctx.p_hat)
+        ops.assign_matmul(ops.reshape(out, (n, ops.shape(q)[0])), ctx.p_hat, ops.transpose(q))
+        return out
+
     def local_share(self, ctx):
         """This rank's share P_hat Q_w^T of the decompressed sum (its own contribution), shaped
         like the tensor; for error feedback (memory ``powersgd``). ``None`` when the tensor

@@ -42,6 +42,10 @@ class PowerSGDMemory(Memory):
         self._in_slot.add(name)
         return ops.read(ops.assign_add(self.state.zeros(name, ops, tensor), tensor))
 
+    def wants_approximation(self, compressor) -> bool:
+        """Multi-round: ``update`` takes this rank's share from the compressor instead."""
+        return compressor.rounds == 1
+
     def refusal(self, compressor) -> str | None:
         if compressor.rounds > 1 and \
                 type(compressor).local_share is Compressor.local_share:

@@ -27,7 +27,13 @@ memory, compresses and *starts* the collectives, then returns an unfinished futu
 hands over the last bucket (``bucket.is_last()``), the hook ``receive``\\ s every bucket of the
 step in bucket order (multi-round PowerSGD and two-phase start their later collectives there,
 in the same order on every rank), completes the futures with the averaged gradients, and
-closes the step in ``grc.bytes`` (``grc.end_step()``). Communication of early buckets thus
+closes the step in ``grc.bytes`` (``grc.end_step()``). Results land in DDP's own bucket:
+each grace tensor that is the bucket's buffer or a gradient's view of it is sent and received
+with ``into=`` that memory, and the future returns the buffer. The grace tensors of one bucket
+(``"parameter"`` granularity) share one ``GroupCollectives`` and are received together
+(``Router.receive_all``, phases in lockstep), so each round goes out as one collective per
+kind and dtype per bucket: PowerSGD sends one allreduce of the bucket's Ps (and uncompressed
+tensors) and one of its Qs, as PyTorch's ``powerSGD_hook`` does. Communication of early buckets thus
 overlaps the rest of the backward pass; the wire traffic is the communicator's (see its
 module docstring), and ``grc.bytes.steps[-1]`` says how many bytes this rank moved.
 
@@ -93,6 +99,7 @@ import torch.distributed as dist
 
 from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, Communicator, check_op
+from grace_dl.communicators.fusion import GroupCollectives
 from grace_dl.contracts import check_grace
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy
@@ -135,6 +142,8 @@ class GraceState:
         self.granularity = granularity
         self.per_parameter = granularity == "parameter" or (
             granularity == "auto" and needs_shapes(grace))
+        # a fused allgather of a bucket's units needs no lengths when sizes are equal
+        self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.equal_sizes
         self.iteration = 0          # synchronised backward passes completed
         self._given_names: dict[int, str] | None = None
         if named_parameters is not None:
@@ -147,7 +156,8 @@ class GraceState:
         self._order: list[str] = []             # names in the order they were first met
         self._index: dict[str, int] = {}        # name -> position in _order
         self._units: list = []                  # this step's grace tensors (see _send)
-        self._buckets: list = []                # this step's (future, buffer, names, unit)
+        self._buckets: list = []                # this step's (future, buffer)
+        self._views: dict = {}                  # name -> its gradient's view of its bucket
         self._deferred: dict = {}               # name -> gradient held for _start_deferred
         self._target = None                     # a loaded checkpoint's grouping (bucket mode)
         self._layout: list = []                 # the grouping of the last completed step
@@ -195,13 +205,14 @@ class GraceState:
 
     # ------------------------------------------------------------------ the step
     # A *unit* is one grace tensor: (handle, parameter names in its order, their numels,
-    # whether it is a whole bucket in the bucket's own order). A bucket's result is its units'
-    # outputs put back in the bucket's parameter order.
-    def _start_unit(self, tensor, name, names, numels, whole):
-        handle = self.grace.send(tensor, name, self.op, self.collectives)
-        self._units.append((handle, names, numels, whole))
+    # whether its result lands in the bucket by itself: sent with the bucket's buffer or a
+    # gradient view as ``into``). Other units (a bucket cat in canonical order, a resumed
+    # run's regrouping) are copied into the gradients' views of the bucket after receive.
+    def _start_unit(self, tensor, name, names, numels, into=None, collectives=None):
+        handle = self.grace.send(tensor, name, self.op, collectives or self.collectives,
+                                 into=into)
+        self._units.append((handle, names, numels, into is not None))
         self._step_names.append(name)
-        return len(self._units) - 1
 
     def _send(self, bucket):
         params = bucket.parameters()
@@ -211,76 +222,80 @@ class GraceState:
         buffer = bucket.buffer()
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         fut = torch.futures.Future(devices=devices)
-        direct = None
+        grads = [g.detach() for g in bucket.gradients()]   # views into buffer
+        self._views.update(zip(names, grads))
         if self.per_parameter:
-            for g, n in zip(bucket.gradients(), names):
-                self._start_unit(g.detach(), n, [n], [g.numel()], False)
+            # one fusion group per bucket: each round of its units goes out in one collective
+            # per kind and dtype (as powerSGD_hook batches a bucket's P and Q matrices)
+            group = GroupCollectives(self.collectives, f"ddp.bucket{bucket.index()}",
+                                     collecting=True, equal_sizes=self._equal_sizes,
+                                     counter=self.grace.bytes)
+            for g, n in zip(grads, names):
+                self._start_unit(g, n, [n], [g.numel()], into=g, collectives=group)
+            group.close()
         else:
             # canonical order: descending first-met index, DDP's rebuilt (ready) order for
             # most models; a bucket in another order (the first iteration's) is permuted
             order = sorted(range(len(names)), key=lambda i: -self._index[names[i]])
             canonical = [names[i] for i in order]
-            grads = bucket.gradients()
             if self._target is not None and canonical not in self._target:
                 # first iteration after a resume, DDP's layout is not the saved one: wait for
                 # the whole step and regroup as the checkpointed run did (_complete)
-                self._deferred.update({n: g.detach() for n, g in zip(names, grads)})
+                self._deferred.update(zip(names, grads))
             elif order == list(range(len(names))):
-                direct = self._start_unit(buffer.detach(), self.bucket_name(canonical),
-                                          canonical, [g.numel() for g in grads], True)
+                flat = buffer.detach()
+                self._start_unit(flat, self.bucket_name(canonical), canonical,
+                                 [g.numel() for g in grads], into=flat)
             else:
-                tensor = torch.cat([grads[i].detach().reshape(-1) for i in order])
+                tensor = torch.cat([grads[i].reshape(-1) for i in order])
                 self._start_unit(tensor, self.bucket_name(canonical), canonical,
-                                 [grads[i].numel() for i in order], False)
-        self._buckets.append((fut, buffer, names, direct))
+                                 [grads[i].numel() for i in order])
+        self._buckets.append((fut, buffer))
         return fut
 
     def _start_deferred(self) -> None:
         """Send the deferred gradients grouped as the saved layout groups them (in its order);
         any left over (parameters the checkpoint did not know) go as one unit."""
         deferred, self._deferred = self._deferred, {}
-        for group in self._target:
-            if group and all(n in deferred for n in group):
-                grads = [deferred.pop(n) for n in group]
-                self._start_unit(torch.cat([g.reshape(-1) for g in grads]),
-                                 self.bucket_name(group), group, [g.numel() for g in grads],
-                                 False)
-        if deferred:
-            rest = sorted(deferred, key=lambda n: -self._index[n])
-            grads = [deferred[n] for n in rest]
-            self._start_unit(torch.cat([g.reshape(-1) for g in grads]), self.bucket_name(rest),
-                             rest, [g.numel() for g in grads], False)
+        groups = [g for g in self._target if g and all(n in deferred for n in g)]
+        rest = sorted(set(deferred) - {n for g in groups for n in g},
+                      key=lambda n: -self._index[n])
+        for group in [*groups, rest] if rest else groups:
+            grads = [deferred[n] for n in group]
+            self._start_unit(torch.cat([g.reshape(-1) for g in grads]), self.bucket_name(group),
+                             group, [g.numel() for g in grads])
+
+    def _receive_all(self, handles, intos) -> list:
+        receive_all = getattr(self.grace, "receive_all", None)
+        if receive_all is not None:
+            return receive_all(handles, intos)
+        return [self.grace.receive(h, into) for h, into in zip(handles, intos)]
 
     def _complete(self) -> None:
         try:
             if self._deferred:
                 self._start_deferred()
-            units, buckets = self._units, self._buckets
-            whole, pieces = {}, {}
-            for i, (handle, names, numels, is_whole) in enumerate(units):
-                out = self.grace.receive(handle)
-                if is_whole:
-                    whole[i] = out
-                else:
-                    pieces.update(zip(names, torch.split(out.reshape(-1), numels)))
-            for fut, buffer, names, direct in buckets:
-                if direct is not None:
-                    result = whole[direct].reshape(buffer.shape)
-                else:
-                    result = torch.cat([pieces[n].reshape(-1) for n in names])
-                fut.set_result(result.to(buffer.dtype))
+            units = self._units
+            outs = self._receive_all([u[0] for u in units], [None] * len(units))
+            for (_, names, numels, in_bucket), out in zip(units, outs):
+                if not in_bucket:
+                    for n, piece in zip(names, torch.split(out.reshape(-1), numels)):
+                        view = self._views[n]
+                        view.copy_(piece.reshape(view.shape))
+            for fut, buffer in self._buckets:
+                fut.set_result(buffer)
             self.grace.end_step()
             self.iteration += 1
             self.last_step_names, self._step_names = self._step_names, []
             self._layout = [names for _, names, _, _ in units]
             self._target = None  # DDP's own (rebuilt) layout from now on
         except BaseException as err:
-            for fut, _, _, _ in self._buckets:
+            for fut, _ in self._buckets:
                 if not fut.done():
                     fut.set_exception(err)
             raise
         finally:
-            self._units, self._buckets, self._deferred = [], [], {}
+            self._units, self._buckets, self._deferred, self._views = [], [], {}, {}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -322,7 +337,7 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
         raise ValueError(f"comm_hook's state must be a grace_dl.torch.ddp.GraceState, got "
                          f"{type(state).__name__}")
     if bucket.index() == 0 and state._buckets:
-        state._units, state._buckets, state._deferred = [], [], {}
+        state._units, state._buckets, state._deferred, state._views = [], [], {}, {}
         state._step_names.clear()
         raise RuntimeError("a DDP step started before the previous one handed over its last "
                            "bucket; the grace hook expects every bucket of a step in order")

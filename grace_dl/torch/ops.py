@@ -644,6 +644,12 @@ def flat_view(var):
     return var.view(-1) if var.is_contiguous() else None
 
 
+def assign_matmul(var, a, b):
+    """In place: ``var <- a @ b`` (``var`` shaped like the product), with no result of its own;
+    returns var."""
+    return torch.matmul(a, b, out=var)
+
+
 def assign_sub_at(var, idx, values):
     """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
     var.view(-1).index_add_(0, idx, values, alpha=-1)

@@ -12,7 +12,9 @@ Modes:
   state per rank), build everything anew, load, run k more; both parameter sets.
 - ``disagree``: ranks with different grace configurations; the hook's first call raises.
 - ``collectives``: DistCollectives directly: dtypes, ragged allgather, broadcast from each
-  root, alltoall with uneven splits.
+  root, alltoall with uneven splits (short, and in several gloo pieces), in-place allreduce.
+- ``fused <steps>``: PowerSGD per parameter in one bucket, with the hook's per-bucket fusion
+  and with each unit sent alone: all_reduce calls per step, parameters after the steps.
 """
 
 from __future__ import annotations
@@ -290,12 +292,84 @@ def mode_collectives() -> dict:
     rows = torch.cat([torch.tensor([[100.0 * r + j, r]] * s) for j, s in enumerate(splits)])
     recv, recv_splits = coll.synchronize(coll.alltoall_async(rows, splits, "a2a"))
     out["alltoall"] = (recv.tolist(), recv_splits.tolist())
+    # alltoall with segments longer than one gloo piece (256 KiB): rank r sends
+    # (j + r + 1) * 80000 float32 values to rank j, value 1e6 r + 1e5 j + position
+    splits = [(j + r + 1) * 80000 for j in range(n)]
+    rows = torch.cat([1e6 * r + 1e5 * j + torch.arange(s, dtype=torch.float32)
+                      for j, s in enumerate(splits)])
+    recv, recv_splits = coll.synchronize(coll.alltoall_async(rows, splits, "a2a.big"))
+    expect = torch.cat([1e6 * j + 1e5 * r + torch.arange((r + j + 1) * 80000,
+                                                         dtype=torch.float32)
+                        for j in range(n)])
+    out["alltoall_big"] = (torch.equal(recv, expect), recv_splits.tolist())
+    # in place, scaled; None where the sum would need a wider type
+    t = torch.arange(5, dtype=torch.float32) + r
+    res = coll.synchronize(coll.allreduce_async_(t, "in_place", 0.5))
+    out["in_place"] = (res.data_ptr() == t.data_ptr(), t.tolist(),
+                       coll.allreduce_async_(torch.ones(2, dtype=torch.int8), "int8") is None)
     try:
         coll.alltoall_async(rows, [1] * n, "bad")
         out["bad_splits_error"] = None
     except ValueError as err:
         out["bad_splits_error"] = str(err)
     coll.barrier()
+    return out
+
+
+def mode_fused(steps: int) -> dict:
+    """PowerSGD per parameter, one bucket: all_reduce calls per step and the parameters after
+    ``steps`` steps, with the hook's per-bucket fusion and with every unit sent alone."""
+    from grace_dl.collectives import Wrapping
+
+    class Alone(Wrapping):
+        """Issues every call at once (no recording, no ``collect``): no fusion."""
+
+        def __init__(self, inner, label, **_):
+            super().__init__(inner)
+
+        def allreduce_async(self, tensor, name):
+            return self.inner.allreduce_async(tensor, name)
+
+        def allgather_async(self, tensor, name):
+            return self.inner.allgather_async(tensor, name)
+
+        def broadcast_async(self, tensor, root, name):
+            return self.inner.broadcast_async(tensor, root, name)
+
+        def alltoall_async(self, tensor, splits, name):
+            return self.inner.alltoall_async(tensor, splits, name)
+
+        def synchronize(self, handle):
+            return self.inner.synchronize(handle)
+
+        def close(self):
+            pass
+
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    out = {}
+    fused = grace_ddp.GroupCollectives
+    for label, group in (("fused", fused), ("alone", Alone)):
+        grace_ddp.GroupCollectives = group
+        model, opt, _ = make("powersgd", bucket_cap_mb=100)
+        per_step = []
+        for x, y in list(batches(data, 1))[:steps]:
+            opt.zero_grad()
+            dist.all_reduce = counting
+            calls.clear()
+            loss_fn(model(x), y).backward()
+            dist.all_reduce = real
+            per_step.append(len(calls))
+            opt.step()
+        out[label] = {"calls": per_step, "params": params_of(model)}
+    grace_ddp.GroupCollectives = fused
     return out
 
 
@@ -327,6 +401,8 @@ def main() -> None:
         result = mode_resume(sys.argv[3:], steps)
     elif mode == "collectives":
         result = mode_collectives()
+    elif mode == "fused":
+        result = mode_fused(int(sys.argv[2]))
     elif mode == "disagree":
         result = mode_disagree()
     else:
