@@ -178,6 +178,10 @@ class OpsBackend(Protocol):
     def topk(self, x, k: int):
         """The ``k`` largest entries of a 1-D tensor: (values, int64 indices)."""
 
+    def kth_largest(self, x, k):
+        """The ``k``-th largest entry of a 1-D tensor with no NaN (``0 < k <= numel``; ``k``
+        may be an int tensor): ``min(topk(x, k)[0])``, found without sorting."""
+
     def gather(self, x, idx): ...
 
     def scatter(self, idx, values, n: int):

@@ -189,6 +189,27 @@ def test_positions_at_least_match_the_mask_in_torch_and_tf(dtype, sign, thr):
         np.testing.assert_array_equal(got_tf.numpy(), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("k", [1, 2, 500, 999, 1000])
+def test_kth_largest_is_the_min_of_the_top_k_in_torch_and_tf(dtype, k):
+    """A selection (NumPy's partition on CPU, kthvalue elsewhere, TF's top_k) gives the value
+    the partial sort gave, ties and infinities included."""
+    from grace_dl.torch import ops as tops
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(-40, 40, (1000,), generator=g).to(dtype) / 8   # many ties
+    x[[3, 9]] = torch.tensor([float("inf"), -float("inf")], dtype=dtype)
+    expected = torch.topk(x, k).values.min()
+    got = tops.kth_largest(x, k)
+    assert got.dtype == x.dtype and got.item() == expected.item()
+    assert tops.kth_largest(x, torch.tensor(k)).item() == expected.item()
+    if dtype != torch.float16:
+        tf = pytest.importorskip("tensorflow")
+        from grace_dl.tensorflow import ops as fops
+
+        assert fops.kth_largest(tf.constant(x.numpy()), k).numpy() == expected.item()
+
+
 def test_receive_into_a_channels_last_gradient():
     """Sparse results land in row-major positions even when the gradient's memory is not."""
     grc = grace_from_params({"compressor": "topk", "compress_ratio": 0.2, "memory": "none",

@@ -68,7 +68,7 @@ def keep_top(ops, cand, cmag, k):
     ``k`` of them): the largest magnitudes, ties at the k-th going to the lowest positions
     (``cand`` is ascending). Returns int64 positions: those above the k-th magnitude, then the
     tied ones, each group ascending."""
-    kth = ops.min(ops.topk(cmag, k)[0])
+    kth = ops.kth_largest(cmag, k)
     above = ops.gather(cand, ops.nonzero(cmag > kth))
     ties = ops.gather(cand, ops.nonzero(cmag == kth))
     chosen = ops.cat([above, ops.slice(ties, 0, k - ops.numel(above))])
@@ -77,7 +77,7 @@ def keep_top(ops, cand, cmag, k):
 
 def top_of(ops, mag, k):
     """Positions of the ``k`` largest entries of ``mag`` (no NaN; ``0 < k <= numel``)."""
-    kth = ops.min(ops.topk(mag, k)[0])
+    kth = ops.kth_largest(mag, k)
     cand = ops.nonzero(mag >= kth)
     return keep_top(ops, cand, ops.gather(mag, cand), k)
 
@@ -95,7 +95,7 @@ def sampled_threshold(ops, flat, seed, name, step, above, sign=None):
     n = ops.numel(flat)
     picks = ops.choice(seed, name, step, n, sample_size(n), like=flat)
     smag = magnitudes(ops, ops.gather(flat, picks), sign)
-    return ops.min(ops.topk(smag, above)[0])
+    return ops.kth_largest(smag, above)
 
 
 def approx_top(ops, flat, k, seed, name, step, sign=None):

@@ -266,6 +266,12 @@ def topk(x, k: int):
     return values, tf.cast(idx, tf.int64)
 
 
+def kth_largest(x, k):
+    """The ``k``-th largest entry of a 1-D tensor with no NaN (``0 < k <= numel``; ``k`` may be
+    an int tensor)."""
+    return tf.reduce_min(tf.math.top_k(x, k=k, sorted=False).values)
+
+
 def gather(x, idx):
     return tf.gather(x, idx)
 
