@@ -125,6 +125,43 @@ def test_receive_into_writes_the_average(params):
     np.testing.assert_array_equal(into.numpy(), plain.numpy())
 
 
+class _Mirrored(OneRank):
+    """Two ranks that sent the same tensors: a sum doubles, a gather repeats."""
+
+    def size(self):
+        return 2
+
+    def allreduce_async(self, tensor, name):
+        return tensor * 2
+
+    def allgather_async(self, tensor, name):
+        return torch.cat([tensor, tensor])
+
+
+@pytest.mark.parametrize("params,folded", [
+    ({"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
+      "communicator": "allgather"}, True),
+    ({"compressor": "randomk", "compress_ratio": 0.1, "memory": "residual",
+      "communicator": "allreduce"}, True),
+    ({"compressor": "topk", "compress_ratio": 0.1, "memory": "none",
+      "communicator": "broadcast"}, True),
+    ({"compressor": "fp16", "memory": "none", "communicator": "allgather"}, False),
+])
+def test_a_sparse_average_divides_the_values_not_the_dense_result(params, folded):
+    """Received into a gradient, a sparse average divides the N*k values before scattering
+    them (the handle is finished in place: no O(n) division after); the result is the one
+    the dense division gives."""
+    a, b = grace_from_params(dict(params)), grace_from_params(dict(params))
+    x = _tensor(4)
+    plain = a.receive(a.send(x.clone(), "w", collectives=_Mirrored()))
+    into = torch.full_like(x, 7.0)
+    handle = b.send(x.clone(), "w", collectives=_Mirrored())
+    assert b.receive(handle, into=into) is into
+    assert handle.finished_in_place is folded
+    np.testing.assert_array_equal(into.numpy(), plain.numpy())
+    assert np.count_nonzero(into.numpy()) < into.numel() or not folded
+
+
 def test_receive_into_after_the_handle_was_finished_for_another():
     """A dispatcher may finish a handle before its own receive: ``into`` is still written."""
     from grace_dl.communicators.base import _finish

@@ -79,4 +79,4 @@ class Allgather(Communicator):
             pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
             received = wire.nbytes(gathered) + ops.nbytes(lengths) - phase.sent
         wire.count(self, ops, handle.name, received=received)
-        return wire.combine(self, pieces, phase.shapes, handle, size)
+        return wire.combine(self, pieces, phase.shapes, handle, size, average=True)

@@ -25,7 +25,8 @@ from typing import Any
 
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import AVERAGE, Communicator, Encoded, Handle, Phase
+from grace_dl.communicators.base import (AVERAGE, Communicator, Encoded, Handle, Phase,
+                                         divided_payloads)
 from grace_dl.registry import register_communicator
 
 
@@ -97,6 +98,7 @@ class Allreduce(Communicator):
             rnd = phase.round + 1
             return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
         if self.compressor.rounds == 1:
+            reduced = divided_payloads(handle, [reduced])[0]
             return self.compressor.decompress_into(reduced, phase.ctx, handle.into)
         out = self.compressor.decompress_into(reduced, phase.ctx, handle.into)
         average = out / coll.size() if self.memory.wants_approximation(self.compressor) \

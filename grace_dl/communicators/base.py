@@ -209,6 +209,28 @@ class FanOut:
             part.process_set = value
 
 
+def average_divisor(handle: Handle):
+    """What ``handle``'s aggregate is divided by: the number of ranks for an average of a
+    compressor that averages, else None (a sum)."""
+    return handle.coll.size() if handle.op == AVERAGE and handle.comm.compressor.average \
+        else None
+
+
+def divided_payloads(handle: Handle, payloads: list) -> list:
+    """``payloads`` (every rank's, or the one reduced) with the average folded into their
+    values when the result is built in ``handle.into`` and the compressor can
+    (``Compressor.divided``: sparse values, O(k)); the handle is then finished in place, so
+    ``receive`` does not divide the dense result again. Else ``payloads`` unchanged."""
+    divisor = average_divisor(handle)
+    if handle.into is None or divisor is None:
+        return payloads
+    divided = [handle.comm.compressor.divided(p, divisor) for p in payloads]
+    if any(d is None for d in divided):
+        return payloads
+    handle.finished_in_place = True
+    return divided
+
+
 def _finish(handle: Handle, into=None):
     """Run ``handle``'s phases to the end (once) and return its averaged or summed result
     (written into ``into`` when given, else into the ``into`` given to ``send``)."""
@@ -225,7 +247,7 @@ def _finish(handle: Handle, into=None):
     out = handle.phase
     while isinstance(out, Phase):
         out = out.value if isinstance(out, Ready) else comm.complete(out, handle)
-    divisor = handle.coll.size() if handle.op == AVERAGE and comm.compressor.average else None
+    divisor = average_divisor(handle)
     if handle.finished_in_place:     # averaged (or summed) in send's ``into`` already
         out = ops_for(out).assign_div(into, handle.into)
     elif into is not None:

@@ -97,4 +97,4 @@ class Broadcast(Communicator):
             total = total + ops.nbytes(phase.lengths)
         wire.count(self, ops, handle.name, received=total)
         pieces = [[parts[i] for parts in received] for i in range(len(flats))]
-        return wire.combine(self, pieces, phase.shapes, handle, size)
+        return wire.combine(self, pieces, phase.shapes, handle, size, average=True)

@@ -30,16 +30,21 @@ def unflatten(piece, shape, equal_sizes: bool = True):
     return ops.reshape(piece, (-1, *shape[1:]))
 
 
-def combine(comm, pieces, shapes, handle, ranks: int):
+def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
     """Every rank's payload decompressed and aggregated (``compressor.combine``;
     ``pieces[i][r]``: part i of rank r's payload, flat). This rank's own payload is taken from
     what came back too: reusing its encode-time approximation instead would leave its own
     collective's result unused, and ``tf.function`` prunes an op whose result is unused (a
-    root's broadcast never starts)."""
+    root's broadcast never starts). ``average``: the result is this rank's final one, so an
+    average may be folded into the payloads' values (``base.divided_payloads``)."""
+    from grace_dl.communicators.base import divided_payloads
+
     equal = comm.compressor.equal_sizes
-    return comm.compressor.combine(
-        [[unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)] for r in range(ranks)],
-        handle.encoded.ctx, handle.into)
+    payloads = [[unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)]
+                for r in range(ranks)]
+    if average:
+        payloads = divided_payloads(handle, payloads)
+    return comm.compressor.combine(payloads, handle.encoded.ctx, handle.into)
 
 
 def nbytes(tensors):

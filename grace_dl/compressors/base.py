@@ -129,6 +129,13 @@ class Compressor(Stateful, ABC):
         allreduce does with the one reduced payload."""
         return self.decompress(payload, ctx)
 
+    def divided(self, payload, divisor):
+        """A payload that decompresses (and ``combine``s, with the default sum) to this one's
+        result divided by ``divisor``, made without touching a dense tensor (sparse methods
+        divide their k values), or ``None`` where the method cannot: an average then divides
+        the dense result. Communicators use it to average in O(k) instead of O(n)."""
+        return None
+
     def sent_entries(self, payload, ctx):
         """``(positions, values)`` when ``decompress(payload, ctx)`` is zero except for
         ``values`` at the distinct flat ``positions`` (error feedback then updates O(k)

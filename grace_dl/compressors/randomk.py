@@ -67,6 +67,9 @@ class RandomKCompressor(Compressor):
     def sent_entries(self, payload, ctx):
         return ctx[2], payload[0]
 
+    def divided(self, payload, divisor):
+        return [payload[0] / divisor]
+
     def combine(self, payloads, ctx, out=None):
         """The ranks' values (same positions on every rank) summed in rank order, then
         scattered once."""

@@ -153,6 +153,11 @@ class SparseCompressor(Compressor):
     def sent_entries(self, payload, ctx):
         return payload[1], payload[0]
 
+    def divided(self, payload, divisor):
+        if type(self).aggregate is not Compressor.aggregate:
+            return None
+        return [payload[0] / divisor, payload[1]]
+
     def decompress_into(self, payload, ctx, out=None):
         return scatter_sum(ops_for(payload[0]), [payload[1]], [payload[0]], ctx, out)
 
