@@ -25,8 +25,14 @@ from typing import Any
 
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import (AVERAGE, Communicator, Encoded, Handle, Phase,
-                                         divided_payloads)
+from grace_dl.communicators.base import (
+    AVERAGE,
+    Communicator,
+    Encoded,
+    Handle,
+    Phase,
+    divided_payloads,
+)
 from grace_dl.registry import register_communicator
 
 
