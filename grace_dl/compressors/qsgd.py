@@ -59,11 +59,13 @@ class QSGDCompressor(Compressor):
 
     def _rows(self, ops, flat, n):
         """``flat``'s first ``n`` elements as rows of ``bucket_size``: the whole buckets (a view,
-        no copy) and the last, shorter bucket zero-padded to one row; empty parts left out.
+        no copy) and the last, shorter bucket zero-padded to one row; empty parts left out
+        (``n = 0``: one part of no rows).
         ``flat`` may be longer than ``n`` (a dither drawn for whole buckets)."""
         b = self.bucket_size
         full = n // b
-        rows = [ops.reshape(ops.slice(flat, 0, full * b), (full, b))] if full else []
+        rows = [ops.reshape(ops.slice(flat, 0, full * b), (full, b))] \
+            if full or n == 0 else []
         if n > full * b:
             tail = ops.slice(flat, full * b, min(ops.numel(flat), (full + 1) * b))
             rows.append(ops.reshape(ops.pad(tail, b - ops.numel(tail)), (1, b)))
