@@ -211,8 +211,9 @@ class OpsBackend(Protocol):
         """``n`` uniform integers in ``[0, 2**bits)`` (bits 8 or 16; uint8 or uint16), the dither
         ``(k + 1/2) / 2**bits`` of a stochastic rounding, with bias <= ``2**-(bits+1)`` step."""
 
-    def blockwise(self, fn, *xs):
-        """``flatten(fn(*xs))`` for a row-wise ``fn``, possibly evaluated block by block."""
+    def blockwise(self, fn, *xs, out=None):
+        """``flatten(fn(*xs))`` for a row-wise ``fn``, possibly evaluated block by block;
+        written into the 1-D ``out`` when given (torch; TF has no writable tensors)."""
 
     def pack_bits(self, codes, bits: int):
         """Pack unsigned codes (< 2**bits, any int dtype) into a uint8 tensor, ``bits`` each."""

@@ -272,3 +272,71 @@ def test_combine_of_one_rank_still_aggregates(name):
     np.testing.assert_array_equal(comp.combine([payload], ctx).numpy(), expected.numpy())
     np.testing.assert_array_equal(comp.decompress_into(payload, ctx).numpy(),
                                   comp.decompress(payload, ctx).numpy())
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 512), (511, 512), (512, 512), (1537, 512),
+                                      (3000, 100), (40, 1)])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_qsgd_combine_and_decompress_into_equal_the_plain_paths(n, bucket, ranks):
+    """qsgd decodes into ``out`` (and sums the ranks' payloads there) with the same bits as
+    decompressing each payload into a fresh tensor and aggregating; ``out`` may hold
+    anything. A float64 ``out`` cannot be written: a new float32 tensor comes back."""
+    comp = lookup("compressor", "qsgd")(quantum_num=64, bucket_size=bucket)
+    g = torch.Generator().manual_seed(n)
+    sent = [comp.compress(torch.randn(n, generator=g) * (r + 1), "w", Call(r, ranks))
+            for r in range(ranks)]
+    ctx = sent[0][1]
+    expected = Compressor.combine(comp, [p for p, _ in sent], ctx)
+    out = torch.full((n,), float("nan"))
+    assert comp.combine([p for p, _ in sent], ctx, out) is out
+    np.testing.assert_array_equal(out.numpy(), expected.numpy())
+    np.testing.assert_array_equal(comp.combine([p for p, _ in sent], ctx).numpy(),
+                                  expected.numpy())
+    plain = comp.decompress(*sent[-1])
+    out = torch.full((n,), float("nan"))
+    assert comp.decompress_into(*sent[-1], out) is out
+    np.testing.assert_array_equal(out.numpy(), plain.numpy())
+    wide = torch.zeros(n, dtype=torch.float64)
+    got = comp.decompress_into(*sent[-1], wide)
+    assert got is not wide and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), plain.numpy())
+
+
+class _Mirror(OneRank):
+    """Two ranks as rank 0 sees them when the other rank sends exactly what it does: every
+    collective hands back this rank's own piece once per rank."""
+
+    def size(self):
+        return 2
+
+    def allgather_async(self, tensor, name):
+        return torch.cat([tensor, tensor])
+
+    def alltoall_async(self, tensor, splits, name):
+        mine = tensor[:splits[0]]
+        return torch.cat([mine, mine]), [splits[0], splits[0]]
+
+
+def test_twophase_reuses_its_step_buffers_with_the_same_results():
+    """Two-phase builds its approximation and reduced chunk in buffers kept across steps
+    (no fresh tensors a step); results, residuals and server residuals stay those of fresh
+    buffers every step."""
+    params = {"compressor": "qsgd", "quantum_num": 64, "bucket_size": 128,
+              "memory": "residual", "communicator": "twophase"}
+    reused, fresh = grace_from_params(dict(params)), grace_from_params(dict(params))
+    fresh._buffer = lambda key, like: torch.zeros_like(like)
+    kept = None
+    for step in range(3):
+        x = _tensor(20 + step, (60, 40))  # even chunks (the mirror), a short last bucket
+        a = reused.receive(reused.send(x.clone(), "w", collectives=_Mirror()))
+        b = fresh.receive(fresh.send(x.clone(), "w", collectives=_Mirror()))
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        sa, sb = reused.state_dict(), fresh.state_dict()
+        np.testing.assert_array_equal(sa["memory"]["w"], sb["memory"]["w"])
+        assert sa["server"].keys() == sb["server"].keys() and sa["server"]
+        for k in sa["server"]:
+            np.testing.assert_array_equal(sa["server"][k], sb["server"][k])
+        buffers = {k: id(v) for k, v in reused._scratch.items()}
+        assert sorted(buffers) == ["w/approximation", "w/reduced"]
+        assert kept is None or buffers == kept
+        kept = buffers

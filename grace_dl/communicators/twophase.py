@@ -66,6 +66,8 @@ class TwoPhase(Communicator):
                              f"got {server_error_feedback!r}")
         self.server_error_feedback = server_error_feedback
         self.server = State()
+        # per key, a reused buffer for values that live within one step (not training state)
+        self._scratch: dict = {}
 
     @classmethod
     def refusal(cls, compressor) -> str | None:
@@ -99,8 +101,8 @@ class TwoPhase(Communicator):
         like = encoded.compensated
         if not encoded.payload:
             return like
-        ops = ops_for(like)
-        return self._decompress_chunks(encoded.payload, encoded.ctx, ops.zeros_like(like))
+        return self._decompress_chunks(encoded.payload, encoded.ctx,
+                                       self._buffer(f"{encoded.name}/approximation", like))
 
     # ------------------------------------------------------------------ phase 1
     def issue(self, encoded: Encoded, handle: Handle) -> Phase:
@@ -140,9 +142,12 @@ class TwoPhase(Communicator):
             # from each rank, part i of its payload for my chunk: the length of my own
             per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
                         for i, g in enumerate(got)]
+            lengths = wire.chunk_sizes(ops.numel(handle.encoded.compensated), m)
+            start = sum(lengths[:me])
+            like = ops.slice(ops.flatten(handle.encoded.compensated), start, start + lengths[me])
             reduced = self.compressor.combine(
                 [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
-                 for r in range(size)], ctxs[me])
+                 for r in range(size)], ctxs[me], self._buffer(f"{handle.name}/reduced", like))
             mine = self._recompress(reduced, f"{handle.name}/chunk{me}", handle.encoded.call)
 
         gathers = []
@@ -202,12 +207,29 @@ class TwoPhase(Communicator):
         else:
             compensated = ops.read(ops.assign_add(slot, reduced))
         payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
-        sent = self.compressor.decompress(payload, ctx)
         if self.compressor.sends_tensor:
-            ops.assign(slot, compensated - sent)
+            ops.assign(slot, compensated - self.compressor.decompress(payload, ctx))
         else:
-            ops.assign_sub(slot, sent)
+            # ``reduced`` is in the slot now and the payload never holds it: decode there
+            ops.assign_sub(slot, self.compressor.decompress_into(payload, ctx, reduced))
         return wire.flatten(payload)[0]
+
+    def _buffer(self, key: str, like):
+        """A tensor shaped like ``like`` to build values in that live within one step (the
+        encode-time approximation, the reduced chunk), kept per ``key`` and reused every step
+        instead of a fresh allocation (on CPU every large fresh tensor costs page faults). Not
+        training state: its contents are overwritten before they are read. Where tensors have
+        no writable views (TF) it is a fresh ``zeros_like``, only a shape to build in."""
+        ops = ops_for(like)
+        buf = self._scratch.get(key)
+        if buf is None or ops.shape(buf) != ops.shape(like) or \
+                ops.dtype(buf) != ops.dtype(like) or \
+                getattr(buf, "device", None) != getattr(like, "device", None):
+            buf = ops.zeros_like(like)
+            if ops.flat_view(buf) is None:
+                return buf
+            self._scratch[key] = buf
+        return buf
 
     # ------------------------------------------------------------------ checkpointing
     def config(self) -> dict:

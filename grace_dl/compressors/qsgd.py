@@ -57,6 +57,20 @@ class QSGDCompressor(Compressor):
     def _buckets(self, n):
         return -(-n // self.bucket_size)
 
+    def _rows(self, ops, flat, n):
+        """``flat``'s first ``n`` elements as rows of ``bucket_size``: the whole buckets (a view,
+        no copy) and the last, shorter bucket zero-padded to one row; empty parts left out
+        (``n = 0``: one part of no rows).
+        ``flat`` may be longer than ``n`` (a dither drawn for whole buckets)."""
+        b = self.bucket_size
+        full = n // b
+        rows = [ops.reshape(ops.slice(flat, 0, full * b), (full, b))] \
+            if full or n == 0 else []
+        if n > full * b:
+            tail = ops.slice(flat, full * b, min(ops.numel(flat), (full + 1) * b))
+            rows.append(ops.reshape(ops.pad(tail, b - ops.numel(tail)), (1, b)))
+        return rows
+
     def compress(self, tensor, name, call=LOCAL):
         ops, x, layout = flat_f32(tensor)
         n, b, s = layout.numel, self.bucket_size, float(self.quantum_num)
@@ -64,10 +78,12 @@ class QSGDCompressor(Compressor):
         db = dither_bits(self.quantum_num)
         k = ops.dither(self.seed, name, self.next_step(name, tensor), nb * b, db, like=x,
                        stream=call.rank)
-
-        xb = ops.reshape(ops.pad(x, nb * b - n), (nb, b))
-        norms = _bucket_norms(ops, xb, nb)
+        # whole buckets are quantized from views of x; only the last, short one is padded
+        xs, ks = self._rows(ops, x, n), self._rows(ops, k, n)
+        norms = [_bucket_norms(ops, r, ops.shape(r)[0]) for r in xs]
+        norms = norms[0] if len(norms) == 1 else ops.cat(norms)
         scale = ops.reshape(ops.where(norms > 0, s / norms, ops.zeros_like(norms)), (nb, 1))
+        scales = ops.split(scale, [ops.shape(r)[0] for r in xs]) if len(xs) > 1 else [scale]
         hi = 2 * self.quantum_num
 
         def levels(xc, sc, kc):
@@ -76,24 +92,72 @@ class QSGDCompressor(Compressor):
             t = add_dither(ops, xc * sc, kc, db, s)
             return ops.clamp(ops.cast(t, "uint8"), None, hi)
 
-        codes = ops.blockwise(levels, xb, scale, ops.reshape(k, (nb, b)))
+        codes = [ops.blockwise(levels, xr, sr, kr) for xr, sr, kr in zip(xs, scales, ks)]
+        codes = codes[0] if len(codes) == 1 else ops.cat(codes)
         return [pack(ops, ops.slice(codes, 0, n), self._bits), norms], layout
 
     def decompress(self, payload, ctx):
+        return self._decode(payload, ctx)
+
+    def decompress_into(self, payload, ctx, out=None):
+        """``decompress`` written straight into ``out`` where it has a float32 flat view
+        (torch) and the input was float32; else into a new tensor."""
+        return self._decode(payload, ctx, out)
+
+    def combine(self, payloads, ctx, out=None):
+        """The sum of every rank's decoded payload, built in one buffer (``out`` when it can
+        be written, as in ``decompress_into``): the first payload is decoded into it, each
+        other one added block by block, in rank order (the same float sums as ``aggregate``
+        of the decompressed tensors, without N dense tensors)."""
+        total = self._decode(payloads[0], ctx, out)
+        ops = ops_for(total)
+        if len(payloads) == 1 or ctx.dtype != "float32" or ops.flat_view(total) is None:
+            return self.aggregate([total, *(self.decompress(p, ctx) for p in payloads[1:])])
+        for payload in payloads[1:]:
+            self._decode(payload, ctx, total, accumulate=True)
+        return total
+
+    def _decode(self, payload, ctx, out=None, accumulate=False):
+        """The payload's values (``norm / s * (code - s)``), into ``out``'s flat view when it
+        has one and the values are float32 (added to what ``out`` holds when ``accumulate``),
+        else in a new tensor of ``ctx``'s shape and dtype."""
         packed, norms = payload
         ops, n, b = ops_for(packed), ctx.numel, self.bucket_size
         nb = self._buckets(n)
         s = float(self.quantum_num)
-        codes = ops.reshape(ops.pad(unpack(ops, packed, self._bits, n), nb * b - n), (nb, b))
+        codes = unpack(ops, packed, self._bits, n)
+        step = ops.reshape(norms / s, (nb, 1))
 
-        def values(cc, step):
+        def values(cc, st, *acc):
             v = ops.cast(cc, "float32")
             v -= s
-            v *= step
+            v *= st
+            if acc:
+                v += acc[0]
             return v
 
-        v = ops.blockwise(values, codes, ops.reshape(norms / s, (nb, 1)))
-        return restore(ops, ops.slice(v, 0, n), ctx)
+        flat = None
+        if out is not None and ctx.dtype == "float32" and ops.dtype(out) == "float32":
+            flat = ops.flat_view(out)
+        if flat is None:
+            if accumulate:
+                raise ValueError("qsgd: accumulate needs an out with a float32 flat view")
+            codes = ops.reshape(ops.pad(codes, nb * b - n), (nb, b))
+            v = ops.blockwise(values, codes, step)
+            return restore(ops, ops.slice(v, 0, n), ctx)
+        full = n // b
+        rows = self._rows(ops, codes, n)
+        steps = ops.split(step, [ops.shape(r)[0] for r in rows]) if len(rows) > 1 else [step]
+        if full:
+            into = ops.slice(flat, 0, full * b)
+            acc = (ops.reshape(into, (full, b)),) if accumulate else ()
+            ops.blockwise(values, rows[0], steps[0], *acc, out=into)
+        if n > full * b:
+            into = ops.slice(flat, full * b, n)
+            acc = (ops.reshape(ops.pad(into, (full + 1) * b - n), (1, b)),) if accumulate else ()
+            ops.assign(into, ops.slice(ops.flatten(values(rows[-1], steps[-1], *acc)),
+                                       0, n - full * b))
+        return out
 
     def payload_nbytes(self, numel, dtype="float32"):
         return -(-numel * self._bits // 8) + 4 * self._buckets(numel)

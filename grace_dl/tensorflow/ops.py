@@ -345,9 +345,13 @@ def dither(seed: int, name: str, step, n: int, bits: int = 16, like=None, stream
 
 
 # ------------------------------------------------------------------ blockwise evaluation
-def blockwise(fn, *xs):
+def blockwise(fn, *xs, out=None):
     """``flatten(fn(*xs))`` for a row-wise ``fn`` (torch evaluates it block by block to keep its
-    temporaries in cache; TF reuses its buffers, and evaluates it once)."""
+    temporaries in cache; TF reuses its buffers, and evaluates it once). ``out`` (torch writes
+    the result there) must be None: TF tensors have no writable views (``flat_view``)."""
+    if out is not None:
+        raise ValueError("blockwise(out=...) needs a writable tensor; TF has none (flat_view "
+                         "is None), pass out=None")
     return tf.reshape(fn(*xs), [-1])
 
 

@@ -367,9 +367,12 @@ def _block() -> int:
     return BLOCK if torch.get_num_threads() == 1 else BLOCK_THREADED
 
 
-def blockwise(fn, *xs):
+def blockwise(fn, *xs, out=None):
     """``flatten(fn(*xs))`` for a row-wise ``fn``: all ``xs`` have the same number of rows (axis 0)
-    and ``fn`` of a block of rows is the matching part of ``fn`` of all of them.
+    and ``fn`` of a block of rows is the matching part of ``fn`` of all of them. ``out``: a 1-D
+    tensor of the result's length to write the result into (and return) instead of a new one;
+    ``fn`` may read ``out``'s block through one of ``xs`` (each block is computed before it is
+    written).
 
     Here ``fn`` runs on blocks of about ``BLOCK`` elements of ``xs[0]`` (a whole number of rows,
     each block but the last a multiple of 8 elements, so ``fn`` may bit-pack) and the results
@@ -380,13 +383,22 @@ def blockwise(fn, *xs):
     """
     # (this module's ``max`` is the tensor one)
     if xs[0].device.type != "cpu":  # GPU memory is pooled; one launch per op is cheaper
-        return fn(*xs).reshape(-1)
+        return _written(fn(*xs).reshape(-1), out)
     rows = xs[0].shape[0] if xs[0].dim() else 1
     per_row = (xs[0].numel() // rows if rows else 0) or 1
     align = 8 // math.gcd(per_row, 8)
     step = -(-(_block() // per_row or 1) // align) * align
     if rows <= step or xs[0].dim() == 0:
-        return fn(*xs).reshape(-1)
+        return _written(fn(*xs).reshape(-1), out)
+    if out is not None:
+        pos = 0
+        for start in range(0, rows, step):
+            got = fn(*(x[start:start + step] for x in xs)).reshape(-1)
+            out[pos:pos + got.numel()] = got
+            pos += got.numel()
+        if pos != out.numel():
+            raise ValueError(f"blockwise: out has {out.numel()} elements, the result {pos}")
+        return out
     starts = range(0, rows, step)
     first = fn(*(x[:step] for x in xs)).reshape(-1)
     last = fn(*(x[starts[-1]:] for x in xs)).reshape(-1)
@@ -398,6 +410,16 @@ def blockwise(fn, *xs):
         start = starts[i]
         out[i * m:(i + 1) * m] = fn(*(x[start:start + step] for x in xs)).reshape(-1)
     return out
+
+
+def _written(result, out):
+    """``result`` (1-D), or ``out`` holding it."""
+    if out is None:
+        return result
+    if out.numel() != result.numel():
+        raise ValueError(f"blockwise: out has {out.numel()} elements, the result "
+                         f"{result.numel()}")
+    return out.copy_(result)
 
 
 # ------------------------------------------------------------------ bit packing
