@@ -59,29 +59,54 @@ PATTERN_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
 
 @dataclass(frozen=True)
 class Fit:
-    """``latency_s + per_unit_s * units`` (units: bytes for collectives, elements for
-    pipelines)."""
+    """``max(floor_s, latency_s + per_unit_s * units)`` (units: bytes for collectives,
+    elements for pipelines).
+
+    ``floor_s`` is the cheapest call measured at any size: no call costs less, however small.
+    The line alone (its slope from the two largest sizes, where a shaped link runs at its
+    sustained rate) puts a 64-element batch-norm tensor at microseconds, while every call of
+    this job measured a millisecond or more (Horovod's cycle, the collective's round trips, a
+    second phase): for ResNet-18's 62 tensors, or a transformer's 103, that is most of a
+    step's communication."""
 
     latency_s: float = 0.0
     per_unit_s: float = 0.0
+    floor_s: float = 0.0
 
     def __call__(self, units: float) -> float:
-        return self.latency_s + self.per_unit_s * units
+        return max(self.floor_s, self.latency_s + self.per_unit_s * units)
+
+    def split(self, units: float) -> tuple[float, float]:
+        """``(latency, transfer)`` of one call, summing to ``self(units)``: the latency is what
+        a batch of fused calls pays once (the floor, or the line's intercept if higher)."""
+        latency = max(self.floor_s, self.latency_s)
+        return latency, self(units) - latency
 
     @classmethod
     def through(cls, points: dict) -> Fit:
         """The slope of the two largest of ``points`` (``units -> seconds``), under every
         point (the latency is the least remainder, so one slow small call does not inflate
-        it); both clipped at zero."""
+        it); both clipped at zero; the floor is the least time measured."""
         xs = sorted(points)
         if len(xs) < 2:
             raise ValueError(f"a fit needs two or more sizes, got {xs}")
         x1, x2 = xs[-2:]
         per = max(0.0, (points[x2] - points[x1]) / (x2 - x1))
-        return cls(max(0.0, min(points[x] - per * x for x in xs)), per)
+        return cls(max(0.0, min(points[x] - per * x for x in xs)), per,
+                   max(0.0, min(points.values())))
+
+    @classmethod
+    def from_entry(cls, entry: dict, per_key: str = "per_unit_s", points=None) -> Fit:
+        """A fit as a measurement file stores it; files written before ``floor_s`` was stored
+        get it from their measured ``points`` (the least time), else none."""
+        floor = entry.get("floor_s")
+        if floor is None:
+            floor = min(points) if points else 0.0
+        return cls(entry["latency_s"], entry[per_key], float(floor))
 
     def as_dict(self) -> dict:
-        return {"latency_s": self.latency_s, "per_unit_s": self.per_unit_s}
+        return {"latency_s": self.latency_s, "per_unit_s": self.per_unit_s,
+                "floor_s": self.floor_s}
 
 
 @dataclass(frozen=True)
@@ -118,10 +143,13 @@ class Calibration:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"measurement file {source!r} must have \"format\": {FORMAT!r}")
         try:
-            collectives = {(c["collective"], c["dtype"]): Fit(c["latency_s"], c["per_byte_s"])
-                           for c in data.get("collectives", [])}
-            pipelines = {p["pipeline"]: (Fit(**p["encode"]), Fit(**p["exchange"]))
-                         for p in data.get("pipelines", [])}
+            collectives = {(c["collective"], c["dtype"]): Fit.from_entry(
+                c, "per_byte_s", list((c.get("points") or {}).values()))
+                for c in data.get("collectives", [])}
+            pipelines = {p["pipeline"]: tuple(
+                Fit.from_entry(p[part], points=[v[i] for v in (p.get("points") or {}).values()])
+                for i, part in enumerate(("encode", "exchange")))
+                for p in data.get("pipelines", [])}
         except (KeyError, TypeError) as err:
             raise ValueError(f"measurement file {source!r}: a collective or pipeline entry is "
                              f"malformed ({err}); see grace_dl.strategy.calibrate") from None
@@ -179,13 +207,12 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
         if choice == HOROVOD_FP16:
             cast, uncast = calib.throughput.costs("fp16", {})
             encode, decode = cast(numel), uncast(numel)
-        return Cost(encode, fit.latency_s, fit.per_unit_s * numel * itemsize(wire) + decode,
-                    f"{choice}:{wire}")
+        latency, transfer = fit.split(numel * itemsize(wire))
+        return Cost(encode, latency, transfer + decode, f"{choice}:{wire}")
     measured = calib.pipelines.get(choice.label())
     if measured is not None:
         encode, exchange = measured
-        return Cost(encode(numel), exchange.latency_s, exchange.per_unit_s * numel,
-                    choice.label())
+        return Cost(encode(numel), *exchange.split(numel), choice.label())
     return _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
 
 
@@ -205,8 +232,9 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
     fits = [calib.collective(c, wire if c == "allreduce" else dtype) for c in names or ()]
     if names and all(fits):
         share = nbytes / workers if pattern == "twophase" else nbytes
-        latency = sum(f.latency_s for f in fits)
-        transfer = sum(f.per_unit_s * share for f in fits)
+        parts = [f.split(share) for f in fits]
+        latency = sum(a for a, _ in parts)
+        transfer = sum(b for _, b in parts)
     else:
         formula = communication_time(pattern, nbytes, numel * itemsize(dtype), net)
         latency = communication_time(pattern, 0.0, 0.0, net) if pattern != "ps" else 0.0
