@@ -14,7 +14,9 @@ A step is simulated, not summed:
 3. Its **exchange** (collectives, the wait, decode and aggregate) runs on one channel, Horovod's
    background thread: one operation at a time, in the order they were issued. Operations of the
    same kind that are queued when the channel frees are **fused** as Horovod's cycle fuses them:
-   one latency for the batch, the per-byte part of each.
+   one latency for the batch, the per-byte part of each. An exchange with a round that starts
+   only in ``receive`` (two-phase, PowerSGD: ``deferred_rounds``) runs after the backward pass
+   and the channel, one tensor at a time, as the optimizer receives them.
 4. The step ends when both the training thread and the channel are done. That is the ideal
    overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
    in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
@@ -112,12 +114,15 @@ class Fit:
 @dataclass(frozen=True)
 class Cost:
     """One variable's cost under one choice: ``encode_s`` on the training thread, then an
-    exchange of ``latency_s + transfer_s`` on the channel; ``kind`` says what it fuses with."""
+    exchange of ``latency_s + transfer_s`` on the channel; ``kind`` says what it fuses with.
+    ``deferred``: the exchange has rounds that start only when the optimizer receives it, after
+    the backward pass, one tensor at a time (``deferred_rounds``)."""
 
     encode_s: float
     latency_s: float
     transfer_s: float
     kind: str
+    deferred: bool = False
 
     @property
     def total_s(self) -> float:
@@ -209,11 +214,29 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
             encode, decode = cast(numel), uncast(numel)
         latency, transfer = fit.split(numel * itemsize(wire))
         return Cost(encode, latency, transfer + decode, f"{choice}:{wire}")
+    compressor = compressor or choice.build_compressor()
     measured = calib.pipelines.get(choice.label())
     if measured is not None:
         encode, exchange = measured
-        return Cost(encode(numel), *exchange.split(numel), choice.label())
+        return Cost(encode(numel), *exchange.split(numel), choice.label(),
+                    deferred_rounds(choice, compressor, shape))
     return _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
+
+
+def deferred_rounds(pipeline: Pipeline, compressor, shape) -> bool:
+    """Whether ``pipeline``'s exchange of a tensor of ``shape`` has a round that starts only in
+    ``receive``: two-phase's gather needs the scatter's result, PowerSGD's second allreduce the
+    first's. ``DistributedOptimizer.synchronize`` receives tensor by tensor in name order, so
+    those rounds run after the backward pass, one tensor after another, each paying its own
+    latency (a Horovod cycle and more) with nothing to fuse with: for 62-103 tensors that is
+    most of the step (the transformer's signsgd-2phase at 100 Mbit/s: 778 ms measured, 347
+    predicted with them fused on the channel)."""
+    if pipeline.communicator == "twophase":
+        return True
+    if getattr(compressor, "rounds", 1) <= 1:
+        return False
+    plan = getattr(compressor, "matrix_shape", None)
+    return plan is None or plan(tuple(shape)) is not None
 
 
 def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Calibration,
@@ -247,7 +270,8 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
         encode, decode = workers * compress(chunk), 2 * workers * decompress(chunk)
     else:
         decode = workers * decompress(numel)
-    return Cost(encode, latency, transfer + decode, pipeline.label())
+    return Cost(encode, latency, transfer + decode, pipeline.label(),
+                deferred_rounds(pipeline, compressor, shape))
 
 
 @dataclass
@@ -274,7 +298,10 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
     t, ready = forward, []
     for i in reversed(range(len(costs))):
         t += backward * numels[i] / total + costs[i].encode_s
-        ready.append((t, costs[i]))
+        if not costs[i].deferred:
+            ready.append((t, costs[i]))
+    # deferred exchanges (``deferred_rounds``): after the backward pass and the channel, in turn
+    after = sum(c.latency_s + c.transfer_s for c in costs if c.deferred)
     free, j, channel = 0.0, 0, 0.0
     while j < len(ready):
         start = max(free, ready[j][0])
@@ -284,9 +311,9 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
             j += 1
         free = start + busy
         channel += busy
-    ideal, serial = max(t, free), t + channel
+    ideal, serial = max(t, free) + after, t + channel + after
     return StepPrediction(ideal + (1.0 - overlap) * (serial - ideal), compute_s, ideal, serial,
-                          t, free, costs)
+                          t, free + after, costs)
 
 
 def predict_step(variables, choices, calib, net: Network, compute_s: float = 0.0,
