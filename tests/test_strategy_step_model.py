@@ -23,6 +23,7 @@ from grace_dl.strategy.step_model import (
     Fit,
     predict_step,
     simulate,
+    variable_cost,
 )
 from grace_dl.strategy.variables import variables_of
 
@@ -58,6 +59,29 @@ def test_queued_exchanges_of_one_kind_fuse_into_one_latency():
     mixed = [Cost(0.0, 0.01, 0.001, k) for k in "abc"]
     assert simulate(same, [1, 1, 1]).step_s == pytest.approx(0.013)
     assert simulate(mixed, [1, 1, 1]).step_s == pytest.approx(0.033)
+
+
+def test_later_rounds_run_after_the_backward_pass_one_tensor_at_a_time():
+    """Two-phase's gather and PowerSGD's second round start in ``receive``, which the optimizer
+    calls tensor by tensor after the backward pass: no overlap, no fusion."""
+    deferred = [Cost(0.0, 0.01, 0.001, "a", deferred=True)] * 3
+    step = simulate(deferred, [1, 1, 1], compute_s=0.03, overlap=1.0)
+    assert step.step_s == pytest.approx(0.03 + 3 * 0.011)
+    # on the channel, the first starts during the backward pass (ready at 16.7 ms), the last
+    # two queue behind it: 16.7 + 3 * 11 ms
+    assert simulate([Cost(0.0, 0.01, 0.001, "a")] * 3, [1, 1, 1], 0.03).step_s == \
+        pytest.approx(0.02 / 3 + 0.01 + 3 * 0.011)
+    calib, network = Calibration(), Network(2, 1.25e8, 25e-6)
+    twophase = Pipeline.from_params({"compressor": "signsgd", "memory": "residual",
+                                     "communicator": "twophase"})
+    powersgd = Pipeline.from_params({"compressor": "powersgd", "memory": "powersgd",
+                                     "communicator": "allreduce"})
+    assert variable_cost(twophase, (64,), "float32", calib, network).deferred
+    assert variable_cost(powersgd, (512, 512), "float32", calib, network).deferred
+    # a vector goes uncompressed in one round
+    assert not variable_cost(powersgd, (512,), "float32", calib, network).deferred
+    assert not variable_cost(Pipeline.from_params(TOPK), (512, 512), "float32", calib,
+                             network).deferred
 
 
 def test_fit_latency_is_not_inflated_by_one_slow_small_call():
