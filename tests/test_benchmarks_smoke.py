@@ -44,6 +44,15 @@ def test_e2e_merge_replaces_rerun_rows_in_place():
     assert [r["step_s"] for r in e2e.merge(old, new)] == [1, 2, 3]
 
 
+def test_e2e_rounds_keep_each_pipelines_median_run_whole():
+    runs = [{"model": "mlp", "mbit": 100, "pipeline": "none", "step_s": s, "compute_s": c}
+            for s, c in ((0.9, 1), (0.3, 2), (0.5, 3))]
+    runs.insert(1, {"model": "mlp", "mbit": 100, "pipeline": "auto", "error": "boom"})
+    none, auto = e2e.median_runs(runs)
+    assert (none["step_s"], none["compute_s"]) == (0.5, 3)  # the median run, not a mix
+    assert none["step_s_rounds"] == [0.9, 0.3, 0.5] and auto["error"] == "boom"
+
+
 def test_e2e_repredict_recomputes_fixed_rows_from_their_own_measurement(tmp_path, monkeypatch):
     """A step-model change re-predicts the fixed pipelines' rows from the measurement each row
     names and its own compute/update times; Auto's rows (its strategy ran) stay as they are."""
