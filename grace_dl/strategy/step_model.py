@@ -29,7 +29,9 @@ and an exchange fit (latency + seconds per element); otherwise the cost is built
 compressor's payload bytes, the measured collective fit (latency + seconds per byte, which
 includes the reduction: Horovod's fp16 sum on the CPU is slow and the fit shows it) and the
 measured compression throughput; with no measured collectives, from the alpha-beta formulas
-of ``grace_dl.strategy.cost_model`` and the resource spec's bandwidth and latency.
+of ``grace_dl.strategy.cost_model`` and the resource spec's bandwidth and latency. No measured
+call costs less than the cheapest call of its kind measured (``Fit.floor_s``): that is what a
+batch-norm vector's exchange costs, whatever its bytes.
 
 Two choices are not grace pipelines: ``HOROVOD`` (Horovod's own fp32 allreduce, what a strategy
 with no compression runs as: ``grace=None``) and ``HOROVOD_FP16`` (Horovod's
