@@ -13,7 +13,15 @@ back to back, so ratios against uncompressed Horovod are taken in one run on one
 Before the pipelines of a link speed, the job measures itself on that link (``python -m
 grace_dl strategy measure`` on the same hosts: collectives, every pipeline end to end,
 compression; ``grace_dl.strategy.calibrate``) into ``--calibration-dir``; Auto chooses from that
-measurement and every row's ``predicted_s`` is the step model's time from it.
+measurement and every row's ``predicted_s`` is the step model's time from it (the row's
+``calibration`` names the file). ``--reuse-calibration`` takes a link's existing file instead of
+measuring again, so that a re-run row (Auto after a change to the step model) is predicted from
+the same measurement as the rows beside it.
+
+``--repredict`` runs nothing: it recomputes ``predicted_s`` of the fixed pipelines' rows in
+``--out`` with the current step model, from each row's own measurement and its recorded compute
+and update times (what the worker computes), and marks them ``predicted_at`` this commit.
+Auto's rows are left as they are: their step belongs to the strategy chosen when they ran.
 """
 
 from __future__ import annotations
@@ -81,6 +89,74 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
     return merged + [r for r in new if _key(r) in fresh]
 
 
+def median_runs(records: list[dict]) -> list[dict]:
+    """One record per model, link speed and pipeline: with several runs (``--rounds``), the run
+    of median step time (the lower middle of an even number), whole, so its compute, bytes and
+    prediction belong to that step; ``step_s_rounds`` lists every run's step time in run order.
+    Failed runs are dropped while one succeeded."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(_key(r), []).append(r)
+    out = []
+    for runs in groups.values():
+        ok = [r for r in runs if "error" not in r]
+        if len(runs) == 1 or not ok:
+            out.append(runs[0])
+            continue
+        middle = sorted(ok, key=lambda r: r["step_s"])[(len(ok) - 1) // 2]
+        out.append({**middle, "step_s_rounds": [r["step_s"] for r in ok]})
+    return out
+
+
+def _relative(path: Path) -> str:
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def calibration_of(record: dict) -> Path:
+    """The measurement a row was predicted from: its ``calibration``, else (rows from before
+    it was recorded) ``benchmarks/results/calibration/<model>/`` where that exists, else the
+    directory's own file for the link."""
+    if record.get("calibration"):
+        return ROOT / record["calibration"]
+    base = ROOT / "benchmarks/results/calibration"
+    if (base / record["model"]).is_dir():
+        base = base / record["model"]
+    return base / f"e2e-{record['mbit']:g}mbit.json"
+
+
+def repredict(records: list[dict]) -> list[dict]:
+    """``records`` with every fixed pipeline's ``predicted_s`` recomputed (module docstring)."""
+    import os
+
+    import torch
+
+    from benchmarks.e2e_worker import build_model
+    from benchmarks.pipelines import PIPELINES, predict_step
+
+    commit, out = _commit(), []
+    for r in records:
+        if "error" in r or PIPELINES.get(r["pipeline"]) == "auto" or "compute_s" not in r:
+            out.append(r)
+            continue
+        saved = {k: os.environ.get(k) for k in ("GRACE_BENCH_CALIBRATION", "GRACE_BENCH_MBIT")}
+        os.environ["GRACE_BENCH_CALIBRATION"] = str(calibration_of(r))
+        os.environ["GRACE_BENCH_MBIT"] = str(r["mbit"])
+        try:
+            torch.manual_seed(0)
+            model = build_model(r["model"])[0]
+            predicted = predict_step(r["pipeline"], model, compute_s=r["compute_s"])
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        out.append({**r, "predicted_s": None if predicted is None
+                    else predicted + r["update_s"], "predicted_at": commit})
+    return out
+
+
 def _commit() -> str:
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=str(ROOT))
@@ -94,6 +170,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES))
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every pipeline this many times, round-robin, and keep each one's "
+                         "median run (its other runs' step times in step_s_rounds)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--launcher", choices=["gloo", "mpi"], default="gloo")
     ap.add_argument("--timeout", type=float, default=600)
@@ -105,11 +184,24 @@ def main(argv=None) -> int:
                          "speed and pipeline")
     ap.add_argument("--calibration-dir", default=str(ROOT / "benchmarks/results/calibration"),
                     help="where each link's measurement is written (e2e-<mbit>mbit.json)")
+    ap.add_argument("--reuse-calibration", action="store_true",
+                    help="use a link's existing measurement in --calibration-dir, if any")
+    ap.add_argument("--repredict", action="store_true",
+                    help="recompute the fixed pipelines' predictions in --out; run nothing")
     args = ap.parse_args(argv)
+    if args.repredict:
+        records = repredict(json.loads(Path(args.out).read_text()))
+        Path(args.out).write_text(json.dumps(records, indent=1))
+        print(f"re-predicted {sum('predicted_at' in r for r in records)} of {len(records)} "
+              f"rows in {args.out}")
+        return 0
 
     from tqdm import tqdm
 
-    runs = [(m, model, p) for m in args.mbit for model in args.models for p in args.pipelines]
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    runs = [(m, model, p) for m in args.mbit for _ in range(args.rounds)
+            for model in args.models for p in args.pipelines]
     records, measured = [], {}
     run = f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} {_commit()}"
     Path(args.calibration_dir).mkdir(parents=True, exist_ok=True)
@@ -118,18 +210,21 @@ def main(argv=None) -> int:
         for mbit, model, pipeline in bar:
             if cluster.mbit != mbit:
                 cluster.set_bandwidth(mbit)
+            path = Path(args.calibration_dir) / f"e2e-{mbit:g}mbit.json"
+            if mbit not in measured and args.reuse_calibration and path.exists():
+                measured[mbit] = path
             if mbit not in measured:
                 bar.set_postfix_str(f"{mbit:g} Mbit/s: measuring the job")
-                measured[mbit] = calibrate(cluster, args.launcher, Path(args.calibration_dir)
-                                           / f"e2e-{mbit:g}mbit.json", args.timeout)
+                measured[mbit] = calibrate(cluster, args.launcher, path, args.timeout)
             bar.set_postfix_str(f"{mbit:g} Mbit/s {model} {pipeline}")
             rec = run_one(cluster, args.launcher, model, pipeline, args.steps, args.warmup,
                           args.timeout, measured[mbit])
             rec.update({"mbit": mbit, "hosts": args.hosts, "launcher": args.launcher,
-                        "run": run})
+                        "run": run, "calibration": _relative(measured[mbit])})
             records.append(rec)
             if "error" in rec:
                 tqdm.write(f"FAILED {mbit:g} {model} {pipeline}: {rec['error'][-400:]}")
+    records = median_runs(records)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.merge and Path(args.out).exists():
         records = merge(json.loads(Path(args.out).read_text()), records)

@@ -68,7 +68,11 @@ def e2e_rows(records: list[dict]) -> list[dict]:
     rows = []
     for r in records:
         row = {"model": r["model"], "Mbit/s": f"{r['mbit']:g}", "pipeline": r["pipeline"],
-               "run": r.get("run", "older")}
+               "run": r.get("run", "older")
+               + (f", median of {len(r['step_s_rounds'])} runs ("
+                  + "/".join(f"{x * 1e3:.0f}" for x in r["step_s_rounds"]) + " ms)"
+                  if r.get("step_s_rounds") else "")
+               + (f", predicted at {r['predicted_at']}" if r.get("predicted_at") else "")}
         if "error" in r:
             row["step ms"] = "failed"
             rows.append(row)
@@ -231,7 +235,11 @@ def write(results: Path, target: float = 0.95, tta_model: str = "mlp") -> list[P
                 "run = when and at which commit the row was measured (\"older\": before runs "
                 "were labelled); predicted = the step model's time for the pipeline "
                 "(grace_dl.strategy.step_model) from the job's own measurement on that link "
-                "(benchmarks/results/calibration/), with the run's compute and update time.\n\n"
+                "(benchmarks/results/calibration/), with the run's compute and update time; "
+                "\"predicted at\" = the prediction was recomputed at that commit from the "
+                "same measurement and times (python -m benchmarks.e2e --repredict); \"median of "
+                "N runs\" = the pipeline ran N times round-robin with the others (--rounds N) and "
+                "the row is its median run, every run's step listed.\n\n"
                 + _table(E2E_COLUMNS, e2e_rows(e2e)) + "\n\n## Auto against the fixed pipelines"
                 "\n\nPer model and link speed: Auto's step against uncompressed Horovod and "
                 "against the fastest fixed pipeline of the same run (\"none\" and \"hvd-fp16\" "

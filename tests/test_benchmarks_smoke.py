@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import e2e, report, run
+from benchmarks import e2e, e2e_worker, report, run
 from benchmarks.network import EmulatedCluster, cleanup_stale
 
 pytestmark = pytest.mark.multiproc
@@ -42,6 +42,40 @@ def test_e2e_merge_replaces_rerun_rows_in_place():
     new = [{"model": "mlp", "mbit": 100, "pipeline": "auto", "step_s": 2},
            {"model": "cnn", "mbit": 100, "pipeline": "auto", "step_s": 3}]
     assert [r["step_s"] for r in e2e.merge(old, new)] == [1, 2, 3]
+
+
+def test_e2e_rounds_keep_each_pipelines_median_run_whole():
+    runs = [{"model": "mlp", "mbit": 100, "pipeline": "none", "step_s": s, "compute_s": c}
+            for s, c in ((0.9, 1), (0.3, 2), (0.5, 3))]
+    runs.insert(1, {"model": "mlp", "mbit": 100, "pipeline": "auto", "error": "boom"})
+    none, auto = e2e.median_runs(runs)
+    assert (none["step_s"], none["compute_s"]) == (0.5, 3)  # the median run, not a mix
+    assert none["step_s_rounds"] == [0.9, 0.3, 0.5] and auto["error"] == "boom"
+
+
+def test_e2e_repredict_recomputes_fixed_rows_from_their_own_measurement(tmp_path, monkeypatch):
+    """A step-model change re-predicts the fixed pipelines' rows from the measurement each row
+    names and its own compute/update times; Auto's rows (its strategy ran) stay as they are."""
+    from benchmarks import pipelines
+    from grace_dl.strategy.cost_model import FORMAT
+
+    measured = tmp_path / "m.json"
+    measured.write_text(json.dumps({
+        "format": FORMAT, "entries": [], "job": {"workers": 2, "overlap": 0.0},
+        "collectives": [{"collective": "allreduce", "dtype": "float32", "latency_s": 0.0,
+                         "per_byte_s": 1e-8, "floor_s": 2e-3}]}))
+    row = {"model": "tiny", "mbit": 1000, "step_s": 0.05, "compute_s": 0.01,
+           "update_s": 0.001, "calibration": str(measured)}
+    rows = [{**row, "pipeline": "none", "predicted_s": 9.0},
+            {**row, "pipeline": "auto", "predicted_s": 9.0}]
+    none, auto = e2e.repredict(rows)
+    monkeypatch.setenv("GRACE_BENCH_CALIBRATION", str(measured))
+    monkeypatch.setenv("GRACE_BENCH_MBIT", "1000")
+    model = e2e_worker.build_model("tiny")[0]
+    expected = pipelines.predict_step("none", model, compute_s=0.01) + 0.001
+    assert none["predicted_s"] == pytest.approx(expected) and none["predicted_at"]
+    assert 0.012 < none["predicted_s"] < 0.02  # serial: compute, one fused 2 ms floor, update
+    assert auto == rows[1]
 
 
 def test_quick_suite_writes_reports_with_every_column(tmp_path):

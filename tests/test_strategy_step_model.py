@@ -23,6 +23,7 @@ from grace_dl.strategy.step_model import (
     Fit,
     predict_step,
     simulate,
+    variable_cost,
 )
 from grace_dl.strategy.variables import variables_of
 
@@ -60,12 +61,97 @@ def test_queued_exchanges_of_one_kind_fuse_into_one_latency():
     assert simulate(mixed, [1, 1, 1]).step_s == pytest.approx(0.033)
 
 
+def test_later_rounds_run_after_the_backward_pass_one_tensor_at_a_time():
+    """Two-phase's gather and PowerSGD's second round start in ``receive``, which the optimizer
+    calls tensor by tensor after the backward pass: no overlap, no fusion."""
+    deferred = [Cost(0.0, 0.01, 0.001, "a", deferred=True)] * 3
+    step = simulate(deferred, [1, 1, 1], compute_s=0.03, overlap=1.0)
+    assert step.step_s == pytest.approx(0.03 + 3 * 0.011)
+    # on the channel, the first starts during the backward pass (ready at 16.7 ms), the last
+    # two queue behind it: 16.7 + 3 * 11 ms
+    assert simulate([Cost(0.0, 0.01, 0.001, "a")] * 3, [1, 1, 1], 0.03).step_s == \
+        pytest.approx(0.02 / 3 + 0.01 + 3 * 0.011)
+    calib, network = Calibration(), Network(2, 1.25e8, 25e-6)
+    twophase = Pipeline.from_params({"compressor": "signsgd", "memory": "residual",
+                                     "communicator": "twophase"})
+    powersgd = Pipeline.from_params({"compressor": "powersgd", "memory": "powersgd",
+                                     "communicator": "allreduce"})
+    assert variable_cost(twophase, (64,), "float32", calib, network).deferred
+    assert variable_cost(powersgd, (512, 512), "float32", calib, network).deferred
+    # a vector goes uncompressed in one round
+    assert not variable_cost(powersgd, (512,), "float32", calib, network).deferred
+    assert not variable_cost(Pipeline.from_params(TOPK), (512, 512), "float32", calib,
+                             network).deferred
+
+
 def test_fit_latency_is_not_inflated_by_one_slow_small_call():
     fit = Fit.through({4096: 8e-3, 1 << 20: 3e-3, 8 << 20: 10e-3})
     assert fit.per_unit_s == pytest.approx(7e-3 / (7 << 20))
     assert fit.latency_s == pytest.approx(3e-3 - fit.per_unit_s * (1 << 20))
     with pytest.raises(ValueError, match="two or more sizes"):
         Fit.through({1: 1.0})
+
+
+def test_no_call_costs_less_than_the_cheapest_measured():
+    """A shaped link's sustained slope puts a 64-element batch-norm tensor at microseconds and
+    the line's intercept clips to 0; every call measured took a millisecond or more."""
+    fit = Fit.through({4096: 1.0e-3, 1 << 20: 6.4e-3, 8 << 20: 71e-3, 32 << 20: 291e-3})
+    assert fit.latency_s == 0.0 and fit.floor_s == pytest.approx(1.0e-3)
+    assert fit(256) == pytest.approx(1.0e-3)  # not 256 * 9 ns
+    assert fit(32 << 20) == pytest.approx(fit.per_unit_s * (32 << 20))  # the line above it
+    latency, transfer = fit.split(256)
+    assert (latency, transfer) == (pytest.approx(1.0e-3), pytest.approx(0.0))
+    latency, transfer = fit.split(32 << 20)
+    assert latency + transfer == pytest.approx(fit(32 << 20)) and latency == fit.floor_s
+
+
+def test_files_without_a_stored_floor_take_it_from_their_points(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({
+        "format": FORMAT, "entries": [],
+        "collectives": [{"collective": "allreduce", "dtype": "float32", "latency_s": 0.0,
+                         "per_byte_s": 1e-8, "points": {"4096": 2e-3, "1048576": 9e-3}}],
+        "pipelines": [{"pipeline": Pipeline.from_params(TOPK).label(),
+                       "encode": {"latency_s": 0.0, "per_unit_s": 1e-9},
+                       "exchange": {"latency_s": 0.0, "per_unit_s": 1e-9},
+                       "points": {"1024": [4e-4, 5e-3], "262144": [1e-3, 6e-3]}}]}))
+    calib = Calibration.load(path)
+    assert calib.collective("allreduce", "float32").floor_s == pytest.approx(2e-3)
+    encode, exchange = calib.pipelines[Pipeline.from_params(TOPK).label()]
+    assert (encode.floor_s, exchange.floor_s) == (pytest.approx(4e-4), pytest.approx(5e-3))
+
+
+BATCH_NORM = {**{f"bn{i}.{p}": (64,) for i in range(40) for p in ("weight", "bias")},
+              "conv.weight": (512, 512, 3, 3)}
+
+
+def test_many_small_tensors_pay_per_call_unless_fused(tmp_path):
+    """ResNet-18's 40 batch-norm tensors: Horovod's allreduces of them fuse (one floor), a
+    pipeline whose every call costs 5 ms (two-phase: two collectives, two cycles) is not taken
+    for them although its line says it moves their bytes for free."""
+    twophase = {"compressor": "signsgd", "memory": "residual", "communicator": "twophase"}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({
+        "format": FORMAT, "entries": [], "job": {"workers": 2, "overlap": 1.0},
+        "collectives": [{"collective": "allreduce", "dtype": "float32", "latency_s": 0.0,
+                         "per_byte_s": 8e-9, "floor_s": 1e-3}],
+        "pipelines": [{"pipeline": Pipeline.from_params(p).label(),
+                       "encode": {"latency_s": 0.0, "per_unit_s": e, "floor_s": ef},
+                       "exchange": {"latency_s": 0.0, "per_unit_s": x, "floor_s": xf}}
+                      for p, e, ef, x, xf in [({"compressor": "none"}, 0.0, 1e-4, 3.4e-8, 1e-3),
+                                              (twophase, 5e-9, 5e-4, 9e-9, 5e-3)]]}))
+    small = variables_of({k: v for k, v in BATCH_NORM.items() if k.startswith("bn")})
+    network = Network(2, 1.25e8, 25e-6)
+    fused = predict_step(small, [HOROVOD] * len(small), path, network)
+    assert fused.step_s == pytest.approx(1e-3, rel=0.2)  # one floor for the batch, not 80
+    two = predict_step(small, [Pipeline.from_params(twophase)] * len(small), path, network,
+                       compute_s=0.2)
+    assert two.serial_s > 0.2 + 80 * 5e-4  # every encode's floor is on the training thread
+    builder = Auto([{"compressor": "none"}, twophase], throughput=path, compute_s=0.2)
+    strategy = builder.build(BATCH_NORM, ResourceSpec.local(2, bandwidth_gbps=0.1))
+    chosen = {n.var_name: Pipeline.from_node(n).communicator for n in strategy.node_config}
+    assert chosen["conv.weight"] == "twophase"
+    assert {c for k, c in chosen.items() if k.startswith("bn")} == {"allreduce"}
 
 
 def _document(tmp_path, collectives=(), pipelines=(), overlap=1.0, name="m.json"):

@@ -9,7 +9,8 @@ up to 8x as many where calls are cheap and Horovod's cycle makes single times no
 * **collectives**: Horovod's allreduce (float32 and float16: the fp16 sum runs on the CPU here
   and is slow), allgather, alltoall and broadcast, at three sizes in bytes; each gets a line
   ``latency_s + per_byte_s * bytes`` (``Fit.through``), so the per-byte part includes the wire,
-  the copies and the reduction as this job does them.
+  the copies and the reduction as this job does them, and a ``floor_s``, the cheapest call
+  measured: no call costs less, however small the tensor.
 * **pipelines**: every candidate pipeline end to end on square float32 tensors of three sizes:
   ``encode`` (``send``: compensate, compress, memory update, on the training thread) and
   ``exchange`` (``receive``: collectives, wait, decode, aggregate), each fitted per element.
@@ -110,7 +111,7 @@ def measure_collectives(repeats: int = 4, sizes=SIZES_BYTES, collectives=COLLECT
             points[numel * wire.itemsize] = _median_of_slowest(hvd, torch, _timed(call), repeats)
         fit = Fit.through(points)
         out.append({"collective": name, "dtype": dtype, "latency_s": fit.latency_s,
-                    "per_byte_s": fit.per_unit_s,
+                    "per_byte_s": fit.per_unit_s, "floor_s": fit.floor_s,
                     "points": {str(k): v for k, v in sorted(points.items())}})
     return out
 

@@ -14,7 +14,9 @@ A step is simulated, not summed:
 3. Its **exchange** (collectives, the wait, decode and aggregate) runs on one channel, Horovod's
    background thread: one operation at a time, in the order they were issued. Operations of the
    same kind that are queued when the channel frees are **fused** as Horovod's cycle fuses them:
-   one latency for the batch, the per-byte part of each.
+   one latency for the batch, the per-byte part of each. An exchange with a round that starts
+   only in ``receive`` (two-phase, PowerSGD: ``deferred_rounds``) runs after the backward pass
+   and the channel, one tensor at a time, as the optimizer receives them.
 4. The step ends when both the training thread and the channel are done. That is the ideal
    overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
    in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
@@ -27,7 +29,9 @@ and an exchange fit (latency + seconds per element); otherwise the cost is built
 compressor's payload bytes, the measured collective fit (latency + seconds per byte, which
 includes the reduction: Horovod's fp16 sum on the CPU is slow and the fit shows it) and the
 measured compression throughput; with no measured collectives, from the alpha-beta formulas
-of ``grace_dl.strategy.cost_model`` and the resource spec's bandwidth and latency.
+of ``grace_dl.strategy.cost_model`` and the resource spec's bandwidth and latency. No measured
+call costs less than the cheapest call of its kind measured (``Fit.floor_s``): that is what a
+batch-norm vector's exchange costs, whatever its bytes.
 
 Two choices are not grace pipelines: ``HOROVOD`` (Horovod's own fp32 allreduce, what a strategy
 with no compression runs as: ``grace=None``) and ``HOROVOD_FP16`` (Horovod's
@@ -59,40 +63,68 @@ PATTERN_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
 
 @dataclass(frozen=True)
 class Fit:
-    """``latency_s + per_unit_s * units`` (units: bytes for collectives, elements for
-    pipelines)."""
+    """``max(floor_s, latency_s + per_unit_s * units)`` (units: bytes for collectives,
+    elements for pipelines).
+
+    ``floor_s`` is the cheapest call measured at any size: no call costs less, however small.
+    The line alone (its slope from the two largest sizes, where a shaped link runs at its
+    sustained rate) puts a 64-element batch-norm tensor at microseconds, while every call of
+    this job measured a millisecond or more (Horovod's cycle, the collective's round trips, a
+    second phase): for ResNet-18's 62 tensors, or a transformer's 103, that is most of a
+    step's communication."""
 
     latency_s: float = 0.0
     per_unit_s: float = 0.0
+    floor_s: float = 0.0
 
     def __call__(self, units: float) -> float:
-        return self.latency_s + self.per_unit_s * units
+        return max(self.floor_s, self.latency_s + self.per_unit_s * units)
+
+    def split(self, units: float) -> tuple[float, float]:
+        """``(latency, transfer)`` of one call, summing to ``self(units)``: the latency is what
+        a batch of fused calls pays once (the floor, or the line's intercept if higher)."""
+        latency = max(self.floor_s, self.latency_s)
+        return latency, self(units) - latency
 
     @classmethod
     def through(cls, points: dict) -> Fit:
         """The slope of the two largest of ``points`` (``units -> seconds``), under every
         point (the latency is the least remainder, so one slow small call does not inflate
-        it); both clipped at zero."""
+        it); both clipped at zero; the floor is the least time measured."""
         xs = sorted(points)
         if len(xs) < 2:
             raise ValueError(f"a fit needs two or more sizes, got {xs}")
         x1, x2 = xs[-2:]
         per = max(0.0, (points[x2] - points[x1]) / (x2 - x1))
-        return cls(max(0.0, min(points[x] - per * x for x in xs)), per)
+        return cls(max(0.0, min(points[x] - per * x for x in xs)), per,
+                   max(0.0, min(points.values())))
+
+    @classmethod
+    def from_entry(cls, entry: dict, per_key: str = "per_unit_s", points=None) -> Fit:
+        """A fit as a measurement file stores it; files written before ``floor_s`` was stored
+        get it from their measured ``points`` (the least time), else none."""
+        floor = entry.get("floor_s")
+        if floor is None:
+            floor = min(points) if points else 0.0
+        return cls(entry["latency_s"], entry[per_key], float(floor))
 
     def as_dict(self) -> dict:
-        return {"latency_s": self.latency_s, "per_unit_s": self.per_unit_s}
+        return {"latency_s": self.latency_s, "per_unit_s": self.per_unit_s,
+                "floor_s": self.floor_s}
 
 
 @dataclass(frozen=True)
 class Cost:
     """One variable's cost under one choice: ``encode_s`` on the training thread, then an
-    exchange of ``latency_s + transfer_s`` on the channel; ``kind`` says what it fuses with."""
+    exchange of ``latency_s + transfer_s`` on the channel; ``kind`` says what it fuses with.
+    ``deferred``: the exchange has rounds that start only when the optimizer receives it, after
+    the backward pass, one tensor at a time (``deferred_rounds``)."""
 
     encode_s: float
     latency_s: float
     transfer_s: float
     kind: str
+    deferred: bool = False
 
     @property
     def total_s(self) -> float:
@@ -118,10 +150,13 @@ class Calibration:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"measurement file {source!r} must have \"format\": {FORMAT!r}")
         try:
-            collectives = {(c["collective"], c["dtype"]): Fit(c["latency_s"], c["per_byte_s"])
-                           for c in data.get("collectives", [])}
-            pipelines = {p["pipeline"]: (Fit(**p["encode"]), Fit(**p["exchange"]))
-                         for p in data.get("pipelines", [])}
+            collectives = {(c["collective"], c["dtype"]): Fit.from_entry(
+                c, "per_byte_s", list((c.get("points") or {}).values()))
+                for c in data.get("collectives", [])}
+            pipelines = {p["pipeline"]: tuple(
+                Fit.from_entry(p[part], points=[v[i] for v in (p.get("points") or {}).values()])
+                for i, part in enumerate(("encode", "exchange")))
+                for p in data.get("pipelines", [])}
         except (KeyError, TypeError) as err:
             raise ValueError(f"measurement file {source!r}: a collective or pipeline entry is "
                              f"malformed ({err}); see grace_dl.strategy.calibrate") from None
@@ -179,14 +214,31 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
         if choice == HOROVOD_FP16:
             cast, uncast = calib.throughput.costs("fp16", {})
             encode, decode = cast(numel), uncast(numel)
-        return Cost(encode, fit.latency_s, fit.per_unit_s * numel * itemsize(wire) + decode,
-                    f"{choice}:{wire}")
+        latency, transfer = fit.split(numel * itemsize(wire))
+        return Cost(encode, latency, transfer + decode, f"{choice}:{wire}")
+    compressor = compressor or choice.build_compressor()
     measured = calib.pipelines.get(choice.label())
     if measured is not None:
         encode, exchange = measured
-        return Cost(encode(numel), exchange.latency_s, exchange.per_unit_s * numel,
-                    choice.label())
+        return Cost(encode(numel), *exchange.split(numel), choice.label(),
+                    deferred_rounds(choice, compressor, shape))
     return _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
+
+
+def deferred_rounds(pipeline: Pipeline, compressor, shape) -> bool:
+    """Whether ``pipeline``'s exchange of a tensor of ``shape`` has a round that starts only in
+    ``receive``: two-phase's gather needs the scatter's result, PowerSGD's second allreduce the
+    first's. ``DistributedOptimizer.synchronize`` receives tensor by tensor in name order, so
+    those rounds run after the backward pass, one tensor after another, each paying its own
+    latency (a Horovod cycle and more) with nothing to fuse with: for 62-103 tensors that is
+    most of the step (the transformer's signsgd-2phase at 100 Mbit/s: 778 ms measured, 347
+    predicted with them fused on the channel)."""
+    if pipeline.communicator == "twophase":
+        return True
+    if getattr(compressor, "rounds", 1) <= 1:
+        return False
+    plan = getattr(compressor, "matrix_shape", None)
+    return plan is None or plan(tuple(shape)) is not None
 
 
 def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Calibration,
@@ -205,8 +257,9 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
     fits = [calib.collective(c, wire if c == "allreduce" else dtype) for c in names or ()]
     if names and all(fits):
         share = nbytes / workers if pattern == "twophase" else nbytes
-        latency = sum(f.latency_s for f in fits)
-        transfer = sum(f.per_unit_s * share for f in fits)
+        parts = [f.split(share) for f in fits]
+        latency = sum(a for a, _ in parts)
+        transfer = sum(b for _, b in parts)
     else:
         formula = communication_time(pattern, nbytes, numel * itemsize(dtype), net)
         latency = communication_time(pattern, 0.0, 0.0, net) if pattern != "ps" else 0.0
@@ -219,7 +272,8 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
         encode, decode = workers * compress(chunk), 2 * workers * decompress(chunk)
     else:
         decode = workers * decompress(numel)
-    return Cost(encode, latency, transfer + decode, pipeline.label())
+    return Cost(encode, latency, transfer + decode, pipeline.label(),
+                deferred_rounds(pipeline, compressor, shape))
 
 
 @dataclass
@@ -246,7 +300,10 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
     t, ready = forward, []
     for i in reversed(range(len(costs))):
         t += backward * numels[i] / total + costs[i].encode_s
-        ready.append((t, costs[i]))
+        if not costs[i].deferred:
+            ready.append((t, costs[i]))
+    # deferred exchanges (``deferred_rounds``): after the backward pass and the channel, in turn
+    after = sum(c.latency_s + c.transfer_s for c in costs if c.deferred)
     free, j, channel = 0.0, 0, 0.0
     while j < len(ready):
         start = max(free, ready[j][0])
@@ -256,9 +313,9 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
             j += 1
         free = start + busy
         channel += busy
-    ideal, serial = max(t, free), t + channel
+    ideal, serial = max(t, free) + after, t + channel + after
     return StepPrediction(ideal + (1.0 - overlap) * (serial - ideal), compute_s, ideal, serial,
-                          t, free, costs)
+                          t, free + after, costs)
 
 
 def predict_step(variables, choices, calib, net: Network, compute_s: float = 0.0,
