@@ -64,7 +64,13 @@ import warnings
 
 import numpy as np
 
-from grace_dl.communicators.base import AVERAGE, ByteCounter, FanOut, fingerprint_of
+from grace_dl.communicators.base import (
+    AVERAGE,
+    ByteCounter,
+    FanOut,
+    fingerprint_of,
+    receive_each,
+)
 from grace_dl.contracts import check_grace
 from grace_dl.params import grace_from_params
 from grace_dl.recipes import communicators
@@ -219,6 +225,21 @@ class Schedule(FanOut):
             raise ValueError(f"Schedule.receive takes a handle from Schedule.send, got "
                              f"{type(handle).__name__}")
         return handle.stage.receive(handle.inner, into)
+
+    def receive_all(self, handles, intos=None) -> list:
+        """``receive`` for several handles; those of one stage (a step's all are) go to its
+        ``receive_all`` (phases in lockstep)."""
+        handles = list(handles)
+        for handle in handles:
+            if not isinstance(handle, _Handle):
+                raise ValueError(f"Schedule.receive_all takes handles from Schedule.send, got "
+                                 f"{type(handle).__name__}")
+        stages = {id(h.stage): h.stage for h in handles}
+        if len(stages) == 1:
+            (stage,) = stages.values()
+            return receive_each(stage, [h.inner for h in handles], intos)
+        intos = [None] * len(handles) if intos is None else list(intos)
+        return [self.receive(h, into) for h, into in zip(handles, intos)]
 
     def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None, into=None):
         return self.receive(self.send(tensor, name, op, collectives, into))

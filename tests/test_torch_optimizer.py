@@ -248,6 +248,21 @@ def test_groups_fuse_payloads_into_fewer_collectives(ranks, pipeline):
 
 
 @pytest.mark.multiproc
+def test_step_starts_every_two_phase_gather_before_waiting_for_one(ranks):
+    """step() receives a step's handles in lockstep (``receive_all``): every tensor's phase-2
+    allgather is in flight before the first is waited for, so Horovod can fuse them, where
+    receiving one by one waits for each before the next starts; the parameters are the same
+    bit for bit and identical on both ranks."""
+    for res in ranks:
+        lock, seq = res["two_phase"]["lockstep"], res["two_phase"]["one_by_one"]
+        assert lock["tensors"] == seq["tensors"] > 1
+        assert lock["all_issued_before_a_wait"]
+        assert not seq["all_issued_before_a_wait"]
+        assert_equal_dicts(lock["params"], seq["params"])
+    assert_equal_dicts(*(res["two_phase"]["lockstep"]["params"] for res in ranks))
+
+
+@pytest.mark.multiproc
 def test_uncompressed_pipeline_sums_in_place_in_p_grad(ranks):
     """``none``/allreduce hands p.grad itself to Horovod's in-place allreduce (no result
     allocation, no copy, the average taken by its postscale); compressed payloads do not."""

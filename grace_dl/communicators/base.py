@@ -209,6 +209,20 @@ class FanOut:
             part.process_set = value
 
 
+def receive_each(grace, handles, intos=None) -> list:
+    """Every handle's result, in order: ``grace.receive_all`` where the ``grace=`` object has
+    it (phases in lockstep, so two-phase's gathers and PowerSGD's later rounds of all the
+    tensors are in flight together), else ``receive`` one handle after the other (a
+    user's object that implements only the ``Grace`` protocol). The framework glue
+    receives a step's gradients through this."""
+    handles = list(handles)
+    intos = [None] * len(handles) if intos is None else list(intos)
+    receive_all = getattr(grace, "receive_all", None)
+    if receive_all is not None:
+        return receive_all(handles, intos)
+    return [grace.receive(h, into) for h, into in zip(handles, intos)]
+
+
 def average_divisor(handle: Handle):
     """What ``handle``'s aggregate is divided by: the number of ranks for an average of a
     compressor that averages, else None (a sum)."""

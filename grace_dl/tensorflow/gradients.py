@@ -40,7 +40,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from grace_dl import agreement
-from grace_dl.communicators.base import AVERAGE, SUM
+from grace_dl.communicators.base import AVERAGE, SUM, receive_each
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
 from grace_dl.tensorflow import ops as tf_ops
@@ -235,8 +235,7 @@ class GraceReducer(_Reducer):
                 if self.predivide != 1.0:
                     g = g * tf.cast(1.0 / self.predivide, g.dtype)
                 handles.append(self.grace.send(g, name, self.op))
-            for handle in handles:
-                reduced = self.grace.receive(handle)
+            for reduced in receive_each(self.grace, handles):
                 if self.predivide != 1.0:
                     reduced = reduced * tf.cast(self.predivide, reduced.dtype)
                 out.append(reduced)

@@ -98,7 +98,7 @@ import torch
 import torch.distributed as dist
 
 from grace_dl import agreement
-from grace_dl.communicators.base import AVERAGE, Communicator, check_op
+from grace_dl.communicators.base import AVERAGE, Communicator, check_op, receive_each
 from grace_dl.communicators.fusion import GroupCollectives
 from grace_dl.contracts import check_grace
 from grace_dl.torch.distributed import DistCollectives
@@ -265,18 +265,12 @@ class GraceState:
             self._start_unit(torch.cat([g.reshape(-1) for g in grads]), self.bucket_name(group),
                              group, [g.numel() for g in grads])
 
-    def _receive_all(self, handles, intos) -> list:
-        receive_all = getattr(self.grace, "receive_all", None)
-        if receive_all is not None:
-            return receive_all(handles, intos)
-        return [self.grace.receive(h, into) for h, into in zip(handles, intos)]
-
     def _complete(self) -> None:
         try:
             if self._deferred:
                 self._start_deferred()
             units = self._units
-            outs = self._receive_all([u[0] for u in units], [None] * len(units))
+            outs = receive_each(self.grace, [u[0] for u in units])
             for (_, names, numels, in_bucket), out in zip(units, outs):
                 if not in_bucket:
                     for n, piece in zip(names, torch.split(out.reshape(-1), numels)):

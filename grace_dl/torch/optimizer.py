@@ -61,7 +61,7 @@ from contextlib import contextmanager
 import torch
 
 from grace_dl import agreement, validate
-from grace_dl.communicators.base import AVERAGE, SUM
+from grace_dl.communicators.base import AVERAGE, SUM, receive_each
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys
@@ -337,12 +337,9 @@ class _GraceDistributedOptimizer:
         """Where the result goes: ``p.grad`` itself unless it must be rescaled or densified."""
         return p.grad if self.gradient_predivide_factor == 1.0 and not p.grad.is_sparse else None
 
-    def _write(self, p, handle) -> None:
-        into = self._into(p)
-        if into is not None:
-            self.grace.receive(handle, into=into)
-        else:
-            out = self.grace.receive(handle)
+    def _write(self, p, into, out) -> None:
+        """Put ``p``'s received result in ``p.grad`` (already there when ``into`` was it)."""
+        if into is None:
             if self.gradient_predivide_factor != 1.0:
                 out = out * self.gradient_predivide_factor
             if p.grad.is_sparse:
@@ -370,8 +367,11 @@ class _GraceDistributedOptimizer:
         for p in sorted(self._requires_update, key=self._parameter_names.__getitem__):
             if self._handles.get(p) is None:
                 self._handles[p] = self._send(p)
-        for p in sorted(self._handles, key=self._parameter_names.__getitem__):
-            self._write(p, self._handles[p])
+        params = sorted(self._handles, key=self._parameter_names.__getitem__)
+        intos = [self._into(p) for p in params]
+        outs = receive_each(self.grace, [self._handles[p] for p in params], intos)
+        for p, into, out in zip(params, intos, outs):
+            self._write(p, into, out)
         self._handles.clear()
         self.grace.end_step()
         self._synchronized = True

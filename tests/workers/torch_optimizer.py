@@ -153,6 +153,32 @@ def counted(params, groups):
 out["groups"] = {label: {str(g): counted(params, g) for g in (None, 2)}
                  for label, params in (("none", NONE), ("topk", TOPK))}
 
+# 8c. Two-phase in lockstep: step() starts every tensor's gather before it waits for any (the
+# optimizer receives through ``receive_all``), with the same result as one tensor at a time.
+def two_phase(lockstep):
+    model = C.make_model()
+    grc = grace_from_params({"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
+                             "communicator": "twophase"})
+    if not lockstep:
+        grc.receive_all = None   # the glue then receives handle by handle
+    calls, events = [], []
+    grc.collectives = counting_hook(grc, calls, events)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), grace=grc)
+    for step in range(STEPS):
+        events.clear()
+        opt.zero_grad()
+        C.loss_of(model, rank, step).backward()
+        opt.step()
+    gathers = [i for i, (kind, name) in enumerate(events) if ".ag." in name]
+    issued = [i for i in gathers if events[i][0] == "issue"]
+    waited = [i for i in gathers if events[i][0] == "wait"]
+    return {"params": C.params(model), "tensors": len(issued),
+            "all_issued_before_a_wait": max(issued) < min(waited)}
+
+
+out["two_phase"] = {"lockstep": two_phase(True), "one_by_one": two_phase(False)}
+
 # 9. zero_grad() between backward() and step() is refused, as in Horovod.
 model = C.make_model()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
