@@ -16,7 +16,9 @@ A step is simulated, not summed:
    same kind that are queued when the channel frees are **fused** as Horovod's cycle fuses them:
    one latency for the batch, the per-byte part of each. An exchange with a round that starts
    only in ``receive`` (two-phase, PowerSGD: ``deferred_rounds``) runs after the backward pass
-   and the channel, one tensor at a time, as the optimizer receives them.
+   and the channel. The optimizer receives a step's tensors in lockstep
+   (``Router.receive_all``), so their later rounds are in flight together and fuse: one
+   latency per kind, the per-byte part (and decode) of each.
 4. The step ends when both the training thread and the channel are done. That is the ideal
    overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
    in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
@@ -118,7 +120,8 @@ class Cost:
     """One variable's cost under one choice: ``encode_s`` on the training thread, then an
     exchange of ``latency_s + transfer_s`` on the channel; ``kind`` says what it fuses with.
     ``deferred``: the exchange has rounds that start only when the optimizer receives it, after
-    the backward pass, one tensor at a time (``deferred_rounds``)."""
+    the backward pass, fused with the other deferred exchanges of its kind
+    (``deferred_rounds``)."""
 
     encode_s: float
     latency_s: float
@@ -228,11 +231,11 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
 def deferred_rounds(pipeline: Pipeline, compressor, shape) -> bool:
     """Whether ``pipeline``'s exchange of a tensor of ``shape`` has a round that starts only in
     ``receive``: two-phase's gather needs the scatter's result, PowerSGD's second allreduce the
-    first's. ``DistributedOptimizer.synchronize`` receives tensor by tensor in name order, so
-    those rounds run after the backward pass, one tensor after another, each paying its own
-    latency (a Horovod cycle and more) with nothing to fuse with: for 62-103 tensors that is
-    most of the step (the transformer's signsgd-2phase at 100 Mbit/s: 778 ms measured, 347
-    predicted with them fused on the channel)."""
+    first's. ``DistributedOptimizer.synchronize`` receives a step's tensors in lockstep
+    (``Router.receive_all``): those rounds run after the backward pass, all in flight
+    together, so they pay one latency per kind between them but nothing of theirs overlaps
+    the backward pass. (Received one tensor after another, as before lockstep, each paid its
+    own latency: for 62-103 tensors most of the step.)"""
     if pipeline.communicator == "twophase":
         return True
     if getattr(compressor, "rounds", 1) <= 1:
@@ -302,8 +305,13 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
         t += backward * numels[i] / total + costs[i].encode_s
         if not costs[i].deferred:
             ready.append((t, costs[i]))
-    # deferred exchanges (``deferred_rounds``): after the backward pass and the channel, in turn
-    after = sum(c.latency_s + c.transfer_s for c in costs if c.deferred)
+    # deferred exchanges (``deferred_rounds``): after the backward pass and the channel, in
+    # flight together: one latency per kind, every transfer
+    latency: dict = {}
+    for c in costs:
+        if c.deferred:
+            latency[c.kind] = max(latency.get(c.kind, 0.0), c.latency_s)
+    after = sum(latency.values()) + sum(c.transfer_s for c in costs if c.deferred)
     free, j, channel = 0.0, 0, 0.0
     while j < len(ready):
         start = max(free, ready[j][0])
