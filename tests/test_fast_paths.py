@@ -4,8 +4,6 @@ one, and ``receive(into=...)`` against ``receive``."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -342,54 +340,3 @@ def test_twophase_reuses_its_step_buffers_with_the_same_results():
         assert sorted(buffers) == ["w/approximation", "w/reduced"]
         assert kept is None or buffers == kept
         kept = buffers
-
-
-@pytest.mark.parametrize("n,bucket", [(1, 512), (511, 512), (512, 512), (1537, 512),
-                                      (3000, 100), (40, 1)])
-def test_qsgd_compress_approximating_equals_compress_then_decompress(n, bucket):
-    """qsgd writes each value into ``out`` while it quantizes (``compress_approximating``):
-    the payload of ``compress`` and the bits of ``decompress``, for whole and short last
-    buckets, a NaN bucket included; where ``out`` cannot take float32 values (None, a float64
-    input) it decodes its own payload instead, with the same results."""
-    fused, plain = (lookup("compressor", "qsgd")(quantum_num=64, bucket_size=bucket, seed=3)
-                    for _ in range(2))
-    g = torch.Generator().manual_seed(n)
-    for step in range(2):
-        x = torch.randn(n, generator=g)
-        if step:
-            x[n // 2] = float("nan")
-        out = torch.full((n,), 7.0)
-        payload, ctx, approx = fused.compress_approximating(x, "w", Call(1, 2), out)
-        want, want_ctx = plain.compress(x, "w", Call(1, 2))
-        assert approx is out
-        for got, exp in zip(payload, want):
-            np.testing.assert_array_equal(got.numpy(), exp.numpy())
-        np.testing.assert_array_equal(out.numpy(), plain.decompress(want, want_ctx).numpy())
-    for x, out in ((torch.randn(n, generator=g), None),
-                   (torch.randn(n, generator=g, dtype=torch.float64), torch.zeros(n))):
-        payload, ctx, approx = fused.compress_approximating(x, "v", Call(), out)
-        want, want_ctx = plain.compress(x, "v", Call())
-        for got, exp in zip(payload, want):
-            np.testing.assert_array_equal(got.numpy(), exp.numpy())
-        np.testing.assert_array_equal(approx.numpy(), plain.decompress(want, want_ctx).numpy())
-
-
-def test_twophase_fused_approximation_keeps_every_result_and_residual():
-    """Two-phase quantizes each chunk and builds its approximation in one pass (and the
-    server's re-quantization and its feedback likewise): results, residuals and server
-    residuals are those of compressing, then decoding the own payload, step after step."""
-    params = {"compressor": "qsgd", "quantum_num": 64, "bucket_size": 128,
-              "memory": "residual", "communicator": "twophase"}
-    fused, plain = grace_from_params(dict(params)), grace_from_params(dict(params))
-    plain.compressor.compress_approximating = functools.partial(
-        Compressor.compress_approximating, plain.compressor)
-    for step in range(3):
-        x = _tensor(40 + step, (60, 40))
-        a = fused.receive(fused.send(x.clone(), "w", collectives=_Mirror()))
-        b = plain.receive(plain.send(x.clone(), "w", collectives=_Mirror()))
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-        sa, sb = fused.state_dict(), plain.state_dict()
-        np.testing.assert_array_equal(sa["memory"]["w"], sb["memory"]["w"])
-        assert sa["server"].keys() == sb["server"].keys() and sa["server"]
-        for k in sa["server"]:
-            np.testing.assert_array_equal(sa["server"][k], sb["server"][k])

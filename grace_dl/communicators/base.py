@@ -358,25 +358,18 @@ class Communicator(Router, ABC):
     def encode(self, tensor, name: str, call: Call) -> Encoded:
         """Compensate, compress, and (single-round methods) update the memory once."""
         compensated = self.memory.compensate_for(tensor, name, self.compressor)
-        approximation = None
-        if self.compressor.rounds == 1 and self.memory.wants_approximation(self.compressor):
-            payload, ctx, approximation = self.compress_approximating(compensated, name, call)
-        else:
-            payload, ctx = self.compress(compensated, name, call)
-        encoded = Encoded(name, payload, ctx, compensated, call, approximation)
+        payload, ctx = self.compress(compensated, name, call)
+        encoded = Encoded(name, payload, ctx, compensated, call)
         if self.compressor.rounds == 1:
-            self.memory.update(compensated, name, self.compressor, payload, ctx, approximation)
+            if self.memory.wants_approximation(self.compressor):
+                encoded.approximation = self.approximate(encoded)
+            self.memory.update(compensated, name, self.compressor, payload, ctx,
+                               encoded.approximation)
         return encoded
 
     def compress(self, compensated, name: str, call: Call):
         """``(payload, ctx)`` for one tensor; two-phase compresses chunk by chunk."""
         return self.compressor.compress(compensated, name, call)
-
-    def compress_approximating(self, compensated, name: str, call: Call):
-        """``(payload, ctx, approximation)``: ``compress`` and ``approximate`` (two-phase builds
-        both chunk by chunk, each chunk's values while its codes are in cache)."""
-        payload, ctx = self.compress(compensated, name, call)
-        return payload, ctx, self.approximate(Encoded(name, payload, ctx, compensated, call))
 
     def approximate(self, encoded: Encoded):
         """This rank's own payload decompressed: what its error feedback counts as sent."""

@@ -96,30 +96,6 @@ class TwoPhase(Communicator):
                       for j, c in enumerate(chunks)]
         return [p for p, _ in compressed], [c for _, c in compressed]
 
-    def compress_approximating(self, compensated, name: str, call: Call):
-        """Each chunk compressed and its values built in its slice of one buffer kept across
-        steps (``Compressor.compress_approximating``); where tensors have no writable flat
-        view (TF), ``compress`` then ``approximate``."""
-        ops = ops_for(compensated)
-        numel = ops.numel(compensated)
-        if not isinstance(numel, int) or numel == 0 or ops.flat_view(compensated) is None:
-            return super().compress_approximating(compensated, name, call)
-        buf = self._buffer(f"{name}/approximation", compensated)
-        flat = ops.flat_view(buf)
-        payload, ctx = [], []
-        start = 0
-        chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(ops.numel(flat), call.size))
-        for j, chunk in enumerate(chunks):
-            piece = ops.slice(flat, start, start + ops.numel(chunk))
-            p, c, approx = self.compressor.compress_approximating(chunk, f"{name}/chunk{j}",
-                                                                  call, piece)
-            if not ops.aliases(approx, piece):
-                ops.assign(piece, ops.flatten(approx))
-            payload.append(p)
-            ctx.append(c)
-            start += ops.numel(chunk)
-        return payload, ctx, buf
-
     def approximate(self, encoded: Encoded):
         """The chunks' decompressions joined in the tensor's shape."""
         like = encoded.compensated
@@ -230,14 +206,12 @@ class TwoPhase(Communicator):
             compensated = reduced + ops.read(slot)
         else:
             compensated = ops.read(ops.assign_add(slot, reduced))
+        payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
         if self.compressor.sends_tensor:
-            payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
             ops.assign(slot, compensated - self.compressor.decompress(payload, ctx))
         else:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
-            payload, ctx, sent = self.compressor.compress_approximating(
-                compensated, f"{key}/server", call, reduced)
-            ops.assign_sub(slot, sent)
+            ops.assign_sub(slot, self.compressor.decompress_into(payload, ctx, reduced))
         return wire.flatten(payload)[0]
 
     def _buffer(self, key: str, like):

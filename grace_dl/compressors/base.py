@@ -129,15 +129,6 @@ class Compressor(Stateful, ABC):
         allreduce does with the one reduced payload."""
         return self.decompress(payload, ctx)
 
-    def compress_approximating(self, tensor, name, call=LOCAL, out=None):
-        """``compress`` and what its payload decompresses to, ``(payload, ctx, approximation)``,
-        the approximation built in ``out`` (a tensor like ``tensor``, or None) where the method
-        can: what error feedback subtracts. Quantizers override it to write each value while
-        its code is in cache instead of decoding their own payload again; the approximation is
-        the same bits as ``decompress_into(payload, ctx, out)``, which the default returns."""
-        payload, ctx = self.compress(tensor, name, call)
-        return payload, ctx, self.decompress_into(payload, ctx, out)
-
     def divided(self, payload, divisor):
         """A payload that decompresses (and ``combine``s, with the default sum) to this one's
         result divided by ``divisor``, made without touching a dense tensor (sparse methods

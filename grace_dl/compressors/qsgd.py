@@ -72,25 +72,6 @@ class QSGDCompressor(Compressor):
         return rows
 
     def compress(self, tensor, name, call=LOCAL):
-        payload, layout, _ = self._quantize(tensor, name, call)
-        return payload, layout
-
-    def compress_approximating(self, tensor, name, call=LOCAL, out=None):
-        """``compress``, each bucket's values (``norm / s * (code - s)``, the bits ``decompress``
-        gives) written into ``out``'s flat view in the same pass over the block, where ``out``
-        has one and the input is float32 (torch); else ``decompress_into``."""
-        ops = ops_for(tensor)
-        flat = None
-        if out is not None and ops.dtype(tensor) == "float32" and ops.dtype(out) == "float32":
-            flat = ops.flat_view(out)
-        if flat is None or ops.numel(flat) != ops.numel(tensor) or ops.numel(flat) == 0:
-            return super().compress_approximating(tensor, name, call, out)
-        payload, layout, _ = self._quantize(tensor, name, call, flat)
-        return payload, layout, out
-
-    def _quantize(self, tensor, name, call, approx=None):
-        """``(payload, layout, approx)``; with ``approx`` (a 1-D float32 tensor of the input's
-        length with writable views) the decoded values are written into it block by block."""
         ops, x, layout = flat_f32(tensor)
         n, b, s = layout.numel, self.bucket_size, float(self.quantum_num)
         nb = self._buckets(n)
@@ -99,43 +80,21 @@ class QSGDCompressor(Compressor):
                        stream=call.rank)
         # whole buckets are quantized from views of x; only the last, short one is padded
         xs, ks = self._rows(ops, x, n), self._rows(ops, k, n)
-        sizes = [ops.shape(r)[0] for r in xs]
         norms = [_bucket_norms(ops, r, ops.shape(r)[0]) for r in xs]
         norms = norms[0] if len(norms) == 1 else ops.cat(norms)
         scale = ops.reshape(ops.where(norms > 0, s / norms, ops.zeros_like(norms)), (nb, 1))
-        scales = ops.split(scale, sizes) if len(xs) > 1 else [scale]
+        scales = ops.split(scale, [ops.shape(r)[0] for r in xs]) if len(xs) > 1 else [scale]
         hi = 2 * self.quantum_num
 
-        def levels(xc, sc, kc, *into):
+        def levels(xc, sc, kc):
             # floor(s*v/||v|| + u) + s: the stochastic level, shifted to [0, 2s]. Truncation is
             # floor here (t >= -tiny); the clamp only catches float rounding at +s.
             t = add_dither(ops, xc * sc, kc, db, s)
-            codes = ops.clamp(ops.cast(t, "uint8"), None, hi)
-            if into:  # the decoded value, as ``_decode`` computes it, into out's rows
-                dest, st = into
-                v = ops.cast(codes, "float32")
-                v -= s
-                v *= st
-                ops.assign(dest, v)
-            return codes
+            return ops.clamp(ops.cast(t, "uint8"), None, hi)
 
-        if approx is None:
-            codes = [ops.blockwise(levels, xr, sr, kr) for xr, sr, kr in zip(xs, scales, ks)]
-        else:
-            step = ops.reshape(norms / s, (nb, 1))
-            steps = ops.split(step, sizes) if len(xs) > 1 else [step]
-            full = n // b
-            codes = []
-            for i, (xr, sr, kr) in enumerate(zip(xs, scales, ks)):
-                whole = i == 0 and full > 0
-                rows = ops.reshape(ops.slice(approx, 0, full * b), (full, b)) if whole \
-                    else ops.zeros_like(xr)   # the padded last bucket: copied out below
-                codes.append(ops.blockwise(levels, xr, sr, kr, rows, steps[i]))
-                if not whole:
-                    ops.assign(ops.slice(approx, full * b, n),
-                               ops.slice(ops.flatten(rows), 0, n - full * b))
+        codes = [ops.blockwise(levels, xr, sr, kr) for xr, sr, kr in zip(xs, scales, ks)]
         codes = codes[0] if len(codes) == 1 else ops.cat(codes)
-        return [pack(ops, ops.slice(codes, 0, n), self._bits), norms], layout, approx
+        return [pack(ops, ops.slice(codes, 0, n), self._bits), norms], layout
 
     def decompress(self, payload, ctx):
         return self._decode(payload, ctx)
