@@ -32,8 +32,9 @@ class Memory(Stateful, ABC):
 
         ``approximation`` is what the communicator counts as sent for this rank, computed once
         by it: ``compressor.decompress(payload, ctx)`` for single-round methods, the chunks'
-        decompressions joined for two-phase, the ranks' average for multi-round methods.
-        Called outside a communicator without it, ``sent`` decompresses the payload."""
+        decompressions joined for two-phase (in a buffer it reuses next step: read it here,
+        copy what must be kept), the ranks' average for multi-round methods. Called outside
+        a communicator without it, ``sent`` decompresses the payload."""
 
     @staticmethod
     def sent(compressor, payload, ctx, approximation):
