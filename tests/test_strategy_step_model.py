@@ -61,16 +61,17 @@ def test_queued_exchanges_of_one_kind_fuse_into_one_latency():
     assert simulate(mixed, [1, 1, 1]).step_s == pytest.approx(0.033)
 
 
-def test_later_rounds_run_after_the_backward_pass_fused_by_kind():
+def test_later_rounds_run_after_the_backward_pass_half_fused_by_kind():
     """Two-phase's gather and PowerSGD's second round start in ``receive``, which the optimizer
-    calls for all tensors in lockstep after the backward pass: no overlap with it, one latency
-    per kind among them."""
+    calls for all tensors in lockstep after the backward pass: no overlap with it; the later
+    rounds fuse (half the latency once per kind), the first went per tensor (the other half
+    each)."""
     deferred = [Cost(0.0, 0.01, 0.001, "a", deferred=True)] * 3
     step = simulate(deferred, [1, 1, 1], compute_s=0.03, overlap=1.0)
-    assert step.step_s == pytest.approx(0.03 + 0.01 + 3 * 0.001)
+    assert step.step_s == pytest.approx(0.03 + 0.005 + 3 * (0.005 + 0.001))
     two_kinds = [*deferred[:2], Cost(0.0, 0.02, 0.001, "b", deferred=True)]
     assert simulate(two_kinds, [1, 1, 1], compute_s=0.03).step_s == \
-        pytest.approx(0.03 + 0.01 + 0.02 + 3 * 0.001)
+        pytest.approx(0.03 + (0.005 + 0.01) + (0.005 + 0.005 + 0.01) + 3 * 0.001)
     # on the channel, the first starts during the backward pass (ready at 16.7 ms), the last
     # two queue behind it: 16.7 + 3 * 11 ms
     assert simulate([Cost(0.0, 0.01, 0.001, "a")] * 3, [1, 1, 1], 0.03).step_s == \
