@@ -29,7 +29,7 @@ from typing import Any
 from grace_dl import validate
 from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators import wire
-from grace_dl.compressors.base import Call
+from grace_dl.compressors.base import Call, Compressor
 from grace_dl.counters import ByteCounter
 
 AVERAGE = "average"
@@ -236,9 +236,12 @@ def divided_payloads(handle: Handle, payloads: list) -> list:
     (``Compressor.divided``: sparse values, O(k)); the handle is then finished in place, so
     ``receive`` does not divide the dense result again. Else ``payloads`` unchanged."""
     divisor = average_divisor(handle)
-    if handle.into is None or divisor is None:
+    compressor = handle.comm.compressor
+    # dividing each payload divides the result only when the ranks' results are summed
+    if handle.into is None or divisor is None or \
+            type(compressor).aggregate is not Compressor.aggregate:
         return payloads
-    divided = [handle.comm.compressor.divided(p, divisor) for p in payloads]
+    divided = [compressor.divided(p, divisor) for p in payloads]
     if any(d is None for d in divided):
         return payloads
     handle.finished_in_place = True

@@ -133,7 +133,8 @@ class Compressor(Stateful, ABC):
         """A payload that decompresses (and ``combine``s, with the default sum) to this one's
         result divided by ``divisor``, made without touching a dense tensor (sparse methods
         divide their k values), or ``None`` where the method cannot: an average then divides
-        the dense result. Communicators use it to average in O(k) instead of O(n)."""
+        the dense result. Communicators use it to average in O(k) instead of O(n), and only
+        while ``aggregate`` is the default sum."""
         return None
 
     def sent_entries(self, payload, ctx):

@@ -237,9 +237,10 @@ def deferred_rounds(pipeline: Pipeline, compressor, shape) -> bool:
     ``receive``: two-phase's gather needs the scatter's result, PowerSGD's second allreduce the
     first's. ``DistributedOptimizer.synchronize`` receives a step's tensors in lockstep
     (``Router.receive_all``): those rounds run after the backward pass, all in flight
-    together, so they pay one latency per kind between them but nothing of theirs overlaps
-    the backward pass. (Received one tensor after another, as before lockstep, each paid its
-    own latency: for 62-103 tensors most of the step.)"""
+    together, so the later round's latency is paid once per kind (half of the exchange's, as
+    the module docstring says) but nothing of theirs overlaps the backward pass. (Received one
+    tensor after another, as before lockstep, each paid its whole latency: for 62-103 tensors
+    most of the step.)"""
     if pipeline.communicator == "twophase":
         return True
     if getattr(compressor, "rounds", 1) <= 1:
