@@ -52,6 +52,21 @@ class Collectives(ABC):
         """Start an all-to-all: rows ``splits[j]`` of ``tensor`` go to rank j. The handle
         resolves to ``(received, received_splits)``."""
 
+    def allgather_known_async(self, tensor, counts, name: str):
+        """``allgather_async`` when the caller knows every rank's first dimension
+        (``counts[r]`` for rank r, the same list on every rank): an engine that must size its
+        buffers before the transfer (torch.distributed) then skips its exchange of sizes, a
+        blocking round trip behind every collective already queued. Default:
+        ``allgather_async``."""
+        return self.allgather_async(tensor, name)
+
+    def alltoall_known_async(self, tensor, splits, matrix, name: str):
+        """``alltoall_async`` when the caller knows every rank's splits: ``matrix[r][j]``,
+        the rows rank r sends to rank j, the same on every rank (row ``rank()`` is
+        ``splits``). As with ``allgather_known_async``, no exchange of sizes. Default:
+        ``alltoall_async``."""
+        return self.alltoall_async(tensor, splits, name)
+
     @abstractmethod
     def synchronize(self, handle):
         """Wait for a handle; returns its result tensor (a tuple for ``alltoall``)."""

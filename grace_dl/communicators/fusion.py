@@ -64,6 +64,12 @@ class HostCollectives(Wrapping):
     def alltoall_async(self, tensor, splits, name: str):
         return (self.inner.alltoall_async(_host(tensor), splits, name), tensor)
 
+    def allgather_known_async(self, tensor, counts, name: str):
+        return (self.inner.allgather_known_async(_host(tensor), counts, name), tensor)
+
+    def alltoall_known_async(self, tensor, splits, matrix, name: str):
+        return (self.inner.alltoall_known_async(_host(tensor), splits, matrix, name), tensor)
+
     def synchronize(self, handle):
         inner, like = handle
         out = self.inner.synchronize(inner)
@@ -178,8 +184,12 @@ class GroupCollectives(Wrapping):
         return self._call(_Call("broadcast", tensor, name, root))
 
     def alltoall_async(self, tensor, splits, name: str):
+        return self.alltoall_known_async(tensor, splits, None, name)
+
+    def alltoall_known_async(self, tensor, splits, matrix, name: str):
         call = _Call("alltoall", tensor, name)
-        handle = self.inner.alltoall_async(tensor, splits, name)
+        handle = self.inner.alltoall_async(tensor, splits, name) if matrix is None else \
+            self.inner.alltoall_known_async(tensor, splits, matrix, name)
 
         def resolve():
             call.value, call.done = self.inner.synchronize(handle), True

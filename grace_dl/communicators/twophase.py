@@ -55,6 +55,9 @@ class Gathering(Phase):
 
     gathers: list
     flat: list
+    #: this rank's chunk as the gather will deliver it (decoded for the server's error
+    #: feedback already), or None
+    own: object = None
 
 
 @register_communicator("twophase")
@@ -117,8 +120,10 @@ class TwoPhase(Communicator):
         for i in range(n_parts):
             pieces = [flat[j][0][i] for j in range(m)]
             splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
-            exchanges.append(coll.alltoall_async(ops.cat(pieces), splits,
-                                                 self.wire_name(handle.name, f"a2a.p{i}")))
+            # every rank sends chunk j's payload of the same length: sizes known up front
+            exchanges.append(coll.alltoall_known_async(
+                ops.cat(pieces), splits, [splits] * size,
+                self.wire_name(handle.name, f"a2a.p{i}")))
         sent = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         received = (size - 1) * wire.nbytes(flat[me][0]) if me < m else 0
         wire.count(self, ops, handle.name, sent=sent, received=received)
@@ -136,7 +141,7 @@ class TwoPhase(Communicator):
         flat, ctxs = phase.flat, handle.encoded.ctx
         m, n_parts = len(flat), len(flat[0][0])
         ops = ops_for(flat[0][0][0])
-        mine = None
+        mine = own = None
         got = [coll.synchronize(h)[0] for h in phase.exchanges]
         if me < m:
             # from each rank, part i of its payload for my chunk: the length of my own
@@ -148,18 +153,21 @@ class TwoPhase(Communicator):
             reduced = self.compressor.combine(
                 [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
                  for r in range(size)], ctxs[me], self._buffer(f"{handle.name}/reduced", like))
-            mine = self._recompress(reduced, f"{handle.name}/chunk{me}", handle.encoded.call)
+            mine, own = self._recompress(reduced, f"{handle.name}/chunk{me}",
+                                         handle.encoded.call)
 
         gathers = []
         for i in range(n_parts):
             # A rank that owns no chunk received nothing and contributes that empty piece;
             # using it keeps its alltoall alive in tf.function, which prunes unused ops.
             piece = mine[i] if mine is not None else got[i]
-            gathers.append(coll.allgather_async(piece, self.wire_name(handle.name, f"ag.p{i}")))
+            counts = [ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
+            gathers.append(coll.allgather_known_async(piece, counts,
+                                                      self.wire_name(handle.name, f"ag.p{i}")))
         sent = wire.nbytes(mine) if mine is not None else 0
         received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Gathering(gathers, flat)
+        return Gathering(gathers, flat, own)
 
     def _join(self, phase: Gathering, handle: Handle):
         coll = handle.coll
@@ -173,22 +181,29 @@ class TwoPhase(Communicator):
         pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
         payloads = [[ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)]
                     for j in range(m)]
-        return self._decompress_chunks(payloads, ctxs, handle.into, handle.encoded.compensated)
+        known = {} if phase.own is None else {coll.rank(): phase.own}
+        return self._decompress_chunks(payloads, ctxs, handle.into, handle.encoded.compensated,
+                                       known)
 
-    def _decompress_chunks(self, payloads, ctxs, out, like=None):
+    def _decompress_chunks(self, payloads, ctxs, out, like=None, known=None):
         """Every chunk's payload decompressed and joined in the tensor's shape: each straight
         into its slice of ``out`` where ``out`` has a flat view (torch), else joined by a
-        concatenation shaped like ``like``."""
+        concatenation shaped like ``like``. ``known``: chunks already decoded, by index."""
         ops = ops_for(payloads[0][0])
+        known = known or {}
         flat = None if out is None else ops.flat_view(out)
         if flat is None:
-            chunks = [self.compressor.decompress(p, c) for p, c in zip(payloads, ctxs)]
-            return ops.reshape(ops.cat(chunks), ops.shape(like if out is None else out))
+            chunks = [known[j] if j in known else self.compressor.decompress(p, c)
+                      for j, (p, c) in enumerate(zip(payloads, ctxs))]
+            return ops.reshape(ops.cat([ops.flatten(c) for c in chunks]),
+                               ops.shape(like if out is None else out))
         start = 0
-        for payload, ctx, n in zip(payloads, ctxs,
-                                   wire.chunk_sizes(ops.numel(out), len(payloads))):
+        for j, (payload, ctx, n) in enumerate(zip(payloads, ctxs,
+                                                  wire.chunk_sizes(ops.numel(out),
+                                                                   len(payloads)))):
             piece = ops.slice(flat, start, start + n)
-            chunk = self.compressor.decompress_into(payload, ctx, piece)
+            chunk = known[j] if j in known else \
+                self.compressor.decompress_into(payload, ctx, piece)
             if not ops.aliases(chunk, piece):
                 ops.assign(piece, ops.flatten(chunk))
             start += n
@@ -196,11 +211,13 @@ class TwoPhase(Communicator):
 
     def _recompress(self, reduced, key: str, call: Call):
         """Compress this rank's reduced chunk with server-side error feedback; returns its
-        payload flattened for the wire. The feedback is kept in its slot, which is also where
-        the chunk is compensated (unless the payload would be that slot itself: ``none``)."""
+        payload flattened for the wire, and the payload decoded where the feedback computed
+        it (else None). The feedback is kept in its slot, which is also where the chunk is
+        compensated (unless the payload would be that slot itself: ``none``)."""
         ops = ops_for(reduced)
         if not self.server_error_feedback:
-            return wire.flatten(self.compressor.compress(reduced, f"{key}/server", call)[0])[0]
+            payload = self.compressor.compress(reduced, f"{key}/server", call)[0]
+            return wire.flatten(payload)[0], None
         slot = self.server.zeros(key, ops, reduced)
         if self.compressor.sends_tensor:
             compensated = reduced + ops.read(slot)
@@ -208,11 +225,13 @@ class TwoPhase(Communicator):
             compensated = ops.read(ops.assign_add(slot, reduced))
         payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
         if self.compressor.sends_tensor:
-            ops.assign(slot, compensated - self.compressor.decompress(payload, ctx))
+            decoded = self.compressor.decompress(payload, ctx)
+            ops.assign(slot, compensated - decoded)
         else:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
-            ops.assign_sub(slot, self.compressor.decompress_into(payload, ctx, reduced))
-        return wire.flatten(payload)[0]
+            decoded = self.compressor.decompress_into(payload, ctx, reduced)
+            ops.assign_sub(slot, decoded)
+        return wire.flatten(payload)[0], decoded
 
     def _buffer(self, key: str, like):
         """A tensor shaped like ``like`` to build values in that live within one step (the

@@ -31,6 +31,12 @@ What goes on the wire, per call (``N`` ranks of the group):
   call, or on gloo one per 256 KiB of the longest segment (gloo carries one large message at
   about half the link rate when all ranks send at once; in pieces it runs at the link rate).
   Resolves to ``(received, received_splits)`` like Horovod's.
+- ``allgather_known_async`` / ``alltoall_known_async``: the same transfers when the caller
+  knows every rank's sizes (two-phase does: its payload lengths follow from the chunk
+  lengths), without the size exchange. That exchange is a blocking collective, so it waits
+  behind every collective already queued on the group: without it a caller can start one
+  tensor's exchange and go on compressing the next while the first is on the wire (the DDP
+  hook's pieces). The given sizes are checked against this rank's own (``ValueError``).
 - ``allreduce_async_``: one ``all_reduce`` (SUM) in the caller's tensor, then scaled in place
   (DDP's own allreduce of its bucket; ``None`` for types summed widened, non-contiguous
   tensors and CPU tensors on NCCL).
@@ -124,6 +130,16 @@ class _Placed:
             at += n
 
 
+def _known(counts, size: int, own: int, rank: int, what: str, name: str) -> list:
+    """A caller's row counts per rank as ints, checked as far as this rank can: one per rank,
+    none negative, and this rank's own as given (``own``)."""
+    counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
+    if len(counts) != size or any(c < 0 for c in counts) or counts[rank] != own:
+        raise ValueError(f"{what} must be {size} non-negative row counts with this rank's "
+                         f"({rank}) equal to {own} (name {name!r}), got {counts}")
+    return counts
+
+
 def _offsets(counts) -> list:
     at, out = 0, []
     for c in counts:
@@ -203,14 +219,20 @@ class DistCollectives(Collectives):
 
     # ------------------------------------------------------------------ moves (bytes)
     def allgather_async(self, tensor, name: str):
+        return self.allgather_known_async(tensor, None, name)
+
+    def allgather_known_async(self, tensor, counts, name: str):
         group = self._group()
         size = self.size()
         moved, back = self._wire(tensor.detach())
         raw, trailing = _as_bytes(moved)
-        rows = torch.tensor([raw.shape[0]], dtype=torch.int64, device=raw.device)
-        all_rows = [torch.empty_like(rows) for _ in range(size)]
-        dist.all_gather(all_rows, rows, group=group)       # waited for: sizes the buffers
-        counts = [int(r.item()) for r in all_rows]
+        if counts is None:
+            rows = torch.tensor([raw.shape[0]], dtype=torch.int64, device=raw.device)
+            all_rows = [torch.empty_like(rows) for _ in range(size)]
+            dist.all_gather(all_rows, rows, group=group)       # waited for: sizes the buffers
+            counts = [int(r.item()) for r in all_rows]
+        else:
+            counts = _known(counts, size, raw.shape[0], self.rank(), "counts", name)
         width = raw.shape[1]
         longest = max(counts) if counts else 0
         padded = raw
@@ -245,6 +267,9 @@ class DistCollectives(Collectives):
                                            .reshape(tensor.shape)))
 
     def alltoall_async(self, tensor, splits, name: str):
+        return self.alltoall_known_async(tensor, splits, None, name)
+
+    def alltoall_known_async(self, tensor, splits, matrix, name: str):
         group = self._group()
         size = self.size()
         splits = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
@@ -253,17 +278,25 @@ class DistCollectives(Collectives):
         if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != raw.shape[0]:
             raise ValueError(f"alltoall splits must be {size} non-negative row counts summing "
                              f"to {raw.shape[0]} (name {name!r}), got {splits}")
-        mine = torch.tensor(splits, dtype=torch.int64, device=raw.device)
-        every = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(every, mine, group=group)          # waited for: sizes the buffers
-        matrix = [[int(s) for s in row.tolist()] for row in every]   # [from][to] rows
+        if matrix is None:
+            mine = torch.tensor(splits, dtype=torch.int64, device=raw.device)
+            every = [torch.empty_like(mine) for _ in range(size)]
+            dist.all_gather(every, mine, group=group)          # waited for: sizes the buffers
+            matrix = [[int(s) for s in row.tolist()] for row in every]   # [from][to] rows
+        else:
+            matrix = [[int(c) for c in row] for row in matrix]
+            if len(matrix) != size or any(len(row) != size or min(row) < 0 for row in matrix) \
+                    or matrix[self.rank()] != splits:
+                raise ValueError(f"alltoall matrix must be {size} rows of {size} non-negative "
+                                 f"row counts, row {self.rank()} equal to splits {splits} "
+                                 f"(name {name!r}), got {matrix}")
         received_splits = [row[self.rank()] for row in matrix]
+        longest = max(max(row) for row in matrix)
         width = raw.shape[1]
         out = torch.empty(sum(received_splits), width, dtype=torch.uint8, device=raw.device)
         gloo = dist.get_backend(group) == "gloo"
         piece = max(1, _A2A_PIECE_BYTES // max(width, 1)) if gloo else 0
-        works = _alltoall_pieces(out, raw, splits, received_splits,
-                                 max(max(row) for row in matrix), piece, group)
+        works = _alltoall_pieces(out, raw, splits, received_splits, longest, piece, group)
         dtype = tensor.dtype
         recv_splits = torch.tensor(received_splits, dtype=torch.int32)
         return _Pending(works, lambda: (back(_from_bytes(out, dtype, trailing)), recv_splits))
