@@ -14,7 +14,9 @@ Pipelines: ``ddp`` (no hook), ``torch-fp16`` (``default_hooks.fp16_compress_hook
 grace hooks ``grace-fp16``, ``grace-powersgd`` (rank 2), ``grace-topk`` (1%, residual,
 allgather), ``grace-qsgd-2phase`` (64 levels, residual, twophase), ``grace-signsgd-2phase``
 (1 bit, residual, twophase) through
-``grace_dl.torch.ddp``.
+``grace_dl.torch.ddp``, each bucket in pieces of 4 MiB (the hook's default ``piece_bytes``);
+``grace-fp16-whole``, ``grace-qsgd-2phase-whole`` and ``grace-signsgd-2phase-whole`` send the
+bucket whole (``piece_bytes=None``), to show what the pieces' overlap buys.
 
 Every pipeline runs with **one DDP bucket** (``bucket_cap_mb_list=[100]``). With DDP's default
 two buckets here, PyTorch's ``powerSGD_hook`` aborted on gloo ("Received data size doesn't
@@ -45,6 +47,10 @@ from grace_dl.torch import ddp as grace_ddp
 RANK = PIPES["powersgd"]["compress_rank"]  # PowerSGD's rank, both implementations
 GRACE = {f"grace-{k}": PIPES[k]
          for k in ("fp16", "powersgd", "topk", "qsgd-2phase", "signsgd-2phase")}
+#: the same pipelines with each bucket sent whole (``piece_bytes=None``): what pieces buy
+WHOLE = ("fp16", "qsgd-2phase", "signsgd-2phase")
+GRACE.update({f"grace-{k}-whole": PIPES[k] for k in WHOLE})
+HOOK_OPTIONS = {f"grace-{k}-whole": {"piece_bytes": None} for k in WHOLE}
 PIPELINES = ["ddp", "torch-fp16", "torch-powersgd", *GRACE]
 
 
@@ -69,7 +75,8 @@ def attach(model: DDP, pipeline: str):
                                    start_powerSGD_iter=2, min_compression_rate=2)
         model.register_comm_hook(state, psgd.powerSGD_hook)
     elif pipeline in GRACE:
-        state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
+        state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])),
+                                     **HOOK_OPTIONS.get(pipeline, {}))
         model.register_comm_hook(state, grace_ddp.comm_hook)
         return state
     return None

@@ -3,6 +3,7 @@ torch.distributed collectives): argument checks in this process, and real
 ``torchrun --nproc-per-node 2`` jobs on gloo (tests/workers/ddp_check.py), no Horovod."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,10 @@ def test_state_rejects_bad_arguments_naming_them():
         grace_ddp.GraceState(object())
     with pytest.raises(ValueError, match="named_parameters must be a sequence"):
         grace_ddp.GraceState(grc, named_parameters=[1, 2])
+    for bad in (0, -1, 2.5, "4MB", True):
+        with pytest.raises(ValueError, match=rf"piece_bytes must be a positive int or None, "
+                                             rf"got {re.escape(repr(bad))}"):
+            grace_ddp.GraceState(grc, piece_bytes=bad)
     with pytest.raises(ValueError, match="GraceState"):
         grace_ddp.comm_hook(object(), None)
 
@@ -87,6 +92,20 @@ def test_load_state_dict_refuses_another_configuration():
                              granularity="parameter")
     with pytest.raises(ValueError, match="per_parameter"):
         c.load_state_dict(a.state_dict())
+    # pieces name a quantizer's state, so a checkpoint with other pieces is refused; topk
+    # keeps its buckets whole whatever piece_bytes says, so it loads either way
+    qsgd = {"compressor": "qsgd", "memory": "residual", "communicator": "twophase"}
+    whole = grace_ddp.GraceState(grace_from_params(qsgd), piece_bytes=None)
+    pieces = grace_ddp.GraceState(grace_from_params(qsgd))
+    with pytest.raises(ValueError, match=r"piece_bytes=None, this state has "
+                                         r"piece_bytes=4194304"):
+        pieces.load_state_dict(whole.state_dict())
+    with pytest.raises(ValueError, match=r"piece_bytes=4194304, this state has "
+                                         r"piece_bytes=None"):
+        whole.load_state_dict(pieces.state_dict())
+    grace_ddp.GraceState(grace_from_params({"compressor": "topk", "compress_ratio": 0.1,
+                                            "communicator": "allgather"}),
+                         piece_bytes=None).load_state_dict(a.state_dict())
 
 
 # ---------------------------------------------------------------- torchrun jobs
@@ -116,6 +135,14 @@ def test_distributed_collectives_on_gloo():
         assert recv == expect
         assert "splits" in out["bad_splits_error"]
         assert list(out["alltoall_big"]) == [True, [(r + j + 1) * 80000 for j in range(N)]]
+        # sizes given by the caller: the same data without the size exchange; wrong sizes
+        # are refused before anything is sent, naming what was given
+        assert list(out["alltoall_known"]) == list(out["alltoall_big"])
+        assert out["gather_known"]
+        counts_error, matrix_error = out["known_errors"]
+        assert "counts must be 2 non-negative row counts" in counts_error and "[5, 5]" in \
+            counts_error, counts_error
+        assert "matrix must be 2 rows" in matrix_error and "[[1, 1], [1, 1]]" in matrix_error
         same, values, int8_refused = out["in_place"]
         assert same and values == [(2 * i + 1) * 0.5 for i in range(5)] and int8_refused
 
@@ -136,7 +163,7 @@ def test_powersgd_units_of_a_bucket_go_in_one_collective_per_round():
 def test_none_allreduce_hook_equals_ddp_default_averaging():
     res = torchrun("equal")
     for out in res:
-        for case in ("plain", "no_sync", "unused"):
+        for case in ("plain", "no_sync", "unused", "pieces"):
             assert_equal_dicts(out[f"{case}/default"], out[f"{case}/hook"])
         # 12 micro-batches, 6 synchronised: the hook ran (and closed a step) 6 times
         assert out["no_sync/hook_steps"] == 6 and out["no_sync/iteration"] == 6
@@ -176,13 +203,20 @@ def test_compressed_hooks_train_digits_like_ddp():
 
 @pytest.mark.multiproc
 def test_resume_from_a_checkpoint_continues_bit_for_bit():
-    pipelines = ["topk", "powersgd", "qsgd-2phase", "randomk", "threshold-bcast"]
+    pipelines = ["topk", "powersgd", "qsgd-2phase", "randomk", "threshold-bcast",
+                 "qsgd-2phase@pieces"]
     res = torchrun("resume", 6, *pipelines, timeout=600)
     for out in res:
         for p in pipelines:
             assert_equal_dicts(out[p]["straight"], out[p]["resumed"])
             assert_dicts_differ(out[p]["straight"], out[p]["no_state"])
             assert out[p]["names"] == out[p]["names_resumed"], p
+        # in pieces, every piece of a bucket has its own residual and server residual;
+        # bucket-sized pieces (the default, 4 MiB) leave these small buckets whole
+        pieces = [k for k in out["qsgd-2phase@pieces"]["keys"] if "/piece" in k]
+        assert any(k.startswith("/server/") for k in pieces), out["qsgd-2phase@pieces"]["keys"]
+        assert any(k.startswith("/memory/") for k in pieces)
+        assert not any("/piece" in k for k in out["qsgd-2phase"]["keys"])
     for p in pipelines:
         assert_equal_dicts(res[0][p]["resumed"], res[1][p]["resumed"])
 

@@ -47,6 +47,19 @@ for compressors that need layer shapes (PowerSGD's matrices: compressors with a
 ``matrix_shape`` method) and for ``grace`` objects without a single ``compressor`` (strategy
 dispatchers, which route per parameter name); ``"bucket"`` otherwise.
 
+**Pieces.** In ``"bucket"`` granularity, for compressors that compress any 1-D chunk on its
+own (``two_phase_safe``: quantizers, signs, fp16, ``none``), a bucket larger than
+``piece_bytes`` (default 4 MiB) is cut into even pieces of at most that size, each sent as its
+own grace tensor ``<bucket name>/piece<i>`` with its own state, from and into its slice of the
+bucket. Piece i's collectives are on the wire while piece i+1 is compressed, and in
+``receive_all`` piece i is reduced while the others' exchanges are still in flight, so a large
+bucket's compression and communication overlap instead of running one after the other. The
+bits on the wire are the same as for the whole bucket, give or take the per-chunk headers
+(a quantizer's norms). Sparsifiers (top-k, random-k, threshold) keep their bucket whole: their
+k is a fraction of the whole bucket. ``piece_bytes`` is part of the checkpoint: a state saved
+with other pieces (or before pieces existed) is refused by ``load_state_dict``, since its
+residuals are keyed by the pieces' names.
+
 **Names.** Grace state (residuals, PowerSGD's Q, step counters) is keyed by tensor name. A
 parameter's name is its name in ``named_parameters`` if given, else ``param<i>``, ``i`` being
 the order in which the hook first met it (deterministic: DDP computes the same first bucket
@@ -105,6 +118,7 @@ from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy
 
 GRANULARITIES = ("auto", "bucket", "parameter")
+DEFAULT_PIECE_BYTES = 4 << 20
 
 
 def _digest(obj, n: int = 16) -> str:
@@ -123,14 +137,21 @@ class GraceState:
     ``grace``: a communicator from ``grace_from_params`` (or a strategy dispatcher).
     ``process_group``: the group DDP reduces over (``None``: the default group), and the one
     the grace collectives run on. ``granularity``: ``"auto"``, ``"bucket"`` or ``"parameter"``
-    (module docstring). ``named_parameters``: ``model.named_parameters()`` of the *wrapped*
+    (module docstring). ``piece_bytes``: in ``"bucket"`` granularity, a bucket larger than
+    this is sent as pieces of at most this many bytes (module docstring, *Pieces*); ``None``
+    sends every bucket whole. ``named_parameters``: ``model.named_parameters()`` of the *wrapped*
     module, to key state by real names (needed by strategy dispatchers, which route by name);
     without it parameters are named ``param<i>``. ``op``: ``"average"`` (DDP's) or ``"sum"``.
     """
 
     def __init__(self, grace, process_group=None, granularity: str = "auto",
-                 named_parameters=None, op: str = AVERAGE):
+                 named_parameters=None, op: str = AVERAGE,
+                 piece_bytes: int | None = DEFAULT_PIECE_BYTES):
         check_grace(grace)
+        if piece_bytes is not None and (isinstance(piece_bytes, bool) or
+                                        not isinstance(piece_bytes, int) or piece_bytes <= 0):
+            raise ValueError(f"piece_bytes must be a positive int or None, got {piece_bytes!r}")
+        self.piece_bytes = piece_bytes
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got "
                              f"{granularity!r}")
@@ -144,6 +165,11 @@ class GraceState:
             granularity == "auto" and needs_shapes(grace))
         # a fused allgather of a bucket's units needs no lengths when sizes are equal
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.equal_sizes
+        # a piece is compressed on its own: only for compressors that compress any chunk
+        # independently (the two-phase condition); None where buckets go whole
+        self._piece_bytes = piece_bytes if (
+            piece_bytes is not None and not self.per_parameter and
+            isinstance(grace, Communicator) and grace.compressor.two_phase_safe) else None
         self.iteration = 0          # synchronised backward passes completed
         self._given_names: dict[int, str] | None = None
         if named_parameters is not None:
@@ -199,7 +225,8 @@ class GraceState:
         labels = {"grace configuration": agreement.grace_label(self.grace),
                   "first bucket": [list(names), [list(g.shape) for g in bucket.gradients()],
                                    str(buffer.dtype)],
-                  "hook options": {"op": self.op, "granularity": self.granularity}}
+                  "hook options": {"op": self.op, "granularity": self.granularity,
+                                   "piece_bytes": self.piece_bytes}}
         agreement.check(labels, allgather, "grace.ddp.agreement", coll.rank())
         self._checked = True
 
@@ -209,10 +236,31 @@ class GraceState:
     # gradient view as ``into``). Other units (a bucket cat in canonical order, a resumed
     # run's regrouping) are copied into the gradients' views of the bucket after receive.
     def _start_unit(self, tensor, name, names, numels, into=None, collectives=None):
-        handle = self.grace.send(tensor, name, self.op, collectives or self.collectives,
-                                 into=into)
-        self._units.append((handle, names, numels, into is not None))
+        sizes = None if collectives is not None else self._piece_sizes(tensor)
+        if sizes is None:
+            handles = [self.grace.send(tensor, name, self.op, collectives or self.collectives,
+                                       into=into)]
+            whole = None
+        else:
+            # ``tensor`` is 1-D and contiguous here (the bucket's buffer or a concatenation):
+            # each piece is sent from its slice, and its result lands back there
+            whole = tensor
+            handles = [self.grace.send(piece, f"{name}/piece{i}", self.op, self.collectives,
+                                       into=piece)
+                       for i, piece in enumerate(torch.split(tensor, sizes))]
+        self._units.append((handles, names, numels, into is not None, whole))
         self._step_names.append(name)
+
+    def _piece_sizes(self, tensor):
+        """Lengths of the pieces a bucket-granularity unit is sent in (None: sent whole)."""
+        if self._piece_bytes is None or tensor.dim() != 1:
+            return None
+        per = max(1, self._piece_bytes // tensor.element_size())
+        numel = tensor.numel()
+        if numel <= per:
+            return None
+        count = -(-numel // per)
+        return [numel // count + (i < numel % count) for i in range(count)]
 
     def _send(self, bucket):
         params = bucket.parameters()
@@ -270,9 +318,11 @@ class GraceState:
             if self._deferred:
                 self._start_deferred()
             units = self._units
-            outs = receive_each(self.grace, [u[0] for u in units])
-            for (_, names, numels, in_bucket), out in zip(units, outs):
+            outs = iter(receive_each(self.grace, [h for u in units for h in u[0]]))
+            for handles, names, numels, in_bucket, whole in units:
+                got = [next(outs) for _ in handles]
                 if not in_bucket:
+                    out = got[0] if whole is None else whole
                     for n, piece in zip(names, torch.split(out.reshape(-1), numels)):
                         view = self._views[n]
                         view.copy_(piece.reshape(view.shape))
@@ -281,7 +331,7 @@ class GraceState:
             self.grace.end_step()
             self.iteration += 1
             self.last_step_names, self._step_names = self._step_names, []
-            self._layout = [names for _, names, _, _ in units]
+            self._layout = [names for _, names, _, _, _ in units]
             self._target = None  # DDP's own (rebuilt) layout from now on
         except BaseException as err:
             for fut, _ in self._buckets:
@@ -297,7 +347,8 @@ class GraceState:
         iteration count and the configuration's fingerprint."""
         return {"grace": self.grace.state_dict(), "fingerprint": self.grace.fingerprint(),
                 "granularity": self.granularity, "per_parameter": self.per_parameter,
-                "op": self.op, "iteration": self.iteration, "names": list(self._order),
+                "op": self.op, "piece_bytes": self._piece_bytes, "iteration": self.iteration,
+                "names": list(self._order),
                 "layout": [list(g) for g in self._layout],
                 "rank": self.collectives.rank() if dist.is_initialized() else None}
 
@@ -311,8 +362,11 @@ class GraceState:
         if state.get("fingerprint") != self.grace.fingerprint():
             raise ValueError(f"state_dict is for grace configuration {state.get('fingerprint')}, "
                              f"this one is {self.grace.fingerprint()} ({self.grace!r})")
-        for key, mine in (("per_parameter", self.per_parameter), ("op", self.op)):
-            if state.get(key, mine) != mine:
+        # piece_bytes: the pieces name the state (a checkpoint from before pieces has none)
+        for key, mine, absent in (("per_parameter", self.per_parameter, self.per_parameter),
+                                  ("op", self.op, self.op),
+                                  ("piece_bytes", self._piece_bytes, None)):
+            if state.get(key, absent) != mine:
                 raise ValueError(f"state_dict was written with {key}={state.get(key)!r}, this "
                                  f"state has {key}={mine!r}")
         if self._buckets:

@@ -66,12 +66,22 @@ def mlp():
                          nn.Linear(128, 10))
 
 
+#: ``<pipeline>@pieces``: the hook sends each bucket in pieces of 4 KiB (``piece_bytes``)
+PIECES = "@pieces"
+
+
+def hook_state(pipeline, **kwargs):
+    base, pieces = pipeline.removesuffix(PIECES), pipeline.endswith(PIECES)
+    if pieces:
+        kwargs["piece_bytes"] = 4096
+    return grace_ddp.GraceState(grace_from_params(dict(PIPELINES[base])), **kwargs)
+
+
 def make(pipeline, bucket_cap_mb=0.02, granularity="auto"):
     model = DDP(mlp(), bucket_cap_mb=bucket_cap_mb)
     state = None
     if pipeline is not None:
-        state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[pipeline])),
-                                     granularity=granularity)
+        state = hook_state(pipeline, granularity=granularity)
         model.register_comm_hook(state, grace_ddp.comm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, opt, state
@@ -108,6 +118,16 @@ def mode_equal() -> dict:
             loss_fn(model(x), y).backward()
             opt.step()
         out[f"plain/{label}"] = params_of(model)
+        if hook:    # buckets of 20 KiB sent in pieces of 4 KiB: the same sums
+            model, opt, state = make("none" + PIECES, bucket_cap_mb=0.02)
+            for i, (x, y) in enumerate(batches(data, 1)):
+                if i == 8:
+                    break
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+            out["pieces/default"] = out["plain/default"]
+            out["pieces/hook"] = params_of(model)
         # no_sync accumulation: 2 micro-batches per step, the first inside no_sync()
         model, opt, state = make("none" if hook else None)
         for i, (x, y) in enumerate(batches(data, 1, batch=16)):
@@ -172,7 +192,7 @@ def mode_train(pipelines, epochs) -> dict:
             sd = state.state_dict()
             buf = io.BytesIO()
             torch.save(sd, buf)
-            fresh = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[pipeline])))
+            fresh = hook_state(pipeline)
             fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
             again = fresh.state_dict()
             rec["roundtrip"] = _same_tree(sd["grace"], again["grace"])
@@ -238,7 +258,8 @@ def mode_resume(pipelines, steps) -> dict:
                          "names_per_step": names_per_step, "names_resumed_per_step":
                          names_resumed,
                          "names": names_straight, "names_resumed": list(state.last_step_names),
-                         "iteration": state.iteration}
+                         "iteration": state.iteration,
+                         "keys": sorted(_flat_keys(state.grace.state_dict()))}
         # without the hook state the run differs (the test checks state matters)
         model, opt, state = make(pipeline)
         model.load_state_dict(ckpt["model"])
@@ -302,6 +323,25 @@ def mode_collectives() -> dict:
                                                          dtype=torch.float32)
                         for j in range(n)])
     out["alltoall_big"] = (torch.equal(recv, expect), recv_splits.tolist())
+    # the same exchanges with every rank's sizes given (no size exchange): same results
+    matrix = [[(j + i + 1) * 80000 for j in range(n)] for i in range(n)]
+    recv, recv_splits = coll.synchronize(coll.alltoall_known_async(rows, splits, matrix,
+                                                                   "a2a.known"))
+    out["alltoall_known"] = (torch.equal(recv, expect), recv_splits.tolist())
+    ragged = (torch.arange((r + 1) * 3 * 2).reshape(r + 1, 3, 2) % 3).float()
+    counts = [i + 1 for i in range(n)]
+    out["gather_known"] = torch.equal(
+        coll.synchronize(coll.allgather_known_async(ragged, counts, "ag.known")),
+        coll.synchronize(coll.allgather_async(ragged, "ag.unknown")))
+    known_errors = []
+    for call in (lambda: coll.allgather_known_async(ragged, [5] * n, "bad.counts"),
+                 lambda: coll.alltoall_known_async(rows, splits, [[1] * n] * n, "bad.matrix")):
+        try:
+            call()
+            known_errors.append(None)
+        except ValueError as err:
+            known_errors.append(str(err))
+    out["known_errors"] = known_errors
     # in place, scaled; None where the sum would need a wider type
     t = torch.arange(5, dtype=torch.float32) + r
     res = coll.synchronize(coll.allreduce_async_(t, "in_place", 0.5))
