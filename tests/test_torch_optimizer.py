@@ -82,6 +82,8 @@ def _sgd():
     ({"gradient_predivide_factor": -1.0}, ["gradient_predivide_factor", "-1.0"]),
     ({"groups": -2}, ["groups", "-2"]),
     ({"groups": [[1.0]]}, ["groups", "torch.Tensor"]),
+    ({"piece_bytes": 0}, ["piece_bytes", "positive int or None", "got 0"]),
+    ({"piece_bytes": "4MB"}, ["piece_bytes", "'4MB'"]),
 ])
 def test_bad_arguments_raise_value_error_naming_them(kwargs, words):
     import grace_dl.torch.horovod as hvd
@@ -260,6 +262,24 @@ def test_step_starts_every_two_phase_gather_before_waiting_for_one(ranks):
         assert not seq["all_issued_before_a_wait"]
         assert_equal_dicts(lock["params"], seq["params"])
     assert_equal_dicts(*(res["two_phase"]["lockstep"]["params"] for res in ranks))
+
+
+@pytest.mark.multiproc
+def test_gradients_over_piece_bytes_go_in_pieces(ranks):
+    """piece_bytes=64: every weight of the tiny MLP is sent as pieces, each its own grace
+    tensor with its own state, results written back into p.grad. Uncompressed, the pieces
+    sum to Horovod's average bit for bit; qsgd two-phase keeps ranks identical; the pieces
+    are part of the checkpoint, which an optimizer with other pieces refuses."""
+    for res in ranks:
+        assert_equal_dicts(res["pieces_none"], res["hvd"])
+        qsgd = res["pieces_qsgd"]
+        assert qsgd["pieces"] and all(n > 1 for n in qsgd["pieces"].values()), qsgd["pieces"]
+        for name in qsgd["pieces"]:
+            assert any(f"/{name}/piece1" in k for k in qsgd["keys"]), (name, qsgd["keys"])
+        assert "other pieces" in res["pieces_refused"] and "piece_bytes=None" in \
+            res["pieces_refused"], res["pieces_refused"]
+        assert res["pieces_reloaded"]
+    assert_equal_dicts(*(res["pieces_qsgd"]["params"] for res in ranks))
 
 
 @pytest.mark.multiproc

@@ -49,16 +49,13 @@ dispatchers, which route per parameter name); ``"bucket"`` otherwise.
 
 **Pieces.** In ``"bucket"`` granularity, for compressors that compress any 1-D chunk on its
 own (``two_phase_safe``: quantizers, signs, fp16, ``none``), a bucket larger than
-``piece_bytes`` (default 4 MiB) is cut into even pieces of at most that size, each sent as its
-own grace tensor ``<bucket name>/piece<i>`` with its own state, from and into its slice of the
-bucket. Piece i's collectives are on the wire while piece i+1 is compressed, and in
-``receive_all`` piece i is reduced while the others' exchanges are still in flight, so a large
-bucket's compression and communication overlap instead of running one after the other. The
-bits on the wire are the same as for the whole bucket, give or take the per-chunk headers
-(a quantizer's norms). Sparsifiers (top-k, random-k, threshold) keep their bucket whole: their
-k is a fraction of the whole bucket. ``piece_bytes`` is part of the checkpoint: a state saved
-with other pieces (or before pieces existed) is refused by ``load_state_dict``, since its
-residuals are keyed by the pieces' names.
+``piece_bytes`` (default 4 MiB) is sent as even pieces of at most that size, each its own
+grace tensor ``<bucket name>/piece<i>`` (``grace_dl.communicators.pieces``), so that one
+piece's compression overlaps the previous piece's exchange. Sparsifiers keep their bucket
+whole. ``piece_bytes`` is part of the checkpoint: a state saved with other pieces is refused
+by ``load_state_dict``, since its residuals are keyed by the pieces' names. A checkpoint
+written before pieces existed (no ``piece_bytes``) loads; a bucket now sent in pieces then
+starts fresh residuals, which error feedback tolerates as it does at DDP's bucket rebuild.
 
 **Names.** Grace state (residuals, PowerSGD's Q, step counters) is keyed by tensor name. A
 parameter's name is its name in ``named_parameters`` if given, else ``param<i>``, ``i`` being
@@ -113,12 +110,18 @@ import torch.distributed as dist
 from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, Communicator, check_op, receive_each
 from grace_dl.communicators.fusion import GroupCollectives
+from grace_dl.communicators.pieces import (
+    DEFAULT_PIECE_BYTES,
+    check_piece_bytes,
+    effective_piece_bytes,
+    piece_sizes,
+    send_pieces,
+)
 from grace_dl.contracts import check_grace
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy
 
 GRANULARITIES = ("auto", "bucket", "parameter")
-DEFAULT_PIECE_BYTES = 4 << 20
 
 
 def _digest(obj, n: int = 16) -> str:
@@ -148,10 +151,7 @@ class GraceState:
                  named_parameters=None, op: str = AVERAGE,
                  piece_bytes: int | None = DEFAULT_PIECE_BYTES):
         check_grace(grace)
-        if piece_bytes is not None and (isinstance(piece_bytes, bool) or
-                                        not isinstance(piece_bytes, int) or piece_bytes <= 0):
-            raise ValueError(f"piece_bytes must be a positive int or None, got {piece_bytes!r}")
-        self.piece_bytes = piece_bytes
+        self.piece_bytes = check_piece_bytes(piece_bytes)
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got "
                              f"{granularity!r}")
@@ -165,11 +165,9 @@ class GraceState:
             granularity == "auto" and needs_shapes(grace))
         # a fused allgather of a bucket's units needs no lengths when sizes are equal
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.equal_sizes
-        # a piece is compressed on its own: only for compressors that compress any chunk
-        # independently (the two-phase condition); None where buckets go whole
-        self._piece_bytes = piece_bytes if (
-            piece_bytes is not None and not self.per_parameter and
-            isinstance(grace, Communicator) and grace.compressor.two_phase_safe) else None
+        # None where buckets go whole (per-parameter units go whole too: they are fused)
+        self._piece_bytes = None if self.per_parameter else \
+            effective_piece_bytes(grace, piece_bytes)
         self.iteration = 0          # synchronised backward passes completed
         self._given_names: dict[int, str] | None = None
         if named_parameters is not None:
@@ -245,22 +243,15 @@ class GraceState:
             # ``tensor`` is 1-D and contiguous here (the bucket's buffer or a concatenation):
             # each piece is sent from its slice, and its result lands back there
             whole = tensor
-            handles = [self.grace.send(piece, f"{name}/piece{i}", self.op, self.collectives,
-                                       into=piece)
-                       for i, piece in enumerate(torch.split(tensor, sizes))]
+            handles = send_pieces(self.grace, tensor, name, self.op, self.collectives, sizes)
         self._units.append((handles, names, numels, into is not None, whole))
         self._step_names.append(name)
 
     def _piece_sizes(self, tensor):
         """Lengths of the pieces a bucket-granularity unit is sent in (None: sent whole)."""
-        if self._piece_bytes is None or tensor.dim() != 1:
+        if tensor.dim() != 1:
             return None
-        per = max(1, self._piece_bytes // tensor.element_size())
-        numel = tensor.numel()
-        if numel <= per:
-            return None
-        count = -(-numel // per)
-        return [numel // count + (i < numel % count) for i in range(count)]
+        return piece_sizes(tensor.numel(), tensor.element_size(), self._piece_bytes)
 
     def _send(self, bucket):
         params = bucket.parameters()
@@ -362,11 +353,11 @@ class GraceState:
         if state.get("fingerprint") != self.grace.fingerprint():
             raise ValueError(f"state_dict is for grace configuration {state.get('fingerprint')}, "
                              f"this one is {self.grace.fingerprint()} ({self.grace!r})")
-        # piece_bytes: the pieces name the state (a checkpoint from before pieces has none)
-        for key, mine, absent in (("per_parameter", self.per_parameter, self.per_parameter),
-                                  ("op", self.op, self.op),
-                                  ("piece_bytes", self._piece_bytes, None)):
-            if state.get(key, absent) != mine:
+        # the pieces name the state: a checkpoint with other pieces is refused (one written
+        # before pieces existed has no piece_bytes and loads: module docstring, *Pieces*)
+        for key, mine in (("per_parameter", self.per_parameter), ("op", self.op),
+                          ("piece_bytes", self._piece_bytes)):
+            if state.get(key, mine) != mine:
                 raise ValueError(f"state_dict was written with {key}={state.get(key)!r}, this "
                                  f"state has {key}={mine!r}")
         if self._buckets:

@@ -63,6 +63,13 @@ import torch
 from grace_dl import agreement, validate
 from grace_dl.communicators.base import AVERAGE, SUM, receive_each
 from grace_dl.communicators.fusion import split_evenly
+from grace_dl.communicators.pieces import (
+    DEFAULT_PIECE_BYTES,
+    check_piece_bytes,
+    effective_piece_bytes,
+    piece_sizes,
+    send_pieces,
+)
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys
 from grace_dl.torch.trees import to_numpy, to_torch
@@ -74,14 +81,16 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # noqa: N802
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
-                         grace=None):
+                         grace=None, piece_bytes=DEFAULT_PIECE_BYTES):
     """Wrap ``optimizer`` so gradients are averaged across Horovod ranks before ``step()``.
 
     Takes ``horovod.torch.DistributedOptimizer``'s arguments (same defaults) plus ``grace``: a
     communicator such as ``grace_dl.grace_from_params({...})`` or a strategy dispatcher. With
     ``grace=None`` the result *is* Horovod's optimizer. With ``grace`` set, ``compression`` must
     stay Horovod's ``Compression.none`` (grace does the compressing) and the behaviour is the
-    one described in this module's docstring.
+    one described in this module's docstring. ``piece_bytes`` (grace only): a gradient larger
+    than this is sent in pieces of at most this many bytes where the compressor allows
+    (``grace_dl.communicators.pieces``); ``None`` sends every gradient whole.
     """
     import horovod.torch as hvd
 
@@ -98,6 +107,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
             groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set)
 
     check_grace(grace)
+    check_piece_bytes(piece_bytes)
     if compression is not hvd.Compression.none:
         raise ValueError(f"compression={compression!r} cannot be combined with grace=; the "
                          f"grace communicator compresses (accepted: hvd.Compression.none)")
@@ -132,7 +142,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
     cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
                {})
     return cls(optimizer.param_groups, named_parameters, grace, backward_passes_per_step,
-               grace_op, factor, groups, sparse_as_dense, process_set)
+               grace_op, factor, groups, sparse_as_dense, process_set, piece_bytes)
 
 
 def _grace_op(op, hvd) -> str:
@@ -211,7 +221,8 @@ class _GraceDistributedOptimizer:
     """Mixed in before the user's optimizer class by ``DistributedOptimizer``."""
 
     def __init__(self, params, named_parameters, grace, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                 piece_bytes=DEFAULT_PIECE_BYTES):
         super().__init__(params)
         import horovod.torch as hvd
 
@@ -226,6 +237,7 @@ class _GraceDistributedOptimizer:
         fusion = self._fusion_groups(groups)
         if fusion:
             grace.fuse(fusion)
+        self.piece_bytes = effective_piece_bytes(grace, piece_bytes)  # None: whole
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: dict = {}
         self._hook_handles: list = []
@@ -290,7 +302,7 @@ class _GraceDistributedOptimizer:
                   "optimizer options": {
                       "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
                       "backward_passes_per_step": self.backward_passes_per_step,
-                      "sparse_as_dense": self.sparse_as_dense}}
+                      "sparse_as_dense": self.sparse_as_dense, "piece_bytes": self.piece_bytes}}
         agreement.check(labels, agreement.allgather_for("torch", self.process_set),
                         "grace.optimizer.agreement", self._rank())
 
@@ -331,7 +343,30 @@ class _GraceDistributedOptimizer:
         tensor = tensor.detach()
         if self.gradient_predivide_factor != 1.0:
             tensor = tensor * (1.0 / self.gradient_predivide_factor)
-        return self.grace.send(tensor, name, self.op, into=self._into(p))
+        into = self._into(p)
+        sizes = None
+        if into is not None and into.is_contiguous() and not self._fused(name):
+            sizes = piece_sizes(into.numel(), into.element_size(), self.piece_bytes)
+        if sizes is not None:   # the pieces are slices of p.grad, results written there
+            return send_pieces(self.grace, into.view(-1), name, self.op, None, sizes)
+        return self.grace.send(tensor, name, self.op, into=into)
+
+    def _piece_layout(self) -> dict:
+        """``{name: number of pieces}`` of the parameters sent in pieces (what keys their
+        state), from the parameters' sizes."""
+        layout = {}
+        for p, name in self._parameter_names.items():
+            if p.requires_grad and not self._fused(name) and \
+                    self.gradient_predivide_factor == 1.0:
+                sizes = piece_sizes(p.numel(), p.element_size(), self.piece_bytes)
+                if sizes is not None:
+                    layout[name] = len(sizes)
+        return layout
+
+    def _fused(self, name: str) -> bool:
+        """Whether ``name`` travels in a fusion group (then whole: the group holds it)."""
+        fusion = getattr(self.grace, "fusion", None)
+        return fusion is not None and fusion.holds(name)
 
     def _into(self, p):
         """Where the result goes: ``p.grad`` itself unless it must be rescaled or densified."""
@@ -369,9 +404,16 @@ class _GraceDistributedOptimizer:
                 self._handles[p] = self._send(p)
         params = sorted(self._handles, key=self._parameter_names.__getitem__)
         intos = [self._into(p) for p in params]
-        outs = receive_each(self.grace, [self._handles[p] for p in params], intos)
-        for p, into, out in zip(params, intos, outs):
-            self._write(p, into, out)
+        handles, pieces = [], []
+        for p, into in zip(params, intos):
+            sent = self._handles[p]
+            handles.extend(sent if isinstance(sent, list) else [sent])
+            pieces.extend([None] * len(sent) if isinstance(sent, list) else [into])
+        outs = iter(receive_each(self.grace, handles, pieces))
+        for p, into in zip(params, intos):
+            sent = self._handles[p]
+            got = [next(outs) for _ in sent] if isinstance(sent, list) else [next(outs)]
+            self._write(p, into, got[0])  # pieces: the result is in p.grad (into) already
         self._handles.clear()
         self.grace.end_step()
         self._synchronized = True
@@ -405,6 +447,7 @@ class _GraceDistributedOptimizer:
     # ------------------------------------------------------------------ checkpoints
     def _grace_entry(self) -> dict:
         return {"size": self._size(), "fingerprint": self.grace.fingerprint(),
+                "pieces": self._piece_layout(),
                 "ranks": {self._rank(): to_torch(self.grace.state_dict())}}
 
     def _size(self) -> int:
@@ -459,6 +502,16 @@ class _GraceDistributedOptimizer:
                 raise ValueError(f"checkpoint grace state is for configuration "
                                  f"{entry.get('fingerprint')}, this grace is "
                                  f"{self.grace.fingerprint()} ({self.grace!r})")
+            # the pieces key the state (a checkpoint from before pieces has none: all whole)
+            saved, mine = entry.get("pieces", {}), self._piece_layout()
+            if saved != mine:
+                differ = sorted(n for n in {*saved, *mine} if saved.get(n) != mine.get(n))
+                raise ValueError(f"checkpoint grace state was written with other pieces "
+                                 f"(piece_bytes) for {differ[:5]}: saved "
+                                 f"{[saved.get(n, 1) for n in differ[:5]]} pieces, this "
+                                 f"optimizer sends {[mine.get(n, 1) for n in differ[:5]]} "
+                                 f"(piece_bytes={self.piece_bytes!r}); pass the piece_bytes "
+                                 f"the checkpoint was written with to DistributedOptimizer")
             _check_names(ranks[rank], self._parameter_names.values())
             self.grace.load_state_dict(to_numpy(ranks[rank]))
         self._handles = {}

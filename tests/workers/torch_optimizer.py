@@ -179,6 +179,33 @@ def two_phase(lockstep):
 
 out["two_phase"] = {"lockstep": two_phase(True), "one_by_one": two_phase(False)}
 
+# 8d. Pieces: gradients over piece_bytes (64 bytes here: every weight of the tiny MLP) go in
+# pieces, each its own grace tensor written back into its slice of p.grad.
+QSGD2 = {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
+         "communicator": "twophase"}
+out["pieces_none"] = C.params(run(NONE, piece_bytes=64)[0])
+m, opt, grc, _ = run(QSGD2, piece_bytes=64)
+
+
+def flat_keys(tree, prefix=""):
+    if not isinstance(tree, dict):
+        return [prefix]
+    return [k for key, v in tree.items() for k in flat_keys(v, f"{prefix}/{key}")]
+
+
+out["pieces_qsgd"] = {"params": C.params(m), "keys": sorted(flat_keys(grc.state_dict())),
+                      "pieces": opt.state_dict()["grace"]["pieces"]}
+saved = opt.state_dict()
+_, whole, _, _ = run(QSGD2, piece_bytes=None, steps=0)
+try:
+    whole.load_state_dict(saved)
+    out["pieces_refused"] = None
+except ValueError as err:
+    out["pieces_refused"] = str(err)
+_, again, _, _ = run(QSGD2, piece_bytes=64, steps=0)
+again.load_state_dict(saved)
+out["pieces_reloaded"] = True
+
 # 9. zero_grad() between backward() and step() is refused, as in Horovod.
 model = C.make_model()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

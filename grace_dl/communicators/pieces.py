@@ -1,0 +1,72 @@
+"""One large tensor sent as several pieces, so that its compression and communication overlap.
+
+A tensor of more than ``piece_bytes`` bytes is cut into ``ceil(bytes / piece_bytes)`` even 1-D
+pieces, and each is sent as its own grace tensor ``<name>/piece<i>`` from (and received into)
+its slice of the tensor. ``send`` of piece i starts its collectives and returns, so piece i is
+on the wire while piece i+1 is compressed; ``Router.receive_all`` then reduces piece i while
+the later pieces' exchanges are still in flight. The whole tensor's compression and exchange
+no longer run one after the other.
+
+Only for what a piece does not change: a ``Communicator`` (not a strategy dispatcher, which
+routes by the tensor's own name) whose compressor compresses any 1-D chunk on its own
+(``two_phase_safe``: quantizers, signs, fp16, ``none``). Sparsifiers keep their tensors whole,
+since their k is a fraction of the whole tensor. The bits on the wire are the whole tensor's,
+give or take one chunk header per piece (a quantizer's last partial bucket norm). Each piece
+has its own state (residual, server residual, step counter), keyed by its name, so the piece
+size is part of a checkpoint: the framework glue records it and refuses a checkpoint written
+with another.
+
+The DDP hook (``grace_dl.torch.ddp``) and the Horovod torch optimizer
+(``grace_dl.torch.optimizer``) send through this module.
+"""
+
+from __future__ import annotations
+
+from grace_dl.backend import ops_for
+from grace_dl.communicators.base import Communicator
+
+#: default piece size: 4 MiB (a quarter of the MLP's largest gradient; DDP's first bucket is
+#: 1 MiB and its others 25 MiB)
+DEFAULT_PIECE_BYTES = 4 << 20
+
+
+def check_piece_bytes(piece_bytes):
+    """``piece_bytes`` if it is a positive int or None, else a ``ValueError`` naming it."""
+    if piece_bytes is not None and (isinstance(piece_bytes, bool) or
+                                    not isinstance(piece_bytes, int) or piece_bytes <= 0):
+        raise ValueError(f"piece_bytes must be a positive int or None, got {piece_bytes!r}")
+    return piece_bytes
+
+
+def effective_piece_bytes(grace, piece_bytes):
+    """``piece_bytes`` where ``grace`` sends tensors in pieces (a communicator of a
+    chunk-independent compressor), else None: what a checkpoint records."""
+    check_piece_bytes(piece_bytes)
+    if piece_bytes is None or not isinstance(grace, Communicator) or \
+            not grace.compressor.two_phase_safe:
+        return None
+    return piece_bytes
+
+
+def piece_sizes(numel: int, element_size: int, piece_bytes):
+    """Lengths of the even pieces a tensor of ``numel`` elements is sent in, or None when it
+    goes whole (``piece_bytes`` None, or the tensor no larger than one piece)."""
+    if piece_bytes is None:
+        return None
+    per = max(1, piece_bytes // element_size)
+    if numel <= per:
+        return None
+    count = -(-numel // per)
+    return [numel // count + (i < numel % count) for i in range(count)]
+
+
+def piece_name(name: str, i: int) -> str:
+    return f"{name}/piece{i}"
+
+
+def send_pieces(grace, flat, name: str, op: str, collectives, sizes) -> list:
+    """Send the 1-D contiguous ``flat`` as pieces of ``sizes``, each from and into its own
+    slice of ``flat`` (torch: views, written in place): after ``receive`` of every handle,
+    ``flat`` holds the result."""
+    return [grace.send(piece, piece_name(name, i), op, collectives, into=piece)
+            for i, piece in enumerate(ops_for(flat).split(flat, sizes))]
