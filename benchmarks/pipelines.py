@@ -38,6 +38,10 @@ PIPELINES: dict[str, dict | str | None] = {
     "auto": "auto",                    # the strategy builder's cost-model pick
 }
 
+#: pipelines sent with every gradient whole (``DistributedOptimizer(piece_bytes=None)``),
+#: to show what sending large gradients in pieces buys; not in the default runs
+WHOLE: dict[str, str] = {f"{k}-whole": k for k in ("qsgd-2phase", "signsgd-2phase")}
+
 
 def calibration():
     """The measurement Auto and the predictions use: the job's own (``GRACE_BENCH_CALIBRATION``,
@@ -73,8 +77,12 @@ def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2
                compute_s: float = 0.0):
     """``(grace object or None, extra DistributedOptimizer kwargs)`` for ``pipeline``;
     ``compute_s`` (forward + backward, the same on every rank) is for Auto's step model."""
+    if pipeline in WHOLE:
+        grc, kwargs = make_grace(WHOLE[pipeline], model, mbit, workers, compute_s)
+        return grc, {**kwargs, "piece_bytes": None}
     if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline must be one of {sorted(PIPELINES)}, got {pipeline!r}")
+        raise ValueError(f"pipeline must be one of {sorted([*PIPELINES, *WHOLE])}, got "
+                         f"{pipeline!r}")
     spec = PIPELINES[pipeline]
     if pipeline == "none":
         return None, {}
@@ -103,6 +111,7 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
 
     if calibration() is None:
         return None
+    pipeline = WHOLE.get(pipeline, pipeline)
     if PIPELINES.get(pipeline) == "auto":
         return build_auto(model, mbit, workers, compute_s)[0].prediction.step_s
     variables = variables_of(model.named_parameters())
