@@ -165,6 +165,10 @@ def test_none_allreduce_hook_equals_ddp_default_averaging():
     for out in res:
         for case in ("plain", "no_sync", "unused", "pieces"):
             assert_equal_dicts(out[f"{case}/default"], out[f"{case}/hook"])
+        # pieces: fp16 whole against fp16 in pieces of 4 KiB (each piece its own tensor)
+        whole, cut = out["pieces/default/tensors"], out["pieces/hook/tensors"]
+        assert not any("/piece" in t for t in whole) and len(cut) > len(whole), (whole, cut)
+        assert all(t.startswith("bucket") for t in cut) and any("/piece1" in t for t in cut)
         # 12 micro-batches, 6 synchronised: the hook ran (and closed a step) 6 times
         assert out["no_sync/hook_steps"] == 6 and out["no_sync/iteration"] == 6
     for case in ("plain", "no_sync", "unused"):

@@ -267,11 +267,14 @@ def test_step_starts_every_two_phase_gather_before_waiting_for_one(ranks):
 @pytest.mark.multiproc
 def test_gradients_over_piece_bytes_go_in_pieces(ranks):
     """piece_bytes=64: every weight of the tiny MLP is sent as pieces, each its own grace
-    tensor with its own state, results written back into p.grad. Uncompressed, the pieces
-    sum to Horovod's average bit for bit; qsgd two-phase keeps ranks identical; the pieces
-    are part of the checkpoint, which an optimizer with other pieces refuses."""
+    tensor with its own state, results written back into p.grad. fp16 in pieces sums to the
+    same as fp16 whole, bit for bit; ``none`` is never cut; qsgd two-phase keeps ranks
+    identical; the pieces are part of the checkpoint, which an optimizer with other pieces
+    refuses."""
     for res in ranks:
-        assert_equal_dicts(res["pieces_none"], res["hvd"])
+        assert_equal_dicts(res["pieces_fp16"], res["whole_fp16"])
+        assert res["pieces_fp16_layout"] == res["pieces_qsgd"]["pieces"] != {}
+        assert res["pieces_none_layout"] == {}
         qsgd = res["pieces_qsgd"]
         assert qsgd["pieces"] and all(n > 1 for n in qsgd["pieces"].values()), qsgd["pieces"]
         for name in qsgd["pieces"]:

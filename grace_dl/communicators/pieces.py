@@ -7,10 +7,12 @@ on the wire while piece i+1 is compressed; ``Router.receive_all`` then reduces p
 the later pieces' exchanges are still in flight. The whole tensor's compression and exchange
 no longer run one after the other.
 
-Only for what a piece does not change: a ``Communicator`` (not a strategy dispatcher, which
-routes by the tensor's own name) whose compressor compresses any 1-D chunk on its own
-(``two_phase_safe``: quantizers, signs, fp16, ``none``). Sparsifiers keep their tensors whole,
-since their k is a fraction of the whole tensor. The bits on the wire are the whole tensor's,
+Only for what a piece does not change, and where there is work to overlap: a
+``Communicator`` (not a strategy dispatcher, which routes by the tensor's own name) whose
+compressor compresses any 1-D chunk on its own (``two_phase_safe``: quantizers, signs, fp16)
+and does compress (not ``sends_tensor``: ``none`` sends the tensor itself, and its pieces
+would only add collectives). Sparsifiers keep their tensors whole, since their k is a
+fraction of the whole tensor. The bits on the wire are the whole tensor's,
 give or take one chunk header per piece (a quantizer's last partial bucket norm). Each piece
 has its own state (residual, server residual, step counter), keyed by its name, so the piece
 size is part of a checkpoint: the framework glue records it and refuses a checkpoint written
@@ -43,7 +45,7 @@ def effective_piece_bytes(grace, piece_bytes):
     chunk-independent compressor), else None: what a checkpoint records."""
     check_piece_bytes(piece_bytes)
     if piece_bytes is None or not isinstance(grace, Communicator) or \
-            not grace.compressor.two_phase_safe:
+            not grace.compressor.two_phase_safe or grace.compressor.sends_tensor:
         return None
     return piece_bytes
 

@@ -48,7 +48,7 @@ for compressors that need layer shapes (PowerSGD's matrices: compressors with a
 dispatchers, which route per parameter name); ``"bucket"`` otherwise.
 
 **Pieces.** In ``"bucket"`` granularity, for compressors that compress any 1-D chunk on its
-own (``two_phase_safe``: quantizers, signs, fp16, ``none``), a bucket larger than
+own and do compress (quantizers, signs, fp16; not ``none``), a bucket larger than
 ``piece_bytes`` (default 4 MiB) is sent as even pieces of at most that size, each its own
 grace tensor ``<bucket name>/piece<i>`` (``grace_dl.communicators.pieces``), so that one
 piece's compression overlaps the previous piece's exchange. Sparsifiers keep their bucket

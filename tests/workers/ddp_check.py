@@ -118,16 +118,17 @@ def mode_equal() -> dict:
             loss_fn(model(x), y).backward()
             opt.step()
         out[f"plain/{label}"] = params_of(model)
-        if hook:    # buckets of 20 KiB sent in pieces of 4 KiB: the same sums
-            model, opt, state = make("none" + PIECES, bucket_cap_mb=0.02)
-            for i, (x, y) in enumerate(batches(data, 1)):
-                if i == 8:
-                    break
-                opt.zero_grad()
-                loss_fn(model(x), y).backward()
-                opt.step()
-            out["pieces/default"] = out["plain/default"]
-            out["pieces/hook"] = params_of(model)
+        if hook:    # fp16: buckets of 20 KiB whole, and in pieces of 4 KiB: the same sums
+            for label, pipeline in (("default", "fp16"), ("hook", "fp16" + PIECES)):
+                model, opt, state = make(pipeline, bucket_cap_mb=0.02)
+                for i, (x, y) in enumerate(batches(data, 1)):
+                    if i == 8:
+                        break
+                    opt.zero_grad()
+                    loss_fn(model(x), y).backward()
+                    opt.step()
+                out[f"pieces/{label}"] = params_of(model)
+                out[f"pieces/{label}/tensors"] = sorted(state.grace.bytes.steps[-1]["per_tensor"])
         # no_sync accumulation: 2 micro-batches per step, the first inside no_sync()
         model, opt, state = make("none" if hook else None)
         for i, (x, y) in enumerate(batches(data, 1, batch=16)):

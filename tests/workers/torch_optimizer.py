@@ -180,10 +180,16 @@ def two_phase(lockstep):
 out["two_phase"] = {"lockstep": two_phase(True), "one_by_one": two_phase(False)}
 
 # 8d. Pieces: gradients over piece_bytes (64 bytes here: every weight of the tiny MLP) go in
-# pieces, each its own grace tensor written back into its slice of p.grad.
+# pieces, each its own grace tensor written back into its slice of p.grad (``none``: never).
 QSGD2 = {"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
          "communicator": "twophase"}
-out["pieces_none"] = C.params(run(NONE, piece_bytes=64)[0])
+FP16 = {"compressor": "fp16", "memory": "none", "communicator": "allreduce"}
+m, opt, _, _ = run(FP16, piece_bytes=64)
+out["pieces_fp16"] = C.params(m)
+out["pieces_fp16_layout"] = opt.state_dict()["grace"]["pieces"]
+out["whole_fp16"] = C.params(run(FP16, piece_bytes=None)[0])
+_, opt_none, _, _ = run(NONE, piece_bytes=64, steps=1)
+out["pieces_none_layout"] = opt_none.state_dict()["grace"]["pieces"]
 m, opt, grc, _ = run(QSGD2, piece_bytes=64)
 
 
