@@ -89,6 +89,29 @@ def test_later_rounds_run_after_the_backward_pass_half_fused_by_kind():
                              network).deferred
 
 
+def test_two_phase_all_to_all_starts_at_send_and_only_the_gather_waits():
+    """Half of a two-phase exchange (its all-to-all) goes on the channel when the tensor is
+    encoded, alone, during the backward pass; only the gather's half runs after it."""
+    calib, network = Calibration(), Network(2, 1.25e8, 25e-6)
+    twophase = Pipeline.from_params({"compressor": "signsgd", "memory": "residual",
+                                     "communicator": "twophase"})
+    powersgd = Pipeline.from_params({"compressor": "powersgd", "memory": "powersgd",
+                                     "communicator": "allreduce"})
+    assert variable_cost(twophase, (64,), "float32", calib, network).early == 0.5
+    assert variable_cost(powersgd, (512, 512), "float32", calib, network).early == 0.0
+    early = [Cost(0.0, 0.01, 0.004, "a", deferred=True, early=0.5)] * 3
+    # the all-to-alls: ready at 16.7, 23.3 and 30 ms (forward 10 ms, then the backward pass),
+    # 7 ms each, one after another: the channel is free at 37.7 ms; then the gathers: half
+    # their latency once, half each, and their transfers
+    step = simulate(early, [1, 1, 1], compute_s=0.03, overlap=1.0)
+    first = 0.01 + 0.02 / 3 + 3 * 0.007
+    assert step.step_s == pytest.approx(first + 0.0025 + 3 * (0.0025 + 0.002))
+    whole = [Cost(0.0, 0.01, 0.004, "a", deferred=True)] * 3
+    assert simulate(whole, [1, 1, 1], compute_s=0.03, overlap=1.0).step_s == \
+        pytest.approx(0.03 + 0.005 + 3 * (0.005 + 0.004))
+    assert step.step_s < simulate(whole, [1, 1, 1], compute_s=0.03, overlap=1.0).step_s
+
+
 def test_fit_latency_is_not_inflated_by_one_slow_small_call():
     fit = Fit.through({4096: 8e-3, 1 << 20: 3e-3, 8 << 20: 10e-3})
     assert fit.per_unit_s == pytest.approx(7e-3 / (7 << 20))

@@ -22,7 +22,11 @@ A step is simulated, not summed:
    half of such an exchange's latency is paid per tensor, half once per kind, and the
    per-byte part (and decode) of each. (The half is an assumption, checked against the e2e
    runs after lockstep: 74 of 84 fixed rows predicted within 25%, against 69 with all of
-   the latency paid once and 68 with all of it paid per tensor.)
+   the latency paid once and 68 with all of it paid per tensor.) Two-phase's all-to-all
+   starts when the tensor is sent, though: half of its exchange (``Cost.early``) goes on the
+   channel as soon as it is encoded, alone, and only the gather's half waits for
+   ``receive``. (Checked against the e2e two-phase rows after large gradients began
+   travelling in pieces: 22 of 24 within 25%, against 17 with the whole exchange deferred.)
 4. The step ends when both the training thread and the channel are done. That is the ideal
    overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
    in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
@@ -125,13 +129,16 @@ class Cost:
     exchange of ``latency_s + transfer_s`` on the channel; ``kind`` says what it fuses with.
     ``deferred``: the exchange has rounds that start only when the optimizer receives it, after
     the backward pass, fused with the other deferred exchanges of its kind for half its
-    latency (``deferred_rounds``, module docstring)."""
+    latency (``deferred_rounds``, module docstring). ``early``: the share of a deferred
+    exchange (latency and per-byte part) that starts when the tensor is sent, on the channel
+    like any other (two-phase's all-to-all: half)."""
 
     encode_s: float
     latency_s: float
     transfer_s: float
     kind: str
     deferred: bool = False
+    early: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -228,8 +235,16 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
     if measured is not None:
         encode, exchange = measured
         return Cost(encode(numel), *exchange.split(numel), choice.label(),
-                    deferred_rounds(choice, compressor, shape))
+                    deferred_rounds(choice, compressor, shape), early_share(choice))
     return _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
+
+
+def early_share(pipeline: Pipeline) -> float:
+    """The share of ``pipeline``'s exchange that starts at ``send``: two-phase's all-to-all
+    (phase 1 of 2, as many bytes as the gather) goes out as soon as the tensor is encoded, and
+    only its gather waits for ``receive``; in pieces (``grace_dl.communicators.pieces``) one
+    piece's all-to-all is on the wire while the next is encoded."""
+    return 0.5 if pipeline.communicator == "twophase" else 0.0
 
 
 def deferred_rounds(pipeline: Pipeline, compressor, shape) -> bool:
@@ -281,7 +296,7 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
     else:
         decode = workers * decompress(numel)
     return Cost(encode, latency, transfer + decode, pipeline.label(),
-                deferred_rounds(pipeline, compressor, shape))
+                deferred_rounds(pipeline, compressor, shape), early_share(pipeline))
 
 
 @dataclass
@@ -307,16 +322,21 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
     total = sum(numels) or 1
     t, ready = forward, []
     for i in reversed(range(len(costs))):
-        t += backward * numels[i] / total + costs[i].encode_s
-        if not costs[i].deferred:
-            ready.append((t, costs[i]))
-    # deferred exchanges (``deferred_rounds``): after the backward pass and the channel, in
-    # flight together: half the latency once per kind, half per tensor, every transfer
+        c = costs[i]
+        t += backward * numels[i] / total + c.encode_s
+        if not c.deferred:
+            ready.append((t, c))
+        elif c.early:   # the round that starts at send, alone (Horovod never fuses alltoall)
+            ready.append((t, Cost(0.0, c.latency_s * c.early, c.transfer_s * c.early,
+                                  f"{c.kind}:early:{i}")))
+    # deferred exchanges (``deferred_rounds``): the rest after the backward pass and the
+    # channel, in flight together: half the latency once per kind, half per tensor, every
+    # transfer
     latency: dict = {}
     for c in costs:
         if c.deferred:
-            latency[c.kind] = max(latency.get(c.kind, 0.0), c.latency_s)
-    after = sum(latency.values()) / 2 + sum(c.latency_s / 2 + c.transfer_s
+            latency[c.kind] = max(latency.get(c.kind, 0.0), c.latency_s * (1.0 - c.early))
+    after = sum(latency.values()) / 2 + sum((c.latency_s / 2 + c.transfer_s) * (1.0 - c.early)
                                             for c in costs if c.deferred)
     free, j, channel = 0.0, 0, 0.0
     while j < len(ready):
