@@ -91,7 +91,7 @@ def test_later_rounds_run_after_the_backward_pass_half_fused_by_kind():
 
 def test_two_phase_all_to_all_starts_at_send_and_only_the_gather_waits():
     """Half of a two-phase exchange (its all-to-all) goes on the channel when the tensor is
-    encoded, alone, during the backward pass; only the gather's half runs after it."""
+    encoded, alone, during the backward pass; only the gathers' half runs after it, fused."""
     calib, network = Calibration(), Network(2, 1.25e8, 25e-6)
     twophase = Pipeline.from_params({"compressor": "signsgd", "memory": "residual",
                                      "communicator": "twophase"})
@@ -101,11 +101,11 @@ def test_two_phase_all_to_all_starts_at_send_and_only_the_gather_waits():
     assert variable_cost(powersgd, (512, 512), "float32", calib, network).early == 0.0
     early = [Cost(0.0, 0.01, 0.004, "a", deferred=True, early=0.5)] * 3
     # the all-to-alls: ready at 16.7, 23.3 and 30 ms (forward 10 ms, then the backward pass),
-    # 7 ms each, one after another: the channel is free at 37.7 ms; then the gathers: half
-    # their latency once, half each, and their transfers
+    # 7 ms each, one after another: the channel is free at 37.7 ms; then the gathers, fused:
+    # their latency (the other half) once, and their transfers
     step = simulate(early, [1, 1, 1], compute_s=0.03, overlap=1.0)
     first = 0.01 + 0.02 / 3 + 3 * 0.007
-    assert step.step_s == pytest.approx(first + 0.0025 + 3 * (0.0025 + 0.002))
+    assert step.step_s == pytest.approx(first + 0.005 + 3 * 0.002)
     whole = [Cost(0.0, 0.01, 0.004, "a", deferred=True)] * 3
     assert simulate(whole, [1, 1, 1], compute_s=0.03, overlap=1.0).step_s == \
         pytest.approx(0.03 + 0.005 + 3 * (0.005 + 0.004))
