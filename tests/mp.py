@@ -69,7 +69,10 @@ def run(script, np: int = 2, launcher: str = "gloo", args=(), timeout: float = 3
             out = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-6000:]
             raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{out}") from None
         if proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
+            # which ranks got as far as reporting tells a crash in the run from one at exit
+            reported = [r for r in range(np) if (Path(out_dir) / f"rank{r}.pkl").exists()]
+            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode} (ranks that had "
+                                 f"reported: {reported} of {np})\n"
                                  f"--- stdout ---\n{proc.stdout[-8000:]}\n"
                                  f"--- stderr ---\n{proc.stderr[-8000:]}")
         results = []
