@@ -344,23 +344,28 @@ class _GraceDistributedOptimizer:
         if self.gradient_predivide_factor != 1.0:
             tensor = tensor * (1.0 / self.gradient_predivide_factor)
         into = self._into(p)
-        sizes = None
-        if into is not None and into.is_contiguous() and not self._fused(name):
-            sizes = piece_sizes(into.numel(), into.element_size(), self.piece_bytes)
-        if sizes is not None:   # the pieces are slices of p.grad, results written there
+        sizes = self._piece_sizes(p, name)
+        if sizes is not None and into is not None and into.is_contiguous():
+            # the pieces are slices of p.grad, results written there
             return send_pieces(self.grace, into.view(-1), name, self.op, None, sizes)
         return self.grace.send(tensor, name, self.op, into=into)
 
+    def _piece_sizes(self, p, name: str):
+        """The pieces ``p``'s gradient is sent in (None: whole), from its size: not for a
+        fusion group's member or a predivided gradient (``_send`` also needs ``p.grad`` to
+        be dense and contiguous)."""
+        if self._fused(name) or self.gradient_predivide_factor != 1.0:
+            return None
+        return piece_sizes(p.numel(), p.element_size(), self.piece_bytes)
+
     def _piece_layout(self) -> dict:
         """``{name: number of pieces}`` of the parameters sent in pieces (what keys their
-        state), from the parameters' sizes."""
+        state)."""
         layout = {}
         for p, name in self._parameter_names.items():
-            if p.requires_grad and not self._fused(name) and \
-                    self.gradient_predivide_factor == 1.0:
-                sizes = piece_sizes(p.numel(), p.element_size(), self.piece_bytes)
-                if sizes is not None:
-                    layout[name] = len(sizes)
+            sizes = self._piece_sizes(p, name) if p.requires_grad else None
+            if sizes is not None:
+                layout[name] = len(sizes)
         return layout
 
     def _fused(self, name: str) -> bool:

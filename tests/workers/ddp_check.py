@@ -104,6 +104,15 @@ def accuracy(model, data) -> float:
         return float((model(data[2]).argmax(1) == data[3]).float().mean())
 
 
+def plain_steps(model, opt, loss_fn, data, steps: int = 8) -> dict:
+    """``steps`` optimizer steps on the first batches; the parameters after them."""
+    for _, (x, y) in zip(range(steps), batches(data, 1)):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
 # ---------------------------------------------------------------- modes
 def mode_equal() -> dict:
     data = digits()
@@ -112,24 +121,12 @@ def mode_equal() -> dict:
     for label, hook in (("default", False), ("hook", True)):
         # plain steps
         model, opt, _ = make("none" if hook else None)
-        for i, (x, y) in enumerate(batches(data, 1)):
-            if i == 8:
-                break
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-        out[f"plain/{label}"] = params_of(model)
+        out[f"plain/{label}"] = plain_steps(model, opt, loss_fn, data)
         if hook:    # fp16: buckets of 20 KiB whole, and in pieces of 4 KiB: the same sums
-            for label, pipeline in (("default", "fp16"), ("hook", "fp16" + PIECES)):
+            for case, pipeline in (("default", "fp16"), ("hook", "fp16" + PIECES)):
                 model, opt, state = make(pipeline, bucket_cap_mb=0.02)
-                for i, (x, y) in enumerate(batches(data, 1)):
-                    if i == 8:
-                        break
-                    opt.zero_grad()
-                    loss_fn(model(x), y).backward()
-                    opt.step()
-                out[f"pieces/{label}"] = params_of(model)
-                out[f"pieces/{label}/tensors"] = sorted(state.grace.bytes.steps[-1]["per_tensor"])
+                out[f"pieces/{case}"] = plain_steps(model, opt, loss_fn, data)
+                out[f"pieces/{case}/tensors"] = sorted(state.grace.bytes.steps[-1]["per_tensor"])
         # no_sync accumulation: 2 micro-batches per step, the first inside no_sync()
         model, opt, state = make("none" if hook else None)
         for i, (x, y) in enumerate(batches(data, 1, batch=16)):
