@@ -337,6 +337,45 @@ def test_twophase_reuses_its_step_buffers_with_the_same_results():
         for k in sa["server"]:
             np.testing.assert_array_equal(sa["server"][k], sb["server"][k])
         buffers = {k: id(v) for k, v in reused._scratch.items()}
-        assert sorted(buffers) == ["w/approximation", "w/reduced"]
+        # (qsgd writes its error while compressing: no approximation buffer)
+        assert sorted(buffers) == ["w/reduced"]
         assert kept is None or buffers == kept
         kept = buffers
+
+
+class _DecodesAfter:
+    """A compressor's ``compress_with_error`` switched off: the error feedback decodes the
+    payload after compressing, the path every compressor without the fusion takes."""
+
+    def compress_with_error(self, *args, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("communicator", ["twophase", "allgather"])
+@pytest.mark.parametrize("shape", [(60, 40), (7, 300), (1, 6)])
+def test_error_written_while_compressing_equals_decoding_after(communicator, shape):
+    """qsgd's fused error feedback (``compress_with_error``, for the residual's slot and the
+    two-phase server's) leaves the same results, residuals and server residuals, bit for
+    bit, as compressing and then decoding the payload; with a short last bucket and a tensor
+    shorter than a bucket (the mirror needs chunks of equal length; the multi-process tests
+    run the fused path with unequal ones against their references)."""
+    from grace_dl.compressors.qsgd import QSGDCompressor
+
+    params = {"compressor": "qsgd", "quantum_num": 64, "bucket_size": 128,
+              "memory": "residual", "communicator": communicator}
+    fused, plain = grace_from_params(dict(params)), grace_from_params(dict(params))
+    plain.compressor.__class__ = type("PlainQSGD", (_DecodesAfter, QSGDCompressor), {})
+    calls = []
+    real = QSGDCompressor.compress_with_error
+    fused.compressor.compress_with_error = lambda *a, **k: calls.append(1) or real(
+        fused.compressor, *a, **k)
+    for step in range(3):
+        x = _tensor(40 + step, shape)
+        a = fused.receive(fused.send(x.clone(), "w", collectives=_Mirror()))
+        b = plain.receive(plain.send(x.clone(), "w", collectives=_Mirror()))
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        sa, sb = fused.state_dict(), plain.state_dict()
+        np.testing.assert_array_equal(sa["memory"]["w"], sb["memory"]["w"])
+        for k in sa.get("server", {}):
+            np.testing.assert_array_equal(sa["server"][k], sb["server"][k])
+    assert calls    # the fused path ran

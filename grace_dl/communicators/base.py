@@ -361,6 +361,13 @@ class Communicator(Router, ABC):
     def encode(self, tensor, name: str, call: Call) -> Encoded:
         """Compensate, compress, and (single-round methods) update the memory once."""
         compensated = self.memory.compensate_for(tensor, name, self.compressor)
+        if self.compressor.rounds == 1:
+            slot = self.memory.error_slot(name, self.compressor)
+            got = None if slot is None else self.compress_with_error(compensated, name, call,
+                                                                    slot)
+            if got is not None:
+                self.memory.error_written(name)
+                return Encoded(name, *got, compensated, call)
         payload, ctx = self.compress(compensated, name, call)
         encoded = Encoded(name, payload, ctx, compensated, call)
         if self.compressor.rounds == 1:
@@ -373,6 +380,15 @@ class Communicator(Router, ABC):
     def compress(self, compensated, name: str, call: Call):
         """``(payload, ctx)`` for one tensor; two-phase compresses chunk by chunk."""
         return self.compressor.compress(compensated, name, call)
+
+    def compress_with_error(self, compensated, name: str, call: Call, error):
+        """``compress``, also writing what it loses (``compensated`` minus its
+        approximation) into ``error``, the memory's slot (``Compressor.compress_with_error``);
+        None where the compressor cannot, or where a subclass changed what one payload is
+        (overrode ``compress``) without saying how its error is written."""
+        if type(self).compress is not Communicator.compress:
+            return None
+        return self.compressor.compress_with_error(compensated, name, call, error)
 
     def approximate(self, encoded: Encoded):
         """This rank's own payload decompressed: what its error feedback counts as sent."""

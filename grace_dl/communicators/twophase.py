@@ -34,7 +34,15 @@ from dataclasses import dataclass
 
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase, Ready
+from grace_dl.communicators.base import (
+    Communicator,
+    Encoded,
+    Handle,
+    Phase,
+    Ready,
+    average_divisor,
+    divided_payloads,
+)
 from grace_dl.compressors.base import Call
 from grace_dl.registry import register_communicator
 from grace_dl.state import State
@@ -97,6 +105,27 @@ class TwoPhase(Communicator):
         chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(numel, call.size))
         compressed = [self.compressor.compress(c, f"{name}/chunk{j}", call)
                       for j, c in enumerate(chunks)]
+        return [p for p, _ in compressed], [c for _, c in compressed]
+
+    def compress_with_error(self, compensated, name: str, call: Call, error):
+        """``compress``, each chunk writing its error into its slice of ``error``."""
+        ops = ops_for(compensated)
+        numel = ops.numel(compensated)
+        flat = ops.flat_view(error)
+        if not isinstance(numel, int) or numel == 0 or flat is None:
+            return None
+        sizes = wire.chunk_sizes(numel, call.size)
+        chunks = ops.split(ops.flatten(compensated), sizes)
+        errors = ops.split(flat, sizes)
+        compressed = []
+        for j, (c, e) in enumerate(zip(chunks, errors)):
+            got = self.compressor.compress_with_error(c, f"{name}/chunk{j}", call, e)
+            if got is None:
+                if j:   # the chunks differ only in length: cannot happen after the first
+                    raise RuntimeError(f"twophase: chunk {j} of {name!r} could not write "
+                                       f"its error after chunk 0 did")
+                return None
+            compressed.append(got)
         return [p for p, _ in compressed], [c for _, c in compressed]
 
     def approximate(self, encoded: Encoded):
@@ -182,13 +211,20 @@ class TwoPhase(Communicator):
         payloads = [[ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)]
                     for j in range(m)]
         known = {} if phase.own is None else {coll.rank(): phase.own}
+        divisor = None
+        if handle.into is not None and ops.flat_view(handle.into) is not None:
+            # decoded straight into ``into``: the average may be folded into the payloads
+            payloads = divided_payloads(handle, payloads)
+            if handle.finished_in_place:
+                divisor = average_divisor(handle)
         return self._decompress_chunks(payloads, ctxs, handle.into, handle.encoded.compensated,
-                                       known)
+                                       known, divisor)
 
-    def _decompress_chunks(self, payloads, ctxs, out, like=None, known=None):
+    def _decompress_chunks(self, payloads, ctxs, out, like=None, known=None, divisor=None):
         """Every chunk's payload decompressed and joined in the tensor's shape: each straight
         into its slice of ``out`` where ``out`` has a flat view (torch), else joined by a
-        concatenation shaped like ``like``. ``known``: chunks already decoded, by index."""
+        concatenation shaped like ``like``. ``known``: chunks already decoded, by index
+        (written divided by ``divisor`` when given: the payloads were divided)."""
         ops = ops_for(payloads[0][0])
         known = known or {}
         flat = None if out is None else ops.flat_view(out)
@@ -202,10 +238,12 @@ class TwoPhase(Communicator):
                                                   wire.chunk_sizes(ops.numel(out),
                                                                    len(payloads)))):
             piece = ops.slice(flat, start, start + n)
-            chunk = known[j] if j in known else \
-                self.compressor.decompress_into(payload, ctx, piece)
-            if not ops.aliases(chunk, piece):
-                ops.assign(piece, ops.flatten(chunk))
+            if j in known:
+                ops.assign_div(piece, ops.flatten(known[j]), divisor)
+            else:
+                chunk = self.compressor.decompress_into(payload, ctx, piece)
+                if not ops.aliases(chunk, piece):
+                    ops.assign(piece, ops.flatten(chunk))
             start += n
         return out
 
@@ -223,6 +261,12 @@ class TwoPhase(Communicator):
             compensated = reduced + ops.read(slot)
         else:
             compensated = ops.read(ops.assign_add(slot, reduced))
+        if not self.compressor.sends_tensor:
+            # ``reduced`` is in the slot now and the payload never holds it: decode there
+            got = self.compressor.compress_with_error(compensated, f"{key}/server", call,
+                                                      slot, reduced)
+            if got is not None:
+                return wire.flatten(got[0])[0], reduced
         payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
         if self.compressor.sends_tensor:
             decoded = self.compressor.decompress(payload, ctx)

@@ -71,7 +71,8 @@ class Compressor(Stateful, ABC):
     them without probing: ``next_round`` (multi-round methods), ``sent_indices`` (which
     positions a sparse payload carries), ``sent_entries`` (its positions and values),
     ``combine`` / ``decompress_into`` (every rank's payload decompressed and aggregated, or
-    the reduced one decompressed, built in a given buffer where possible), ``local_share``
+    the reduced one decompressed, built in a given buffer where possible),
+    ``compress_with_error`` (the error feedback's subtraction done while compressing), ``local_share``
     (this rank's part of a multi-round result), ``payload_nbytes`` / ``payload_nbytes_for_shape``
     (bytes on the wire).
     """
@@ -128,6 +129,14 @@ class Compressor(Stateful, ABC):
         """``decompress``, built in ``out`` (as in ``combine``) where the method can; what an
         allreduce does with the one reduced payload."""
         return self.decompress(payload, ctx)
+
+    def compress_with_error(self, tensor, name: str, call: Call, error, decoded=None):
+        """``compress``, also writing ``tensor - decompress(payload, ctx)`` into ``error`` (a
+        tensor of ``tensor``'s shape, possibly ``tensor`` itself) and, given ``decoded``, the
+        decompression there, while compressing: error feedback without writing the dense
+        approximation out and reading it back. Returns ``(payload, ctx)``, or ``None`` (having
+        done nothing) where the method cannot for these tensors; the caller then decompresses."""
+        return None
 
     def divided(self, payload, divisor):
         """A payload that decompresses (and ``combine``s, with the default sum) to this one's

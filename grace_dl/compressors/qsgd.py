@@ -72,6 +72,25 @@ class QSGDCompressor(Compressor):
         return rows
 
     def compress(self, tensor, name, call=LOCAL):
+        return self._compress(tensor, name, call)
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        """``compress``, also writing ``tensor - decompress(payload)`` into ``error`` and the
+        decompression into ``decoded`` (when given) block by block, from the codes while they
+        are in cache (the same float operations as ``decompress``, so the same values). Needs
+        a float32 ``tensor`` and ``error``/``decoded`` with flat views (torch); else None."""
+        ops = ops_for(tensor)
+        outs = [error] if decoded is None else [error, decoded]
+        if ops.dtype(tensor) != "float32" or any(
+                ops.dtype(o) != "float32" or ops.numel(o) != ops.numel(tensor)
+                or ops.flat_view(o) is None for o in outs):
+            return None
+        return self._compress(tensor, name, call, [ops.flat_view(o) for o in outs])
+
+    def _compress(self, tensor, name, call, outs=()):
+        """``(payload, ctx)``; ``outs``: 1-D float32 tensors of the input's length, the first
+        set to the error (input - decompression), the second (if any) to the decompression.
+        The first may be the input's own memory: each block is read before it is written."""
         ops, x, layout = flat_f32(tensor)
         n, b, s = layout.numel, self.bucket_size, float(self.quantum_num)
         nb = self._buckets(n)
@@ -83,18 +102,58 @@ class QSGDCompressor(Compressor):
         norms = [_bucket_norms(ops, r, ops.shape(r)[0]) for r in xs]
         norms = norms[0] if len(norms) == 1 else ops.cat(norms)
         scale = ops.reshape(ops.where(norms > 0, s / norms, ops.zeros_like(norms)), (nb, 1))
-        scales = ops.split(scale, [ops.shape(r)[0] for r in xs]) if len(xs) > 1 else [scale]
+        step = ops.reshape(norms / s, (nb, 1))
+        sizes = [ops.shape(r)[0] for r in xs]
+        scales, steps = ([scale], [step]) if len(xs) == 1 else \
+            (ops.split(scale, sizes), ops.split(step, sizes))
         hi = 2 * self.quantum_num
 
         def levels(xc, sc, kc):
             # floor(s*v/||v|| + u) + s: the stochastic level, shifted to [0, 2s]. Truncation is
-            # floor here (t >= -tiny); the clamp only catches float rounding at +s.
+            # floor here (t >= -tiny); the clamp only catches float rounding at +s. (Through
+            # int32: float to uint8 directly is twice as slow on CPU, same values in range.)
             t = add_dither(ops, xc * sc, kc, db, s)
-            return ops.clamp(ops.cast(t, "uint8"), None, hi)
+            return ops.clamp(ops.cast(ops.cast(t, "int32"), "uint8"), None, hi)
 
-        codes = [ops.blockwise(levels, xr, sr, kr) for xr, sr, kr in zip(xs, scales, ks)]
+        def levels_and_error(xc, sc, kc, st, *out):
+            codes = levels(xc, sc, kc)
+            v = self._values(ops, codes, st)
+            if len(out) > 1:
+                ops.assign(out[1], v)
+            if ops.aliases(out[0], xc):
+                ops.assign_sub(out[0], v)
+            else:
+                ops.assign(out[0], xc - v)
+            return codes
+
+        full = n // b
+        codes = []
+        for i, (xr, sr, kr, st) in enumerate(zip(xs, scales, ks, steps)):
+            if not outs:
+                codes.append(ops.blockwise(levels, xr, sr, kr))
+            elif i == 0 and full:   # the whole buckets: views of the outputs row by row
+                rows = [ops.reshape(ops.slice(o, 0, full * b), (full, b)) for o in outs]
+                codes.append(ops.blockwise(levels_and_error, xr, sr, kr, st, *rows))
+            else:                   # the padded last bucket: its real elements only
+                c = levels(xr, sr, kr)
+                v = ops.slice(ops.flatten(self._values(ops, c, st)), 0, n - full * b)
+                tail = [ops.slice(o, full * b, n) for o in outs]
+                if len(tail) > 1:
+                    ops.assign(tail[1], v)
+                ops.assign(tail[0], ops.slice(x, full * b, n) - v)
+                codes.append(ops.flatten(c))
         codes = codes[0] if len(codes) == 1 else ops.cat(codes)
         return [pack(ops, ops.slice(codes, 0, n), self._bits), norms], layout
+
+    def _values(self, ops, codes, step, *acc):
+        """``step * (code - s)`` of uint8 ``codes`` (rows, with one step per row), plus
+        ``acc[0]`` when given: the decoded values."""
+        v = ops.cast(codes, "float32")
+        v -= float(self.quantum_num)
+        v *= step
+        if acc:
+            v += acc[0]
+        return v
 
     def decompress(self, payload, ctx):
         return self._decode(payload, ctx)
@@ -117,6 +176,12 @@ class QSGDCompressor(Compressor):
             self._decode(payload, ctx, total, accumulate=True)
         return total
 
+    def divided(self, payload, divisor):
+        """The payload with its norms divided by ``divisor``: it decodes to the values divided
+        (exactly for a power of two, else within a rounding), without a pass over them."""
+        packed, norms = payload
+        return [packed, norms / divisor]
+
     def _decode(self, payload, ctx, out=None, accumulate=False):
         """The payload's values (``norm / s * (code - s)``), into ``out``'s flat view when it
         has one and the values are float32 (added to what ``out`` holds when ``accumulate``),
@@ -129,12 +194,7 @@ class QSGDCompressor(Compressor):
         step = ops.reshape(norms / s, (nb, 1))
 
         def values(cc, st, *acc):
-            v = ops.cast(cc, "float32")
-            v -= s
-            v *= st
-            if acc:
-                v += acc[0]
-            return v
+            return self._values(ops, cc, st, *acc)
 
         flat = None
         if out is not None and ctx.dtype == "float32" and ops.dtype(out) == "float32":

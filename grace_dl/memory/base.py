@@ -36,6 +36,19 @@ class Memory(Stateful, ABC):
         copy what must be kept), the ranks' average for multi-round methods. Called outside
         a communicator without it, ``sent`` decompresses the payload."""
 
+    def error_slot(self, name: str, compressor):
+        """The tensor that ``update`` would set to ``compensated - approximation``, when it
+        holds the compensated tensor itself (compensated in place), else None. A communicator
+        may have the compressor write its error there while compressing
+        (``Compressor.compress_with_error``) and then call ``error_written`` instead of
+        ``update``."""
+        return None
+
+    def error_written(self, name: str) -> None:
+        """The compressor wrote this step's error into ``error_slot(name)``: the update for
+        ``name`` is done."""
+        raise NotImplementedError(f"{type(self).__name__} offers no error slot")
+
     @staticmethod
     def sent(compressor, payload, ctx, approximation):
         """``approximation``, or the payload decompressed when none was given."""

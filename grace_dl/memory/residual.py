@@ -27,7 +27,7 @@ class ResidualMemory(Memory):
         super().__init__()
         self.beta = in_range("beta", beta, 0.0, None)
         self.gamma = in_range("gamma", gamma, 0.0, None, lo_open=True)
-        self._in_slot: set[str] = set()    # names compensated in their slot, not yet updated
+        self._in_slot: dict = {}    # names compensated in their slot, not yet updated: the slot
 
     def compensate(self, tensor, name):
         ops = ops_for(tensor)
@@ -47,14 +47,21 @@ class ResidualMemory(Memory):
         if not (self.beta == 1.0 and self.gamma == 1.0) or compressor.sends_tensor:
             return self.compensate(tensor, name)
         ops = ops_for(tensor)
-        self._in_slot.add(name)
-        return ops.read(ops.assign_add(self.state.zeros(name, ops, tensor), tensor))
+        slot = self._in_slot[name] = self.state.zeros(name, ops, tensor)
+        return ops.read(ops.assign_add(slot, tensor))
+
+    def error_slot(self, name, compressor):
+        """The residual's slot while it holds the compensated tensor (beta = gamma = 1), for
+        dense compressors (sparse ones update O(k) entries, cheaper than any dense pass)."""
+        return None if compressor.sparse else self._in_slot.get(name)
+
+    def error_written(self, name):
+        self._in_slot.pop(name, None)
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
         residual = self.state.zeros(name, ops, tensor)
-        in_slot = name in self._in_slot
-        self._in_slot.discard(name)
+        in_slot = self._in_slot.pop(name, None) is not None
         entries = compressor.sent_entries(payload, ctx) if approximation is None else None
         if entries is None:
             sent = self.sent(compressor, payload, ctx, approximation)
