@@ -51,6 +51,33 @@ class SignSGDCompressor(Compressor):
         return [ops.cat([signbits.encode(ops, flat), ops.pack_compare(flat, "eq", 0),
                          signbits.status(ops, flat)])]
 
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        """``compress``, with the error ``tensor - sign(tensor)`` (NaN everywhere when the
+        status byte is set, as the decoded payload is) and the decoded signs written block by
+        block from the tensor itself, instead of unpacking the two bit planes again. Needs
+        ``error``/``decoded`` of the tensor's dtype with flat views (torch); else None."""
+        ops = ops_for(tensor)
+        outs = [error] if decoded is None else [error, decoded]
+        if any(ops.dtype(o) != ops.dtype(tensor) or ops.numel(o) != ops.numel(tensor)
+               or ops.flat_view(o) is None for o in outs):
+            return None
+        flat = ops.flatten(tensor)
+        payload = self._encode(ops, flat)
+        outs = [ops.flat_view(o) for o in outs]
+
+        def error_of(xc, *dc):
+            v = ops.sign(xc)
+            if dc:
+                ops.assign(dc[0], v)
+            return xc - v
+
+        ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
+        if ops.cond(ops.sum(ops.cast(signbits.flag(ops, payload[0]), "int32")) > 0,
+                    lambda: True, lambda: False):
+            for o in outs:   # as decoding gives: NaN everywhere
+                ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))
+        return payload, (ops.shape(tensor), ops.dtype(tensor))
+
     def decompress(self, payload, ctx):
         return self.decompress_into(payload, ctx)
 
