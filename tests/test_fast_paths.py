@@ -386,3 +386,23 @@ def test_error_written_while_compressing_equals_decoding_after(compressor, commu
         for k in sa.get("server", {}):
             np.testing.assert_array_equal(sa["server"][k], sb["server"][k])
     assert calls    # the fused path ran
+
+
+def test_signum_feeds_back_the_error_of_its_momentum_signs():
+    """signum subclasses signsgd but sends its momentum's signs: the inherited fused error
+    feedback must not apply (it would send and subtract the gradient's own signs); the
+    residual is the compensated gradient minus what was sent."""
+    grc = grace_from_params({"compressor": "signum", "momentum": 0.5, "memory": "residual",
+                             "communicator": "allgather"})
+    assert grc.compressor.compress_with_error(torch.ones(4), "w", Call(0, 1),
+                                              torch.zeros(4)) is None
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    grc.receive(grc.send(x.clone(), "w", collectives=OneRank()))
+    x2 = torch.tensor([-3.0, 2.0, 0.5, 4.0])
+    grc.receive(grc.send(x2.clone(), "w", collectives=OneRank()))
+    # step 1: momentum 0.5 x, sent sign(x); residual r1 = x - sign(x)
+    r1 = x - torch.sign(x)
+    comp = x2 + r1
+    momentum = 0.5 * (0.5 * x) + 0.5 * comp
+    np.testing.assert_allclose(grc.state_dict()["memory"]["w"],
+                               (comp - torch.sign(momentum)).numpy(), rtol=1e-6)

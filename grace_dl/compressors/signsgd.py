@@ -56,6 +56,8 @@ class SignSGDCompressor(Compressor):
         status byte is set, as the decoded payload is) and the decoded signs written block by
         block from the tensor itself, instead of unpacking the two bit planes again. Needs
         ``error``/``decoded`` of the tensor's dtype with flat views (torch); else None."""
+        if type(self).compress is not SignSGDCompressor.compress:
+            return None     # a subclass sends other signs (signum: its momentum's)
         ops = ops_for(tensor)
         outs = [error] if decoded is None else [error, decoded]
         if any(ops.dtype(o) != ops.dtype(tensor) or ops.numel(o) != ops.numel(tensor)
