@@ -129,8 +129,18 @@ class OpsBackend(Protocol):
 
     def logical_and(self, a, b): ...
 
+    def bit_and(self, a, b): ...
+
+    def bit_or(self, a, b): ...
+
+    def bit_xor(self, a, b): ...
+
+    def bit_not(self, x):
+        """Bitwise operations on integer tensors (the packed sign planes' bytes)."""
+
     def bitcast(self, x, dt: str):
-        """Reinterpret the bits of ``x`` as dtype ``dt`` of the same width (float32 <-> int32)."""
+        """Reinterpret the bits of ``x`` as dtype ``dt`` (float32 <-> int32; a wider integer
+        as its bytes, int16 -> uint8 in memory order)."""
 
     def shift_left(self, x, n: int):
         """``x << n`` for integer tensors."""
@@ -228,7 +238,8 @@ class OpsBackend(Protocol):
 
     def pack_compare(self, x, cmp: str, value): ...
 
-    def unpack_lookup(self, packed, bits: int, n, table): ...
+    def unpack_lookup(self, packed, bits: int, n, table, out=None):
+        """``table[code]`` of each of the first ``n`` codes; into ``out`` where views exist."""
 
     def variable(self, value, dt: str, like=None, name: str | None = None): ...
 

@@ -541,3 +541,30 @@ def test_entries_zero_on_every_rank_vote_zero(fw, name):
     grads = [[0.0, 0.0, 1.0, 0.0], [0.0, -1.0, 2.0, 0.0]]
     decoded = [r.decompress(*r.compress(tensor(fw, g), "w")) for r, g in zip(ranks, grads)]
     np.testing.assert_array_equal(np_of(ranks[0].aggregate(decoded)), [0, -1, 1, 0])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7, 8, 9])
+def test_vote_on_packed_planes_equals_the_vote_of_decoded_signs(fw, ranks):
+    """``combine`` counts the vote bit-sliced on the packed planes (two's complement over
+    bit_length(N) + 1 planes): the same -1/0/+1 as the sign of the decoded signs' sum, for
+    any number of ranks, with ties, zeros, a length that leaves padding bits, and (torch)
+    written into a given buffer."""
+    rng = np.random.default_rng(ranks)
+    n = 8 * 37 + 5
+    grads = rng.integers(-1, 2, (ranks, n)).astype(np.float32) * rng.random((ranks, n))
+    grads[:, :4] = 0.0
+    grads[: ranks // 2, 4] = 1.0        # an even split where N is even: a tie
+    grads[ranks // 2:, 4] = -1.0 if ranks % 2 == 0 else 0.0
+    comp = make("signsgd")
+    sent = [comp.compress(tensor(fw, g), "w") for g in grads]
+    ctx = sent[0][1]
+    expected = np.sign(np.sign(grads).sum(axis=0))
+    np.testing.assert_array_equal(np_of(comp.combine([p for p, _ in sent], ctx)), expected)
+    np.testing.assert_array_equal(
+        np_of(comp.aggregate([comp.decompress(p, c) for p, c in sent])), expected)
+    if fw == "torch":
+        out = torch.full((n,), 5.0)
+        got = comp.combine([p for p, _ in sent], ctx, out)
+        assert got is out
+        np.testing.assert_array_equal(out.numpy(), expected)

@@ -18,6 +18,10 @@ pure-sign methods, a status byte (see ``status``).
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
+
 NEGATIVE = 1
 _WIDE = {"float16": "float32", "bfloat16": "float32"}
 
@@ -59,6 +63,69 @@ def nan_if(ops, flag):
     return ops.where(flag > 0, ops.full([1], float("nan"), "float32", like=like),
                      ops.zeros([1], "float32", like=like))
 
+
+
+def planes(ops, packed):
+    """A pure-sign payload's (negative, zero) bit planes, ``ceil(n/8)`` uint8 each."""
+    nbytes = (ops.numel(packed) - 1) // 2
+    return ops.slice(packed, 0, nbytes), ops.slice(packed, nbytes, 2 * nbytes)
+
+
+def positive(ops, neg, zero):
+    """The positive plane: neither negative nor zero (padding bits past ``n`` included)."""
+    return ops.bit_not(ops.bit_or(neg, zero))
+
+
+def vote(ops, packed_payloads):
+    """The majority vote of pure-sign payloads as (positive, negative) bit planes, counted on
+    the packed bytes, 8 elements per byte operation: ``D = #positive - #negative`` is kept
+    bit-sliced in two's complement over ``w = bit_length(N) + 1`` planes (plane i holds bit i
+    of every element's D), each rank's positive plane added and negative plane subtracted
+    with a ripple carry; the vote is +1 where D > 0 (sign bit clear, some bit set), -1 where
+    D < 0 (sign bit set), 0 where D = 0."""
+    width = len(packed_payloads).bit_length() + 1
+    d = None
+    for packed in packed_payloads:
+        neg, zero = planes(ops, packed)
+        pos = positive(ops, neg, zero)
+        if d is None:
+            d = [ops.bit_xor(pos, pos)] * width
+        carry = pos                 # D += pos
+        for i in range(width):
+            d[i], carry = ops.bit_xor(d[i], carry), ops.bit_and(d[i], carry)
+        borrow = neg                # D -= neg
+        for i in range(width):
+            d[i], borrow = ops.bit_xor(d[i], borrow), ops.bit_and(ops.bit_not(d[i]), borrow)
+    sign = d[-1]
+    nonzero = d[0]
+    for plane in d[1:-1]:
+        nonzero = ops.bit_or(nonzero, plane)
+    return ops.bit_and(nonzero, ops.bit_not(sign)), sign
+
+
+#: byte value -> its 8 bits spread to the even bits of a 16-bit word: two planes' bytes
+#: interleave into 2-bit codes
+_SPREAD = np.array([sum(((b >> i) & 1) << (2 * i) for i in range(8)) for b in range(256)],
+                   np.int16)
+
+
+def ternary(ops, pos, neg, n, dtype: str, out=None):
+    """The ``n`` elements +1 where the ``pos`` plane's bit is set, -1 where ``neg``'s is, 0
+    where neither: each byte pair interleaved into 2-bit codes (``pack_bits`` layout, code
+    ``pos + 2 neg``) through a 256-entry table, then decoded by ``unpack_lookup``; one pass
+    over the output, written into the 1-D ``out`` when given (torch)."""
+    spread = ops.from_numpy(_SPREAD, like=pos)
+    # int16 wraps at bit 15: only the bit pattern matters
+    words = ops.bit_or(ops.gather(spread, ops.cast(pos, "int32")),
+                       ops.shift_left(ops.gather(spread, ops.cast(neg, "int32")), 1))
+    if sys.byteorder == "little":
+        codes = ops.reshape(ops.bitcast(words, "uint8"), [-1])
+    else:   # the low byte (elements 0-3) first, whatever the memory order
+        low = ops.cast(ops.bit_and(words, 255), "uint8")
+        high = ops.cast(ops.bit_and(ops.shift_right(words, 8), 255), "uint8")
+        codes = ops.reshape(ops.stack([low, high], axis=1), [-1])
+    table = ops.cast(ops.from_numpy(np.array([0, 1, -1, 0], np.float32), like=pos), dtype)
+    return ops.unpack_lookup(codes, 2, n, table, out)
 
 
 def codes(ops, packed, n):

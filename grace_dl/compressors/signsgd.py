@@ -84,31 +84,45 @@ class SignSGDCompressor(Compressor):
         return self.decompress_into(payload, ctx)
 
     def decompress_into(self, payload, ctx, out=None):
-        """From the unpacked planes' int8 codes, cast once into ``out`` when it has a flat
-        view (torch), else into a new tensor."""
+        """The signs decoded from the two planes in one table-lookup pass
+        (``signbits.ternary``), into ``out`` when it has a flat view (torch), else into a new
+        tensor; NaN everywhere when the status byte is set."""
         shape, dtype = ctx
         packed = payload[0]
         ops = ops_for(packed)
-        flat = None if out is None else ops.flat_view(out)
-        signs = 1 - signbits.codes(ops, packed, math.prod(shape))
-        got = signbits.values(ops, signs, signbits.flag(ops, packed), dtype, flat)
-        return out if flat is not None else ops.reshape(got, shape)
+        neg, zero = signbits.planes(ops, packed)
+        return self._signs(ops, signbits.positive(ops, neg, zero), neg,
+                           signbits.flag(ops, packed), shape, dtype, out)
 
     def combine(self, payloads, ctx, out=None):
-        """The majority vote straight from every rank's codes: the sum of the ranks' signs is
-        ``ranks - sum(codes)``, counted in int16 (no rank's ±1 tensor is built), and its
-        sign is the vote; NaN everywhere when any rank's status byte is set."""
+        """The majority vote counted on every rank's packed planes (``signbits.vote``: no
+        rank's signs are unpacked) and decoded once, into ``out`` as in ``decompress_into``;
+        NaN everywhere when any rank's status byte is set."""
         shape, dtype = ctx
         ops = ops_for(payloads[0][0])
-        n = math.prod(shape)
-        count = status = None
+        pos, neg = signbits.vote(ops, [p[0] for p in payloads])
+        status = None
         for (packed,) in payloads:
-            codes = ops.cast(signbits.codes(ops, packed, n), "int16")
             flag = ops.cast(signbits.flag(ops, packed), "int32")
-            count = codes if count is None else count + codes
             status = flag if status is None else status + flag
-        votes = ops.sign(len(payloads) - count)
-        return ops.reshape(signbits.values(ops, votes, status, dtype), shape)
+        return self._signs(ops, pos, neg, status, shape, dtype, out)
+
+    @staticmethod
+    def _signs(ops, pos, neg, status, shape, dtype, out):
+        """+1/-1/0 from the planes in ``shape`` and ``dtype`` (in ``out`` where it has a flat
+        view), or NaN everywhere when ``status`` is set."""
+        n = math.prod(shape)
+        flat = None if out is None else ops.flat_view(out)
+        if flat is not None and ops.dtype(flat) != dtype:
+            flat = None
+
+        def nan():
+            full = ops.full([n], float("nan"), dtype, like=pos)
+            return full if flat is None else ops.assign(flat, full)
+
+        got = ops.cond(ops.sum(ops.cast(status, "int32")) > 0, nan,
+                       lambda: signbits.ternary(ops, pos, neg, n, dtype, flat))
+        return out if flat is not None else ops.reshape(got, shape)
 
     def aggregate(self, tensors):
         """Majority vote: the sign of the sum of the ranks' -1/0/+1 (0 where the vote ties);

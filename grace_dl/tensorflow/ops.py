@@ -168,6 +168,22 @@ def logical_and(a, b):
     return tf.math.logical_and(a, b)
 
 
+def bit_and(a, b):
+    return tf.bitwise.bitwise_and(a, b)
+
+
+def bit_or(a, b):
+    return tf.bitwise.bitwise_or(a, b)
+
+
+def bit_xor(a, b):
+    return tf.bitwise.bitwise_xor(a, b)
+
+
+def bit_not(x):
+    return tf.bitwise.invert(x)
+
+
 def bitcast(x, dt: str):
     """Reinterpret the bits of ``x`` as dtype ``dt`` of the same width (float32 <-> int32)."""
     return tf.bitcast(x, _DTYPES[dt])
@@ -471,10 +487,11 @@ def pack_mask(mask):
     return tf.cast(tf.bitwise.bitwise_and(v, tf.constant(0xFF, tf.int64)), tf.uint8)
 
 
-def unpack_lookup(packed, bits: int, n, table):
+def unpack_lookup(packed, bits: int, n, table, out=None):
     """Decode through a table: ``table[code]`` for each of the first ``n`` ``bits``-wide codes of
     ``packed`` (``pack_bits`` layout); ``table`` is 1-D with ``2**bits`` entries and gives the
-    result's dtype. One gather of a 256-row table of decoded bytes. ``bits`` must divide 8."""
+    result's dtype. One gather of a 256-row table of decoded bytes. ``bits`` must divide 8.
+    ``out`` is ignored: TF tensors have no views to write into (the result is new)."""
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be one of [1, 2, 4, 8], got {bits}")
     size = table.shape.num_elements()

@@ -154,6 +154,22 @@ def logical_and(a, b):
     return a & b
 
 
+def bit_and(a, b):
+    return a & b
+
+
+def bit_or(a, b):
+    return a | b
+
+
+def bit_xor(a, b):
+    return a ^ b
+
+
+def bit_not(x):
+    return ~x
+
+
 def bitcast(x, dt: str):
     """Reinterpret the bits of ``x`` as dtype ``dt`` of the same width (float32 <-> int32)."""
     return x.view(_DTYPES[dt])
@@ -584,11 +600,13 @@ def pack_compare(x, cmp: str, value):
 _NUMPY_CMP = (torch.float32, torch.float64, torch.float16)
 
 
-def unpack_lookup(packed, bits: int, n, table):
+def unpack_lookup(packed, bits: int, n, table, out=None):
     """Decode through a table: ``table[code]`` for each of the first ``n`` ``bits``-wide codes of
     ``packed`` (``pack_bits`` layout). ``table`` is 1-D with ``2**bits`` entries and gives the
     result's dtype. One gather of a 256-row table (each byte value's codes, already decoded), so
-    unpacking and decoding cost a single pass over the output. ``bits`` must divide 8."""
+    unpacking and decoding cost a single pass over the output. ``bits`` must divide 8.
+    ``out``: a contiguous tensor of ``n`` elements of the table's dtype to write the result
+    into (and return) instead of a new one."""
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be one of [1, 2, 4, 8], got {bits}")
     if table.numel() != 1 << bits:
@@ -597,19 +615,37 @@ def unpack_lookup(packed, bits: int, n, table):
     per = 8 // bits
     codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
     expanded = table.reshape(-1)[torch.from_numpy(codes).to(table.device)]
+    packed = packed.reshape(-1)
+    if out is not None:
+        flat = out.view(-1)
+        full = n // per   # whole bytes straight into ``out``; the last partial one by itself
+        if full:
+            _lookup_into(expanded, packed[:full], flat[:full * per].view(full, per), per)
+        if n > full * per:
+            flat[full * per:] = expanded[packed[full].long()][:n - full * per]
+        return out
     if per == 1:
         expanded = expanded.reshape(-1)
-    packed = packed.reshape(-1)
     if packed.device.type != "cpu" or packed.numel() * per <= _block():
         return torch.index_select(expanded, 0, packed.to(torch.int32)).reshape(-1)[:n]
-    # On the CPU block by block, straight into the output: the int32 indices stay in cache.
-    out = expanded.new_empty((packed.numel(),) + expanded.shape[1:])
-    step = _block() // per  # a block's worth of results (the grain for rows of ``per`` values)
+    result = expanded.new_empty((packed.numel(),) + expanded.shape[1:])
+    _lookup_into(expanded, packed, result, per)
+    return result.reshape(-1)[:n]
+
+
+def _lookup_into(expanded, packed, out, per: int):
+    """``out[i] = expanded[packed[i]]`` (rows of ``per`` values); on the CPU block by block,
+    so that the int32 indices stay in cache."""
+    if per == 1:
+        expanded, out = expanded.reshape(-1), out.reshape(-1)
+    if packed.device.type != "cpu":
+        torch.index_select(expanded, 0, packed.to(torch.int32), out=out)
+        return
+    step = _block() // per or 1  # a block's worth of results (this module's max is a tensor one)
     for start in range(0, packed.numel(), step):
         stop = start + step
         torch.index_select(expanded, 0, packed[start:stop].to(torch.int32),
                            out=out[start:stop])
-    return out.reshape(-1)[:n]
 
 
 # ------------------------------------------------------------------ state (training state slots)
