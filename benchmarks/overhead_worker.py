@@ -13,8 +13,9 @@ Per step, rank 0 records (medians over the measured steps):
 - ``total_s``: the two together: what a training loop sees.
 
 For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
-lives in the library): ``compensate`` (``compensate_for``), ``compress``, ``memory_update``
-(with the local approximation), ``issue``, ``wait`` (``Collectives.synchronize``), ``complete``
+lives in the library): ``compensate`` (``compensate_for``), ``compress`` (with
+``compress_with_error``, which writes the error feedback while compressing: ``memory_update``
+is then ~0), ``memory_update`` (with the local approximation), ``issue``, ``wait`` (``Collectives.synchronize``), ``complete``
 (without its waits). ``other`` is ``total − compute − the phases``: the optimizer's own
 bookkeeping, the averaging division, gradient writes, the SGD update and whatever the phases'
 allocations cost outside them.
@@ -89,6 +90,7 @@ def instrument(grc) -> None:
         return
     CLOCK.wrap(grc.memory, "compensate_for", "compensate")
     CLOCK.wrap(grc, "compress", "compress")
+    CLOCK.wrap(grc, "compress_with_error", "compress")   # the error feedback fused in
     CLOCK.wrap(grc.memory, "update", "memory_update")
     CLOCK.wrap(grc, "approximate", "memory_update")
     CLOCK.wrap(grc, "issue", "issue")
