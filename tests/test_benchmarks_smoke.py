@@ -98,3 +98,23 @@ def test_quick_suite_writes_reports_with_every_column(tmp_path):
     assert all(c in conv for c in report.CONVERGENCE_COLUMNS)
     assert (tmp_path / "speedup.png").stat().st_size > 0
     assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+def test_pipeline_cpu_compares_code_trees_in_one_table(tmp_path):
+    """The CPU benchmark runs every pipeline on every code tree (here the same tree twice)
+    and writes a table with one column per tree and the ratio to the first."""
+    from benchmarks import pipeline_cpu
+
+    out = tmp_path / "cpu.json"
+    root = str(pipeline_cpu.ROOT)
+    assert pipeline_cpu.main(["--pipelines", "qsgd-2phase", "topk", "--numel", "5000",
+                              "--steps", "2", "--warmup", "1", "--rounds", "1",
+                              "--code", root, root, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"qsgd-2phase", "topk"}
+    assert all(len(per_tree[root]) == 2 and min(per_tree[root]) > 0
+               for per_tree in result["ms"].values())
+    table = out.with_suffix(".md").read_text()
+    assert "| qsgd-2phase |" in table and "÷" in table
+    with pytest.raises(SystemExit, match="unknown pipelines"):
+        pipeline_cpu.main(["--pipelines", "nosuch"])
