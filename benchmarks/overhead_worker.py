@@ -15,10 +15,10 @@ Per step, rank 0 records (medians over the measured steps):
 For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
 lives in the library): ``compensate`` (``compensate_for``), ``compress`` (with
 ``compress_with_error``, which writes the error feedback while compressing: ``memory_update``
-is then ~0), ``memory_update`` (with the local approximation), ``issue``, ``wait`` (``Collectives.synchronize``), ``complete``
-(without its waits). ``other`` is ``total − compute − the phases``: the optimizer's own
-bookkeeping, the averaging division, gradient writes, the SGD update and whatever the phases'
-allocations cost outside them.
+is then ~0), ``memory_update`` (with the local approximation), ``issue``, ``wait``
+(``Collectives.synchronize``), ``complete`` (without its waits). ``other`` is
+``total − compute − the phases``: the optimizer's own bookkeeping, the averaging division,
+gradient writes, the SGD update and whatever the phases' allocations cost outside them.
 """
 
 from __future__ import annotations

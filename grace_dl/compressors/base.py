@@ -72,9 +72,9 @@ class Compressor(Stateful, ABC):
     positions a sparse payload carries), ``sent_entries`` (its positions and values),
     ``combine`` / ``decompress_into`` (every rank's payload decompressed and aggregated, or
     the reduced one decompressed, built in a given buffer where possible),
-    ``compress_with_error`` (the error feedback's subtraction done while compressing), ``local_share``
-    (this rank's part of a multi-round result), ``payload_nbytes`` / ``payload_nbytes_for_shape``
-    (bytes on the wire).
+    ``compress_with_error`` (the error feedback's subtraction done while compressing),
+    ``local_share`` (this rank's part of a multi-round result), ``payload_nbytes`` /
+    ``payload_nbytes_for_shape`` (bytes on the wire).
     """
 
     allreduce_safe: bool = False
