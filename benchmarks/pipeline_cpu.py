@@ -39,6 +39,7 @@ def worker(pipeline: str, numel: int, steps: int, warmup: int) -> float:
     from grace_dl import grace_from_params
     from grace_dl.collectives import Collectives
 
+    # defined here, not shared with the tests' mirror: it must run against older code trees
     class Mirror(Collectives):
         def size(self):
             return 2
