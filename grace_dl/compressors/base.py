@@ -187,3 +187,18 @@ class Compressor(Stateful, ABC):
         seeded randomness so ranks agree without sharing an RNG."""
         return self.state.next_step(f"step/{name}", ops_for(tensor))
 
+
+def error_views(compressor, owner: type, tensor, error, decoded, dtype: str):
+    """For a ``compress_with_error``: the 1-D views of ``error`` (and ``decoded``, when given)
+    to write into, or None where the fusion does not apply: ``compressor``'s ``compress`` is
+    not ``owner``'s own (a subclass that overrides it sends something else, so it decodes
+    after unless it says otherwise), or an output is not a ``dtype`` tensor of ``tensor``'s
+    length with a flat view (TF has none)."""
+    if type(compressor).compress is not owner.compress:
+        return None
+    ops = ops_for(tensor)
+    outs = [error] if decoded is None else [error, decoded]
+    if any(ops.dtype(o) != dtype or ops.numel(o) != ops.numel(tensor)
+           or ops.flat_view(o) is None for o in outs):
+        return None
+    return [ops.flat_view(o) for o in outs]

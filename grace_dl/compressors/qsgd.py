@@ -28,7 +28,7 @@ magnitude, so one large value does not turn its bucket into NaN.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Compressor, error_views
 from grace_dl.compressors.flat import (
     add_dither,
     bits_for,
@@ -79,15 +79,10 @@ class QSGDCompressor(Compressor):
         decompression into ``decoded`` (when given) block by block, from the codes while they
         are in cache (the same float operations as ``decompress``, so the same values). Needs
         a float32 ``tensor`` and ``error``/``decoded`` with flat views (torch); else None."""
-        if type(self).compress is not QSGDCompressor.compress:
-            return None     # a subclass that changes what is sent decodes it after
-        ops = ops_for(tensor)
-        outs = [error] if decoded is None else [error, decoded]
-        if ops.dtype(tensor) != "float32" or any(
-                ops.dtype(o) != "float32" or ops.numel(o) != ops.numel(tensor)
-                or ops.flat_view(o) is None for o in outs):
+        if ops_for(tensor).dtype(tensor) != "float32":
             return None
-        return self._compress(tensor, name, call, [ops.flat_view(o) for o in outs])
+        outs = error_views(self, QSGDCompressor, tensor, error, decoded, "float32")
+        return None if outs is None else self._compress(tensor, name, call, outs)
 
     def _compress(self, tensor, name, call, outs=()):
         """``(payload, ctx)``; ``outs``: 1-D float32 tensors of the input's length, the first
@@ -117,15 +112,18 @@ class QSGDCompressor(Compressor):
             t = add_dither(ops, xc * sc, kc, db, s)
             return ops.clamp(ops.cast(ops.cast(t, "int32"), "uint8"), None, hi)
 
-        def levels_and_error(xc, sc, kc, st, *out):
-            codes = levels(xc, sc, kc)
-            v = self._values(ops, codes, st)
+        def write(out, xc, v):
+            # the decoded values ``v`` into ``out[1]`` (if asked), ``xc - v`` into ``out[0]``
             if len(out) > 1:
                 ops.assign(out[1], v)
             if ops.aliases(out[0], xc):
                 ops.assign_sub(out[0], v)
             else:
                 ops.assign(out[0], xc - v)
+
+        def levels_and_error(xc, sc, kc, st, *out):
+            codes = levels(xc, sc, kc)
+            write(out, xc, self._values(ops, codes, st))
             return codes
 
         full = n // b
@@ -138,11 +136,8 @@ class QSGDCompressor(Compressor):
                 codes.append(ops.blockwise(levels_and_error, xr, sr, kr, st, *rows))
             else:                   # the padded last bucket: its real elements only
                 c = levels(xr, sr, kr)
-                v = ops.slice(ops.flatten(self._values(ops, c, st)), 0, n - full * b)
-                tail = [ops.slice(o, full * b, n) for o in outs]
-                if len(tail) > 1:
-                    ops.assign(tail[1], v)
-                ops.assign(tail[0], ops.slice(x, full * b, n) - v)
+                write([ops.slice(o, full * b, n) for o in outs], ops.slice(x, full * b, n),
+                      ops.slice(ops.flatten(self._values(ops, c, st)), 0, n - full * b))
                 codes.append(ops.flatten(c))
         codes = codes[0] if len(codes) == 1 else ops.cat(codes)
         return [pack(ops, ops.slice(codes, 0, n), self._bits), norms], layout

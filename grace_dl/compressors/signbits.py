@@ -56,15 +56,6 @@ def status(ops, flat):
     return 1 - ops.cast(ops.isfinite(total), "uint8")
 
 
-def nan_if(ops, flag):
-    """A 1-element float32: NaN where the status byte ``flag`` is set, else 0 (added to a decode
-    table, it turns every decoded element into NaN)."""
-    like = flag
-    return ops.where(flag > 0, ops.full([1], float("nan"), "float32", like=like),
-                     ops.zeros([1], "float32", like=like))
-
-
-
 def planes(ops, packed):
     """A pure-sign payload's (negative, zero) bit planes, ``ceil(n/8)`` uint8 each."""
     nbytes = (ops.numel(packed) - 1) // 2
@@ -128,30 +119,13 @@ def ternary(ops, pos, neg, n, dtype: str, out=None):
     return ops.unpack_lookup(codes, 2, n, table, out)
 
 
-def codes(ops, packed, n):
-    """The ``n`` elements of a pure-sign payload (sign plane, zero plane, status byte: see
-    ``signsgd``) as int8 ``1 - sign``: 0 where positive, 1 where zero, 2 where negative. From
-    the unpacked bytes of the two planes, without any float pass."""
-    nbytes = (ops.numel(packed) - 1) // 2
-    neg = ops.unpack_bits(ops.slice(packed, 0, nbytes), 1, n)
-    zero = ops.unpack_bits(ops.slice(packed, nbytes, 2 * nbytes), 1, n)
-    return ops.cast(neg * 2 + zero, "int8")
-
-
 def flag(ops, packed):
     """A pure-sign payload's status byte, as a 1-element uint8 (1: NaN or Inf in the input)."""
     nbytes = (ops.numel(packed) - 1) // 2
     return ops.slice(packed, 2 * nbytes, 2 * nbytes + 1)
 
 
-def values(ops, signs, status, dtype: str, out=None):
-    """``signs`` (-1/0/+1 integers) in ``dtype``, or NaN everywhere when ``status`` is set;
-    written into the 1-D ``out`` (cast on the copy: one pass) when given."""
-    def nan():
-        full = ops.full(ops.shape(signs), float("nan"), dtype, like=signs)
-        return full if out is None else ops.assign(out, full)
-
-    def finite():
-        return ops.cast(signs, dtype) if out is None else ops.assign(out, signs)
-
-    return ops.cond(ops.sum(ops.cast(status, "int32")) > 0, nan, finite)
+def flagged(ops, status):
+    """Whether a status byte (or the sum of several ranks') says NaN or Inf: a scalar
+    predicate for ``ops.cond``."""
+    return ops.sum(ops.cast(status, "int32")) > 0

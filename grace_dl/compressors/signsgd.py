@@ -27,7 +27,7 @@ import math
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import signbits
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Compressor, error_views
 from grace_dl.registry import register_compressor
 
 
@@ -56,16 +56,13 @@ class SignSGDCompressor(Compressor):
         status byte is set, as the decoded payload is) and the decoded signs written block by
         block from the tensor itself, instead of unpacking the two bit planes again. Needs
         ``error``/``decoded`` of the tensor's dtype with flat views (torch); else None."""
-        if type(self).compress is not SignSGDCompressor.compress:
-            return None     # a subclass sends other signs (signum: its momentum's)
         ops = ops_for(tensor)
-        outs = [error] if decoded is None else [error, decoded]
-        if any(ops.dtype(o) != ops.dtype(tensor) or ops.numel(o) != ops.numel(tensor)
-               or ops.flat_view(o) is None for o in outs):
+        # (signum, a subclass, sends its momentum's signs: it decodes after)
+        outs = error_views(self, SignSGDCompressor, tensor, error, decoded, ops.dtype(tensor))
+        if outs is None:
             return None
         flat = ops.flatten(tensor)
         payload = self._encode(ops, flat)
-        outs = [ops.flat_view(o) for o in outs]
 
         def error_of(xc, *dc):
             v = ops.sign(xc)
@@ -74,8 +71,7 @@ class SignSGDCompressor(Compressor):
             return xc - v
 
         ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
-        if ops.cond(ops.sum(ops.cast(signbits.flag(ops, payload[0]), "int32")) > 0,
-                    lambda: True, lambda: False):
+        if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):   # torch only here
             for o in outs:   # as decoding gives: NaN everywhere
                 ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))
         return payload, (ops.shape(tensor), ops.dtype(tensor))
@@ -120,7 +116,7 @@ class SignSGDCompressor(Compressor):
             full = ops.full([n], float("nan"), dtype, like=pos)
             return full if flat is None else ops.assign(flat, full)
 
-        got = ops.cond(ops.sum(ops.cast(status, "int32")) > 0, nan,
+        got = ops.cond(signbits.flagged(ops, status), nan,
                        lambda: signbits.ternary(ops, pos, neg, n, dtype, flat))
         return out if flat is not None else ops.reshape(got, shape)
 

@@ -616,21 +616,13 @@ def unpack_lookup(packed, bits: int, n, table, out=None):
     codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
     expanded = table.reshape(-1)[torch.from_numpy(codes).to(table.device)]
     packed = packed.reshape(-1)
-    if out is not None:
-        flat = out.view(-1)
-        full = n // per   # whole bytes straight into ``out``; the last partial one by itself
-        if full:
-            _lookup_into(expanded, packed[:full], flat[:full * per].view(full, per), per)
-        if n > full * per:
-            flat[full * per:] = expanded[packed[full].long()][:n - full * per]
-        return out
-    if per == 1:
-        expanded = expanded.reshape(-1)
-    if packed.device.type != "cpu" or packed.numel() * per <= _block():
-        return torch.index_select(expanded, 0, packed.to(torch.int32)).reshape(-1)[:n]
-    result = expanded.new_empty((packed.numel(),) + expanded.shape[1:])
-    _lookup_into(expanded, packed, result, per)
-    return result.reshape(-1)[:n]
+    result = expanded.new_empty(n) if out is None else out.view(-1)
+    full = n // per   # whole bytes by the table's rows; the last partial one by itself
+    if full:
+        _lookup_into(expanded, packed[:full], result[:full * per].view(full, per), per)
+    if n > full * per:
+        result[full * per:] = expanded[packed[full].long()][:n - full * per]
+    return result if out is None else out
 
 
 def _lookup_into(expanded, packed, out, per: int):
