@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 import grace_dl.torch.horovod as hvd
-from benchmarks.pipelines import PIPELINES, WHOLE, make_grace, predict_step
+from benchmarks.pipelines import PIPELINES, VARIANTS, make_grace, predict_step
 from grace_dl.strategy.dispatcher import StrategyDispatcher
 
 MODELS = ("tiny", "mlp", "cnn", "resnet18", "transformer")
@@ -174,7 +174,7 @@ def time_compress(grc, model, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mlp")
-    ap.add_argument("--pipeline", default="none", choices=sorted([*PIPELINES, *WHOLE]))
+    ap.add_argument("--pipeline", default="none", choices=sorted([*PIPELINES, *VARIANTS]))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grace_dl import grace_from_params
+from grace_dl.torch.buckets import DEFAULT_BUCKET_BYTES
 
 # Measured compression throughput for Auto's cost model (`make bench` writes it first).
 THROUGHPUT = Path(__file__).resolve().parent / "results" / "compression_throughput.json"
@@ -38,9 +39,15 @@ PIPELINES: dict[str, dict | str | None] = {
     "auto": "auto",                    # the strategy builder's cost-model pick
 }
 
-#: pipelines sent with every gradient whole (``DistributedOptimizer(piece_bytes=None)``),
-#: to show what sending large gradients in pieces buys; not in the default runs
-WHOLE: dict[str, str] = {f"{k}-whole": k for k in ("qsgd-2phase", "signsgd-2phase")}
+#: variants of a pipeline with other ``DistributedOptimizer`` options, not in the default runs:
+#: ``-whole`` sends every gradient whole (``piece_bytes=None``), to show what pieces buy;
+#: ``-bucket`` packs the gradients into DDP-sized buckets, each compressed once
+#: (``bucket_bytes``, ``grace_dl.torch.buckets``)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    **{f"{k}-whole": (k, {"piece_bytes": None}) for k in ("qsgd-2phase", "signsgd-2phase")},
+    **{f"{k}-bucket": (k, {"bucket_bytes": DEFAULT_BUCKET_BYTES})
+       for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase")},
+}
 
 
 def calibration():
@@ -77,11 +84,12 @@ def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2
                compute_s: float = 0.0):
     """``(grace object or None, extra DistributedOptimizer kwargs)`` for ``pipeline``;
     ``compute_s`` (forward + backward, the same on every rank) is for Auto's step model."""
-    if pipeline in WHOLE:
-        grc, kwargs = make_grace(WHOLE[pipeline], model, mbit, workers, compute_s)
-        return grc, {**kwargs, "piece_bytes": None}
+    if pipeline in VARIANTS:
+        base, options = VARIANTS[pipeline]
+        grc, kwargs = make_grace(base, model, mbit, workers, compute_s)
+        return grc, {**kwargs, **options}
     if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline must be one of {sorted([*PIPELINES, *WHOLE])}, got "
+        raise ValueError(f"pipeline must be one of {sorted([*PIPELINES, *VARIANTS])}, got "
                          f"{pipeline!r}")
     spec = PIPELINES[pipeline]
     if pipeline == "none":
@@ -111,7 +119,11 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
 
     if calibration() is None:
         return None
-    pipeline = WHOLE.get(pipeline, pipeline)
+    if pipeline in VARIANTS:
+        base, options = VARIANTS[pipeline]
+        if "bucket_bytes" in options:
+            return None  # the step model sends each parameter on its own
+        pipeline = base
     if PIPELINES.get(pipeline) == "auto":
         return build_auto(model, mbit, workers, compute_s)[0].prediction.step_s
     variables = variables_of(model.named_parameters())

@@ -101,8 +101,6 @@ DDP checks the hook's annotations, so this module does not use postponed evaluat
 (``from __future__ import annotations``).
 """
 
-import hashlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -118,20 +116,11 @@ from grace_dl.communicators.pieces import (
     send_pieces,
 )
 from grace_dl.contracts import check_grace
+from grace_dl.torch.buckets import bucket_name, needs_shapes
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy
 
 GRANULARITIES = ("auto", "bucket", "parameter")
-
-
-def _digest(obj, n: int = 16) -> str:
-    text = json.dumps(obj, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()[:n]
-
-
-def needs_shapes(grace) -> bool:
-    """Whether ``grace`` must see each parameter with its own shape (``"auto"`` granularity)."""
-    return not isinstance(grace, Communicator) or grace.compressor.needs_shape
 
 
 class GraceState:
@@ -206,9 +195,7 @@ class GraceState:
             self._order.append(name)
         return name
 
-    @staticmethod
-    def bucket_name(names) -> str:
-        return f"bucket{len(names)}:{_digest(list(names), 12)}"
+    bucket_name = staticmethod(bucket_name)
 
     # ------------------------------------------------------------------ agreement
     def _check_ranks_agree(self, bucket, names) -> None:

@@ -33,6 +33,12 @@ What differs from Horovod, and why:
 * A ``UserWarning`` at construction names a pipeline known to diverge under the wrapped
   optimizer's ``momentum`` (random-k with error feedback, momentum applied twice, ...; see
   ``grace_dl.recipes``), with the recipe that works.
+* ``bucket_bytes=n`` (grace only; default ``None``: one grace tensor per parameter) packs the
+  gradients into flat buckets of about ``n`` bytes (``grace_dl.torch.buckets.DEFAULT_BUCKET_BYTES``
+  is DDP's 25 MiB), each compressed once and sent as one grace tensor named after its members
+  (``grace_dl.torch.buckets``): one compression and one set of collectives per bucket, a
+  sparsifier's k taken over the bucket. Not with ``groups`` (a bucket already fuses) nor with
+  compressors that need each layer's shape (PowerSGD) or strategy dispatchers.
 * Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
   a sparse gradient raises ``ValueError`` rather than silently skipping compression.
 * Collectives are named after the parameters (``named_parameters``, else Horovod's
@@ -72,6 +78,7 @@ from grace_dl.communicators.pieces import (
 )
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys
+from grace_dl.torch.buckets import check_bucket_bytes, plan
 from grace_dl.torch.trees import to_numpy, to_torch
 
 GRACE_KEY = "grace"
@@ -81,7 +88,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # noqa: N802
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
-                         grace=None, piece_bytes=DEFAULT_PIECE_BYTES):
+                         grace=None, piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None):
     """Wrap ``optimizer`` so gradients are averaged across Horovod ranks before ``step()``.
 
     Takes ``horovod.torch.DistributedOptimizer``'s arguments (same defaults) plus ``grace``: a
@@ -91,6 +98,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
     one described in this module's docstring. ``piece_bytes`` (grace only): a gradient larger
     than this is sent in pieces of at most this many bytes where the compressor allows
     (``grace_dl.communicators.pieces``); ``None`` sends every gradient whole.
+    ``bucket_bytes`` (grace only): pack gradients into buckets of about this many bytes, each
+    compressed and sent as one tensor (``grace_dl.torch.buckets``); ``None``: per parameter.
     """
     import horovod.torch as hvd
 
@@ -108,6 +117,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
 
     check_grace(grace)
     check_piece_bytes(piece_bytes)
+    check_bucket_bytes(bucket_bytes, grace)
     if compression is not hvd.Compression.none:
         raise ValueError(f"compression={compression!r} cannot be combined with grace=; the "
                          f"grace communicator compresses (accepted: hvd.Compression.none)")
@@ -134,6 +144,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
         if groups is None:
             groups = num_groups
     _check_groups(groups)
+    if bucket_bytes is not None and groups is not None:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} and groups={groups!r} cannot be "
+                         f"combined: a bucket already sends its gradients together; pass one "
+                         f"of them")
     _attach_process_set(grace, process_set, hvd)
     from grace_dl.recipes import optimizer_momentum, warn_known_problems
 
@@ -142,7 +156,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
     cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
                {})
     return cls(optimizer.param_groups, named_parameters, grace, backward_passes_per_step,
-               grace_op, factor, groups, sparse_as_dense, process_set, piece_bytes)
+               grace_op, factor, groups, sparse_as_dense, process_set, piece_bytes,
+               bucket_bytes)
 
 
 def _grace_op(op, hvd) -> str:
@@ -222,7 +237,7 @@ class _GraceDistributedOptimizer:
 
     def __init__(self, params, named_parameters, grace, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                 piece_bytes=DEFAULT_PIECE_BYTES):
+                 piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None):
         super().__init__(params)
         import horovod.torch as hvd
 
@@ -238,6 +253,11 @@ class _GraceDistributedOptimizer:
         if fusion:
             grace.fuse(fusion)
         self.piece_bytes = effective_piece_bytes(grace, piece_bytes)  # None: whole
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes, grace)
+        self._buckets = [] if bucket_bytes is None else plan(
+            reversed([p for g in self.param_groups for p in g["params"] if p.requires_grad]),
+            self._parameter_names, bucket_bytes)
+        self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: dict = {}
         self._hook_handles: list = []
@@ -302,7 +322,8 @@ class _GraceDistributedOptimizer:
                   "optimizer options": {
                       "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
                       "backward_passes_per_step": self.backward_passes_per_step,
-                      "sparse_as_dense": self.sparse_as_dense, "piece_bytes": self.piece_bytes}}
+                      "sparse_as_dense": self.sparse_as_dense, "piece_bytes": self.piece_bytes,
+                      "buckets": self._bucket_layout()}}
         agreement.check(labels, agreement.allgather_for("torch", self.process_set),
                         "grace.optimizer.agreement", self._rank())
 
@@ -325,24 +346,47 @@ class _GraceDistributedOptimizer:
             assert not p.grad.requires_grad
             assert self._allreduce_delay[p] > 0
             self._allreduce_delay[p] -= 1
-            self._handles[p] = self._send(p) if self._allreduce_delay[p] == 0 else None
+            self._handles[p] = self._start(p) if self._allreduce_delay[p] == 0 else None
         return hook
 
     # ------------------------------------------------------------------ one tensor's pipeline
-    def _send(self, p):
+    def _start(self, p):
+        """``p``'s gradient is ready: send it, or put it in its bucket (sent once full)."""
+        return self._fill(p) if self._buckets else self._send(p)
+
+    def _gradient(self, p):
+        """``p``'s gradient as grace takes it: dense, detached, predivided."""
         if p.grad is None:
             # No gradient on this rank this step; another rank may have one, so send zeros.
             p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-        name = self._parameter_names[p]
         tensor = p.grad
         if tensor.is_sparse:
             if not self.sparse_as_dense:
-                raise ValueError(f"parameter {name!r} has a sparse gradient; grace compresses "
-                                 f"dense tensors: pass sparse_as_dense=True")
+                raise ValueError(f"parameter {self._parameter_names[p]!r} has a sparse "
+                                 f"gradient; grace compresses dense tensors: pass "
+                                 f"sparse_as_dense=True")
             tensor = tensor.to_dense()
         tensor = tensor.detach()
         if self.gradient_predivide_factor != 1.0:
             tensor = tensor * (1.0 / self.gradient_predivide_factor)
+        return tensor
+
+    def _fill(self, p):
+        """Copy ``p``'s gradient into its bucket; send the bucket when it is full."""
+        bucket, i = self._bucket_of[p]
+        bucket.view(i).copy_(self._gradient(p))
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            flat = bucket.flat
+            sizes = piece_sizes(flat.numel(), flat.element_size(), self.piece_bytes)
+            bucket.handles = self.grace.send(flat, bucket.name, self.op, into=flat) \
+                if sizes is None else \
+                send_pieces(self.grace, flat, bucket.name, self.op, None, sizes)
+        return bucket
+
+    def _send(self, p):
+        name = self._parameter_names[p]
+        tensor = self._gradient(p)
         into = self._into(p)
         sizes = self._piece_sizes(p, name)
         if sizes is not None and into is not None and into.is_contiguous():
@@ -359,14 +403,26 @@ class _GraceDistributedOptimizer:
         return piece_sizes(p.numel(), p.element_size(), self.piece_bytes)
 
     def _piece_layout(self) -> dict:
-        """``{name: number of pieces}`` of the parameters sent in pieces (what keys their
-        state)."""
+        """``{name: number of pieces}`` of the parameters (or buckets) sent in pieces (what
+        keys their state)."""
         layout = {}
-        for p, name in self._parameter_names.items():
+        for b in self._buckets:
+            sizes = piece_sizes(sum(b.numels), b.params[0].element_size(), self.piece_bytes)
+            if sizes is not None:
+                layout[b.name] = len(sizes)
+        for p, name in [] if self._buckets else self._parameter_names.items():
             sizes = self._piece_sizes(p, name) if p.requires_grad else None
             if sizes is not None:
                 layout[name] = len(sizes)
         return layout
+
+    def _bucket_layout(self) -> dict:
+        """``{bucket name: its parameters' names}`` (empty without buckets)."""
+        return {b.name: b.names for b in self._buckets}
+
+    def _state_names(self) -> list[str]:
+        """The names grace state is keyed by: the buckets', else the parameters'."""
+        return [b.name for b in self._buckets] or list(self._parameter_names.values())
 
     def _fused(self, name: str) -> bool:
         """Whether ``name`` travels in a fusion group (then whole: the group holds it)."""
@@ -406,7 +462,31 @@ class _GraceDistributedOptimizer:
         # communicators start collectives inside receive).
         for p in sorted(self._requires_update, key=self._parameter_names.__getitem__):
             if self._handles.get(p) is None:
-                self._handles[p] = self._send(p)
+                self._handles[p] = self._start(p)
+        if self._buckets:
+            self._receive_buckets()
+        else:
+            self._receive_parameters()
+        self._handles.clear()
+        self.grace.end_step()
+        self._synchronized = True
+
+    def _receive_buckets(self) -> None:
+        """Receive every bucket (layout order: the same on every rank) into its buffer, then
+        copy each member's slice into its ``p.grad``."""
+        handles, intos = [], []
+        for b in self._buckets:
+            pieces = isinstance(b.handles, list)
+            handles.extend(b.handles if pieces else [b.handles])
+            intos.extend([None] * len(b.handles) if pieces else [b.flat])
+        for _ in receive_each(self.grace, handles, intos):
+            pass  # every result is in its bucket's buffer
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                self._write(p, None, b.view(i))
+            b.ready, b.handles = 0, None
+
+    def _receive_parameters(self) -> None:
         params = sorted(self._handles, key=self._parameter_names.__getitem__)
         intos = [self._into(p) for p in params]
         handles, pieces = [], []
@@ -419,9 +499,6 @@ class _GraceDistributedOptimizer:
             sent = self._handles[p]
             got = [next(outs) for _ in sent] if isinstance(sent, list) else [next(outs)]
             self._write(p, into, got[0])  # pieces: the result is in p.grad (into) already
-        self._handles.clear()
-        self.grace.end_step()
-        self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self):
@@ -452,7 +529,7 @@ class _GraceDistributedOptimizer:
     # ------------------------------------------------------------------ checkpoints
     def _grace_entry(self) -> dict:
         return {"size": self._size(), "fingerprint": self.grace.fingerprint(),
-                "pieces": self._piece_layout(),
+                "pieces": self._piece_layout(), "buckets": self._bucket_layout(),
                 "ranks": {self._rank(): to_torch(self.grace.state_dict())}}
 
     def _size(self) -> int:
@@ -507,7 +584,15 @@ class _GraceDistributedOptimizer:
                 raise ValueError(f"checkpoint grace state is for configuration "
                                  f"{entry.get('fingerprint')}, this grace is "
                                  f"{self.grace.fingerprint()} ({self.grace!r})")
-            # the pieces key the state (a checkpoint from before pieces has none: all whole)
+            # buckets and pieces key the state (older checkpoints have neither)
+            saved, mine = entry.get("buckets", {}), self._bucket_layout()
+            if saved != mine:
+                raise ValueError(f"checkpoint grace state was written with other buckets "
+                                 f"(bucket_bytes): saved {len(saved)} bucket(s) "
+                                 f"{sorted(saved)[:3]}, this optimizer has {len(mine)} "
+                                 f"{sorted(mine)[:3]} (bucket_bytes={self.bucket_bytes!r}); "
+                                 f"pass the bucket_bytes the checkpoint was written with to "
+                                 f"DistributedOptimizer")
             saved, mine = entry.get("pieces", {}), self._piece_layout()
             if saved != mine:
                 differ = sorted(n for n in {*saved, *mine} if saved.get(n) != mine.get(n))
@@ -517,9 +602,11 @@ class _GraceDistributedOptimizer:
                                  f"optimizer sends {[mine.get(n, 1) for n in differ[:5]]} "
                                  f"(piece_bytes={self.piece_bytes!r}); pass the piece_bytes "
                                  f"the checkpoint was written with to DistributedOptimizer")
-            _check_names(ranks[rank], self._parameter_names.values())
+            _check_names(ranks[rank], self._state_names())
             self.grace.load_state_dict(to_numpy(ranks[rank]))
         self._handles = {}
+        for b in self._buckets:
+            b.ready, b.handles = 0, None
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:

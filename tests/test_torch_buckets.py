@@ -1,0 +1,155 @@
+"""DistributedOptimizer(bucket_bytes=...): argument checks in this process, and a 2-rank
+horovodrun job (tests/workers/torch_buckets.py) compared with horovod.torch's optimizer and with
+a single-process reference that compresses each bucket's concatenated gradients."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mp
+from grace_dl import grace_from_params
+from grace_dl.torch.buckets import DEFAULT_BUCKET_BYTES, bucket_name, plan
+from support import assert_dicts_differ, assert_equal_dicts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+import torch_common as C  # noqa: E402
+
+N = 2
+NONE = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
+TOPK = {"compressor": "topk", "memory": "residual", "communicator": "allgather",
+        "compress_ratio": 0.1}
+POWERSGD = {"compressor": "powersgd", "compress_rank": 1, "memory": "powersgd",
+            "communicator": "allreduce"}
+
+
+def _close(a: dict, b: dict, **tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], err_msg=k, **tol)
+
+
+# ---------------------------------------------------------------- in-process checks
+def test_plan_packs_reverse_order_per_dtype_up_to_the_size():
+    a, b, c = torch.zeros(100), torch.zeros(100), torch.zeros(300)   # 400, 400, 1200 bytes
+    h = torch.zeros(10, dtype=torch.float16)
+    names = {a: "a", b: "b", c: "c", h: "h"}
+    buckets = plan([c, h, b, a], names, 1000)
+    assert [bk.names for bk in buckets] == [["c"], ["b", "a"], ["h"]]
+    assert buckets[1].name == bucket_name(["b", "a"])
+    assert [bk.names for bk in plan([c, b, a], names, DEFAULT_BUCKET_BYTES)] == [["c", "b", "a"]]
+    view = buckets[1].view(1)
+    view.fill_(3.0)
+    assert view.shape == a.shape and buckets[1].flat[100:].eq(3.0).all()
+    assert buckets[1].flat[:100].data_ptr() == buckets[1].view(0).data_ptr()
+
+
+@pytest.mark.parametrize("kwargs, grace, words", [
+    ({"bucket_bytes": 0}, NONE, ["bucket_bytes", "positive int or None", "got 0"]),
+    ({"bucket_bytes": True}, NONE, ["bucket_bytes", "True"]),
+    ({"bucket_bytes": "25MB"}, NONE, ["bucket_bytes", "'25MB'"]),
+    ({"bucket_bytes": 1024}, POWERSGD, ["bucket_bytes=1024", "PowerSGD", "needs each parameter's "
+                                        "shape", "bucket_bytes=None", "topk"]),
+    ({"bucket_bytes": 1024, "groups": 2}, NONE, ["bucket_bytes=1024", "groups=2"]),
+])
+def test_bad_bucket_arguments_raise_value_error_naming_them(kwargs, grace, words):
+    import grace_dl.torch.horovod as hvd
+
+    sgd = torch.optim.SGD(C.make_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError) as err:
+        hvd.DistributedOptimizer(sgd, grace=grace_from_params(dict(grace)), **kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+# ---------------------------------------------------------------- the 2-rank job
+@pytest.fixture(scope="module")
+def ranks():
+    return mp.run("torch_buckets.py", np=N, timeout=300)
+
+
+@pytest.mark.multiproc
+def test_uncompressed_buckets_are_horovods_average_one_collective_per_bucket(ranks):
+    """``none`` in buckets gives Horovod's parameters; the tiny MLP's 4 gradients go in 3
+    buckets of at most 300 bytes (reverse order: the 16-byte bias shares one) or 1 of 25 MiB,
+    one in-place allreduce each per step, and the same bytes as per parameter."""
+    for res in ranks:
+        small, whole = res["none_small"], res["none_whole"]
+        for run in (small, whole):
+            _close(run["params"], res["hvd"], rtol=1e-6, atol=1e-7)
+            assert run["sent"] == [sum(p.numel() for p in C.make_model().parameters()) * 4] * 3
+        assert small["calls_per_step"] == 3 and whole["calls_per_step"] == 1
+        assert list(small["layout"].values()) == [["body.2.bias", "body.2.weight"],
+                                                  ["body.0.bias"], ["body.0.weight"]]
+        assert list(whole["layout"].values()) == [["body.2.bias", "body.2.weight", "body.0.bias",
+                                                   "body.0.weight"]]
+        assert all(name == bucket_name(members) for name, members in small["layout"].items())
+
+
+@pytest.mark.multiproc
+def test_topk_selects_over_each_bucket_as_the_reference_computes(ranks):
+    """topk + residual + allgather over buckets: every step's applied gradient is the reference
+    math on the concatenation of both ranks' gradients in bucket order (one top-k per bucket,
+    residuals keyed by bucket), not the per-parameter result; one allgather per bucket."""
+    topk = ranks[0]["topk"]
+    layout = topk["layout"]
+    grcs = [grace_from_params(dict(TOPK)) for _ in range(N)]
+    model = C.make_model()
+    shapes = {k: v.shape for k, v in model.named_parameters()}
+    for step in range(3):
+        for name, members in layout.items():
+            flats = []
+            for grc, res in zip(grcs, ranks):
+                local = res["topk"]["records"][step]["local"]
+                flat = torch.cat([torch.as_tensor(local[m]).reshape(-1) for m in members])
+                comp = grc.memory.compensate(flat, name)
+                payload, ctx = grc.compressor.compress(comp, name)
+                grc.memory.update(comp, name, grc.compressor, payload, ctx)
+                flats.append(grc.compressor.decompress(payload, ctx))
+            expected = grcs[0].compressor.aggregate(flats) / N
+            for res in ranks:
+                synced = res["topk"]["records"][step]["synced"]
+                got = torch.cat([torch.as_tensor(synced[m]).reshape(-1) for m in members])
+                np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-8,
+                                           err_msg=f"{name} step {step}")
+    for res in ranks:
+        # the same collectives per grace tensor: 3 buckets where there are 4 parameters
+        per_parameter = res["topk_per_parameter"]
+        assert res["topk"]["calls_per_step"] * 4 == per_parameter["calls_per_step"] * 3
+        assert sorted(res["topk"]["keys"]) == sorted(layout)
+        assert_dicts_differ(res["topk"]["params"], per_parameter["params"])
+        assert all(tuple(res["topk"]["params"][k].shape) == tuple(shapes[k]) for k in shapes)
+    assert_equal_dicts(ranks[0]["topk"]["params"], ranks[1]["topk"]["params"])
+    per_bucket = grcs[0].compressor.payload_nbytes
+    assert ranks[0]["topk"]["sent"] == [sum(per_bucket(sum(np.prod(shapes[m]) for m in members))
+                                            for members in layout.values())] * 3
+
+
+@pytest.mark.multiproc
+def test_buckets_keep_horovods_sum_predivide_accumulation_and_missing_gradients(ranks):
+    for res in ranks:
+        for label in ("sum", "pre", "bpps", "nograd"):
+            _close(res[f"{label}_grace"], res[f"{label}_hvd"], rtol=1e-6, atol=1e-7)
+        assert_dicts_differ(res["sum_hvd"], res["hvd"])
+        assert_dicts_differ(res["bpps_hvd"], res["hvd"])
+        init = C.params(C.make_model(extra_branch=True))
+        assert not np.array_equal(res["nograd_topk"]["extra.weight"], init["extra.weight"])
+    assert_equal_dicts(ranks[0]["nograd_topk"], ranks[1]["nograd_topk"])
+
+
+@pytest.mark.multiproc
+def test_buckets_in_pieces_checkpoint_and_resume(ranks):
+    """qsgd two-phase in buckets sent as 64-byte pieces keeps the ranks identical; the
+    checkpoint records buckets and pieces; an optimizer per parameter or with other buckets
+    refuses it, naming bucket_bytes; one with the same buckets resumes bit for bit."""
+    for res in ranks:
+        qsgd = res["qsgd"]
+        assert set(qsgd["pieces"]) <= set(qsgd["layout"]) and qsgd["pieces"]
+        assert all(n > 1 for n in qsgd["pieces"].values())
+        for refusal in res["refusals"].values():
+            assert refusal is not None and "other buckets" in refusal \
+                and "bucket_bytes=" in refusal, refusal
+        assert_equal_dicts(res["resume"]["resumed"], res["resume"]["continued"])
+    assert_equal_dicts(ranks[0]["qsgd"]["params"], ranks[1]["qsgd"]["params"])
