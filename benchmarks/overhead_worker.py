@@ -35,7 +35,7 @@ import torch.nn as nn
 
 import grace_dl.torch.horovod as hvd
 from benchmarks.e2e_worker import build_model
-from benchmarks.pipelines import GRACE, PIPELINES, make_grace
+from benchmarks.pipelines import GRACE, PIPELINES, VARIANTS, make_grace
 from grace_dl.collectives import Collectives
 
 PHASES = ("compensate", "compress", "memory_update", "issue", "wait", "complete")
@@ -130,10 +130,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     unknown = [p for p in args.pipelines
-               if p not in PIPELINES and not (p.startswith("grace-") and p[6:] in GRACE)]
+               if p not in PIPELINES and p not in VARIANTS
+               and not (p.startswith("grace-") and p[6:] in GRACE)]
     if unknown:
-        raise SystemExit(f"unknown pipelines {unknown}; known: {sorted(PIPELINES)} and "
-                         f"{['grace-' + g for g in GRACE]}")
+        raise SystemExit(f"unknown pipelines {unknown}; known: {sorted([*PIPELINES, *VARIANTS])} "
+                         f"and {['grace-' + g for g in GRACE]}")
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
