@@ -86,6 +86,8 @@ def test_uncompressed_buckets_are_horovods_average_one_collective_per_bucket(ran
         assert list(whole["layout"].values()) == [["body.2.bias", "body.2.weight", "body.0.bias",
                                                    "body.0.weight"]]
         assert all(name == bucket_name(members) for name, members in small["layout"].items())
+        assert res["adopted"] == [True, True]
+        _close(res["keep_grads"], res["hvd"], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.multiproc
@@ -122,6 +124,8 @@ def test_topk_selects_over_each_bucket_as_the_reference_computes(ranks):
         assert_dicts_differ(res["topk"]["params"], per_parameter["params"])
         assert all(tuple(res["topk"]["params"][k].shape) == tuple(shapes[k]) for k in shapes)
     assert_equal_dicts(ranks[0]["topk"]["params"], ranks[1]["topk"]["params"])
+    for res in ranks:   # gradients kept between steps (the bucket's slices) change nothing
+        assert_equal_dicts(res["keep_grads_topk"], res["topk"]["params"])
     per_bucket = grcs[0].compressor.payload_nbytes
     assert ranks[0]["topk"]["sent"] == [sum(per_bucket(sum(np.prod(shapes[m]) for m in members))
                                             for members in layout.values())] * 3

@@ -372,8 +372,12 @@ class _GraceDistributedOptimizer:
         return tensor
 
     def _fill(self, p):
-        """Copy ``p``'s gradient into its bucket; send the bucket when it is full."""
+        """Copy ``p``'s gradient into its bucket; send the bucket when it is full. A parameter
+        alone in its bucket is sent as its own gradient under the bucket's name (no copy)."""
         bucket, i = self._bucket_of[p]
+        if len(bucket.params) == 1:
+            bucket.handles = self._send(p, bucket.name)
+            return bucket
         bucket.view(i).copy_(self._gradient(p))
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
@@ -384,8 +388,8 @@ class _GraceDistributedOptimizer:
                 send_pieces(self.grace, flat, bucket.name, self.op, None, sizes)
         return bucket
 
-    def _send(self, p):
-        name = self._parameter_names[p]
+    def _send(self, p, name=None):
+        name = self._parameter_names[p] if name is None else name
         tensor = self._gradient(p)
         into = self._into(p)
         sizes = self._piece_sizes(p, name)
@@ -407,7 +411,8 @@ class _GraceDistributedOptimizer:
         keys their state)."""
         layout = {}
         for b in self._buckets:
-            sizes = piece_sizes(sum(b.numels), b.params[0].element_size(), self.piece_bytes)
+            sizes = self._piece_sizes(b.params[0], b.name) if len(b.params) == 1 else \
+                piece_sizes(sum(b.numels), b.params[0].element_size(), self.piece_bytes)
             if sizes is not None:
                 layout[b.name] = len(sizes)
         for p, name in [] if self._buckets else self._parameter_names.items():
@@ -471,34 +476,50 @@ class _GraceDistributedOptimizer:
         self.grace.end_step()
         self._synchronized = True
 
-    def _receive_buckets(self) -> None:
-        """Receive every bucket (layout order: the same on every rank) into its buffer, then
-        copy each member's slice into its ``p.grad``."""
+    def _receive(self, units) -> list:
+        """Receive ``units``, ``[(what _send returned: a handle or its pieces' handles, where
+        the whole result goes)]``, in lockstep; each unit's result (pieces: the first's)."""
         handles, intos = [], []
-        for b in self._buckets:
-            pieces = isinstance(b.handles, list)
-            handles.extend(b.handles if pieces else [b.handles])
-            intos.extend([None] * len(b.handles) if pieces else [b.flat])
-        for _ in receive_each(self.grace, handles, intos):
-            pass  # every result is in its bucket's buffer
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                self._write(p, None, b.view(i))
+        for sent, into in units:
+            pieces = isinstance(sent, list)
+            handles.extend(sent if pieces else [sent])
+            intos.extend([None] * len(sent) if pieces else [into])
+        outs = iter(receive_each(self.grace, handles, intos))
+        return [[next(outs) for _ in sent][0] if isinstance(sent, list) else next(outs)
+                for sent, _ in units]
+
+    def _receive_buckets(self) -> None:
+        """Receive every bucket (layout order: the same on every rank). A lone parameter's
+        result lands in its ``p.grad`` as per parameter; a bucket's lands in its buffer, whose
+        slices become the members' gradients (``_adopt``)."""
+        intos = [self._into(b.params[0]) if len(b.params) == 1 else b.flat
+                 for b in self._buckets]
+        got = self._receive([(b.handles, into) for b, into in zip(self._buckets, intos)])
+        for b, into, out in zip(self._buckets, intos, got):
+            if len(b.params) == 1:
+                self._write(b.params[0], into, out)
+            else:
+                for i, p in enumerate(b.params):
+                    self._adopt(p, b.view(i))
             b.ready, b.handles = 0, None
+
+    def _adopt(self, p, view) -> None:
+        """The bucket's slice ``view`` becomes ``p.grad`` where nothing tells them apart (a
+        dense gradient of a contiguous parameter, not rescaled), saving a copy; else it is
+        copied in."""
+        if self.gradient_predivide_factor == 1.0 and not p.grad.is_sparse and \
+                p.is_contiguous():
+            p.grad = view
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        else:
+            self._write(p, None, view)
 
     def _receive_parameters(self) -> None:
         params = sorted(self._handles, key=self._parameter_names.__getitem__)
         intos = [self._into(p) for p in params]
-        handles, pieces = [], []
-        for p, into in zip(params, intos):
-            sent = self._handles[p]
-            handles.extend(sent if isinstance(sent, list) else [sent])
-            pieces.extend([None] * len(sent) if isinstance(sent, list) else [into])
-        outs = iter(receive_each(self.grace, handles, pieces))
-        for p, into in zip(params, intos):
-            sent = self._handles[p]
-            got = [next(outs) for _ in sent] if isinstance(sent, list) else [next(outs)]
-            self._write(p, into, got[0])  # pieces: the result is in p.grad (into) already
+        got = self._receive([(self._handles[p], into) for p, into in zip(params, intos)])
+        for p, into, out in zip(params, intos, got):
+            self._write(p, into, out)  # pieces: the result is in p.grad (into) already
 
     @contextmanager
     def skip_synchronize(self):

@@ -30,7 +30,7 @@ out = {"rank": rank}
 
 
 def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, record=False,
-        model=None, **kwargs):
+        model=None, set_to_none=True, **kwargs):
     """Train ``steps`` steps; returns (model, opt, grace, records, collective calls)."""
     model = C.make_model(extra) if model is None else model
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -44,7 +44,7 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, reco
                **kwargs, **extra_kw)
     records = []
     for step in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(**({} if set_to_none else {"set_to_none": False}))
         for micro in range(bpps):
             C.loss_of(model, rank, step, micro).backward()
         if record:
@@ -66,6 +66,15 @@ for label, size in (("small", SMALL), ("whole", WHOLE)):
     out[f"none_{label}"] = {"params": C.params(m), "calls_per_step": len(calls) / STEPS,
                             "layout": opt.state_dict()["grace"]["buckets"],
                             "sent": [s["sent"] for s in grc.bytes.steps]}
+
+# the gradients of a bucket's members are its buffer's slices after a step (no copy back), and
+# accumulating into them (zero_grad(set_to_none=False)) gives the same result
+m, opt, _, _, _ = run(NONE, bucket_bytes=SMALL)
+flat = opt._buckets[0].flat
+out["adopted"] = [flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes
+                  for p in opt._buckets[0].params]
+out["keep_grads"] = C.params(run(NONE, bucket_bytes=SMALL, set_to_none=False)[0])
+out["keep_grads_topk"] = C.params(run(TOPK, bucket_bytes=SMALL, set_to_none=False)[0])
 
 # 2. topk over buckets: each step's applied gradient, for the in-process reference.
 m, opt, grc, records, calls = run(TOPK, bucket_bytes=SMALL, record=True)
