@@ -157,6 +157,29 @@ def repredict(records: list[dict]) -> list[dict]:
     return out
 
 
+def markdown(records: list[dict], command: str) -> str:
+    """This run's rows (``benchmarks.report``'s e2e table) and each variant's step against its
+    base pipeline's, per model and link speed."""
+    from benchmarks.pipelines import VARIANTS
+    from benchmarks.report import E2E_COLUMNS, _table, e2e_rows, machine
+
+    ok = [r for r in records if "error" not in r]
+    step = {(r["model"], r["mbit"], r["pipeline"]): r["step_s"] for r in ok}
+    ratios = [{"model": model, "Mbit/s": f"{mbit:g}", "variant": pipeline,
+               "variant ms": f"{1000 * s:.1f}",
+               "base ms": f"{1000 * step[(model, mbit, VARIANTS[pipeline][0])]:.1f}",
+               "variant / base": f"{s / step[(model, mbit, VARIANTS[pipeline][0])]:.2f}"}
+              for (model, mbit, pipeline), s in step.items()
+              if pipeline in VARIANTS and (model, mbit, VARIANTS[pipeline][0]) in step]
+    return (f"# End-to-end step time over emulated hosts\n\nMachine: {machine()}\n\n"
+            f"Made with `{command}`; columns as in `e2e.md`.\n\n"
+            + _table(E2E_COLUMNS, e2e_rows(records))
+            + "\n\n## Variants against their base pipeline\n\nStep time of each variant "
+              "(`benchmarks.pipelines.VARIANTS`) over its base pipeline's, same run.\n\n"
+            + _table(["model", "Mbit/s", "variant", "variant ms", "base ms", "variant / base"],
+                     ratios) + "\n")
+
+
 def _commit() -> str:
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=str(ROOT))
@@ -179,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", default="gracebench",
                     help="namespace name prefix; a run removes stale namespaces of its prefix")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/e2e.json"))
+    ap.add_argument("--md", default=None,
+                    help="also write this run's table (and its -bucket/-whole variants against "
+                         "their base pipelines) to this markdown file")
     ap.add_argument("--merge", action="store_true",
                     help="keep --out's other records; replace those of the same model, link "
                          "speed and pipeline")
@@ -229,6 +255,10 @@ def main(argv=None) -> int:
     if args.merge and Path(args.out).exists():
         records = merge(json.loads(Path(args.out).read_text()), records)
     Path(args.out).write_text(json.dumps(records, indent=1))
+    if args.md:
+        command = "python -m benchmarks.e2e " + " ".join(argv if argv is not None
+                                                         else sys.argv[1:])
+        Path(args.md).write_text(markdown(records, command))
     print(f"wrote {args.out} ({len(records)} runs, {sum('error' in r for r in records)} failed)")
     return 0
 

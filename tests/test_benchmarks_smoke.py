@@ -44,6 +44,16 @@ def test_e2e_merge_replaces_rerun_rows_in_place():
     assert [r["step_s"] for r in e2e.merge(old, new)] == [1, 2, 3]
 
 
+def test_e2e_markdown_puts_each_variant_against_its_base_pipeline():
+    runs = [{"model": "resnet18", "mbit": 1000.0, "pipeline": p, "step_s": s, "sent_bytes": 1,
+             "received_bytes": 1, "compute_s": 0.2, "compress_s": 0.0, "communicate_s": 0.1}
+            for p, s in (("none", 0.5), ("topk", 0.4), ("topk-bucket", 0.3))]
+    text = e2e.markdown(runs, "python -m benchmarks.e2e --md x")
+    assert "`python -m benchmarks.e2e --md x`" in text
+    assert "| resnet18 | 1000 | topk-bucket | 300.0 | 400.0 | 0.75 |" in text
+    assert "| topk | " not in text.split("## Variants")[1]
+
+
 def test_e2e_rounds_keep_each_pipelines_median_run_whole():
     runs = [{"model": "mlp", "mbit": 100, "pipeline": "none", "step_s": s, "compute_s": c}
             for s, c in ((0.9, 1), (0.3, 2), (0.5, 3))]
