@@ -159,7 +159,8 @@ def repredict(records: list[dict]) -> list[dict]:
 
 def markdown(records: list[dict], command: str) -> str:
     """This run's rows (``benchmarks.report``'s e2e table) and each variant's step against its
-    base pipeline's, per model and link speed."""
+    base pipeline's, per model and link speed. ``command``: what wrote the table (the run, or
+    a ``--repredict`` of it: the rows' own ``command`` says what measured them)."""
     from benchmarks.pipelines import VARIANTS
     from benchmarks.report import E2E_COLUMNS, _table, e2e_rows, machine
 
@@ -171,8 +172,12 @@ def markdown(records: list[dict], command: str) -> str:
                "variant / base": f"{s / step[(model, mbit, VARIANTS[pipeline][0])]:.2f}"}
               for (model, mbit, pipeline), s in step.items()
               if pipeline in VARIANTS and (model, mbit, VARIANTS[pipeline][0]) in step]
+    measured = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
+    made = "; ".join(f"`{c}`" for c in measured or [command])
+    if measured and command not in measured:
+        made += f", predictions recomputed with `{command}`"
     return (f"# End-to-end step time over emulated hosts\n\nMachine: {machine()}\n\n"
-            f"Made with `{command}`; columns as in `e2e.md`.\n\n"
+            f"Made with {made}; columns as in `e2e.md`.\n\n"
             + _table(E2E_COLUMNS, e2e_rows(records))
             + "\n\n## Variants against their base pipeline\n\nStep time of each variant "
               "(`benchmarks.pipelines.VARIANTS`) over its base pipeline's, same run.\n\n"
@@ -215,9 +220,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repredict", action="store_true",
                     help="recompute the fixed pipelines' predictions in --out; run nothing")
     args = ap.parse_args(argv)
+    command = "python -m benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.repredict:
         records = repredict(json.loads(Path(args.out).read_text()))
         Path(args.out).write_text(json.dumps(records, indent=1))
+        if args.md:
+            Path(args.md).write_text(markdown(records, command))
         print(f"re-predicted {sum('predicted_at' in r for r in records)} of {len(records)} "
               f"rows in {args.out}")
         return 0
@@ -246,7 +254,8 @@ def main(argv=None) -> int:
             rec = run_one(cluster, args.launcher, model, pipeline, args.steps, args.warmup,
                           args.timeout, measured[mbit])
             rec.update({"mbit": mbit, "hosts": args.hosts, "launcher": args.launcher,
-                        "run": run, "calibration": _relative(measured[mbit])})
+                        "run": run, "calibration": _relative(measured[mbit]),
+                        "command": command})
             records.append(rec)
             if "error" in rec:
                 tqdm.write(f"FAILED {mbit:g} {model} {pipeline}: {rec['error'][-400:]}")
@@ -256,8 +265,6 @@ def main(argv=None) -> int:
         records = merge(json.loads(Path(args.out).read_text()), records)
     Path(args.out).write_text(json.dumps(records, indent=1))
     if args.md:
-        command = "python -m benchmarks.e2e " + " ".join(argv if argv is not None
-                                                         else sys.argv[1:])
         Path(args.md).write_text(markdown(records, command))
     print(f"wrote {args.out} ({len(records)} runs, {sum('error' in r for r in records)} failed)")
     return 0

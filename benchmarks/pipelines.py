@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grace_dl import grace_from_params
-from grace_dl.torch.buckets import DEFAULT_BUCKET_BYTES
+from grace_dl.communicators.buckets import DEFAULT_BUCKET_BYTES
 
 # Measured compression throughput for Auto's cost model (`make bench` writes it first).
 THROUGHPUT = Path(__file__).resolve().parent / "results" / "compression_throughput.json"
@@ -115,18 +115,17 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
     from grace_dl.strategy.cost_model import Network
     from grace_dl.strategy.step_model import HOROVOD, HOROVOD_FP16
     from grace_dl.strategy.step_model import predict_step as step
-    from grace_dl.strategy.variables import variables_of
+    from grace_dl.strategy.variables import bucketed, variables_of
 
     if calibration() is None:
         return None
+    variables = variables_of(model.named_parameters())
     if pipeline in VARIANTS:
-        base, options = VARIANTS[pipeline]
+        pipeline, options = VARIANTS[pipeline]
         if "bucket_bytes" in options:
-            return None  # the step model sends each parameter on its own
-        pipeline = base
+            variables = bucketed(variables, options["bucket_bytes"])
     if PIPELINES.get(pipeline) == "auto":
         return build_auto(model, mbit, workers, compute_s)[0].prediction.step_s
-    variables = variables_of(model.named_parameters())
     choice = {"none": HOROVOD, "hvd-fp16": HOROVOD_FP16}.get(pipeline)
     if choice is None:
         choice = Pipeline.from_params(dict(PIPELINES[pipeline]))

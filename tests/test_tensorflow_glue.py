@@ -61,6 +61,8 @@ def test_drop_in_has_every_public_horovod_name():
     ({"op": stock.Sum, "gradient_predivide_factor": 2.0}, "only supported with op=hvd.Average"),
     ({"gradient_predivide_factor": -1.0}, "must be > 0"),
     ({"process_set": stock.ProcessSet([0])}, "differs from the grace object's"),
+    ({"bucket_bytes": 0}, "bucket_bytes must be a positive int or None, got 0"),
+    ({"bucket_bytes": 1024, "groups": 2}, "bucket_bytes=1024 and groups=2 cannot be combined"),
 ])
 def test_tape_rejects_options_grace_cannot_honour(grc, kwargs, match):
     with tf.GradientTape() as tape:
@@ -86,6 +88,21 @@ def test_keras_optimizer_validation(grc):
         hvd.DistributedOptimizer(sgd, grace=grc, compression=stock.Compression.fp16)
     with pytest.raises(ValueError, match="Keras 3 optimizers"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), grace=grc)
+
+
+def test_bucket_bytes_needs_a_grace_that_takes_flat_buckets():
+    from grace_dl import grace_from_params
+
+    with tf.GradientTape() as tape:
+        pass
+    with pytest.raises(ValueError, match="bucket_bytes=64 needs grace="):
+        hvd.DistributedGradientTape(tape, bucket_bytes=64)
+    with pytest.raises(ValueError, match="bucket_bytes=64 needs grace="):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), bucket_bytes=64)
+    powersgd = grace_from_params({"compressor": "powersgd", "memory": "powersgd",
+                                  "communicator": "allreduce"})
+    with pytest.raises(ValueError, match="PowerSGD.* needs each parameter's shape"):
+        hvd.DistributedGradientTape(tape, grace=powersgd, bucket_bytes=64)
 
 
 def test_keras_wrapper_is_the_users_class_with_its_config(grc):

@@ -11,7 +11,8 @@ import torch
 
 import mp
 from grace_dl import grace_from_params
-from grace_dl.torch.buckets import DEFAULT_BUCKET_BYTES, bucket_name, plan
+from grace_dl.communicators.buckets import DEFAULT_BUCKET_BYTES, bucket_name
+from grace_dl.torch.buckets import plan
 from support import assert_dicts_differ, assert_equal_dicts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -46,6 +47,19 @@ def test_plan_packs_reverse_order_per_dtype_up_to_the_size():
     assert buckets[1].flat[:100].data_ptr() == buckets[1].view(0).data_ptr()
 
 
+def test_step_model_prices_the_buckets_the_optimizer_sends():
+    """``strategy.variables.bucketed``: the optimizer's buckets, as flat variables in forward
+    order (a bucket is ready in the step model's reverse pass when its last member is)."""
+    from grace_dl.strategy.variables import bucketed, variables_of
+
+    model = C.make_model()
+    names = {p: n for n, p in model.named_parameters()}
+    sent = plan(reversed(list(model.parameters())), names, 300)
+    priced = bucketed(variables_of(model.named_parameters()), 300)
+    assert [v.name for v in priced] == [b.name for b in sent][::-1]
+    assert [v.numel for v in priced] == [sum(b.numels) for b in sent][::-1] == [128, 16, 68]
+
+
 @pytest.mark.parametrize("kwargs, grace, words", [
     ({"bucket_bytes": 0}, NONE, ["bucket_bytes", "positive int or None", "got 0"]),
     ({"bucket_bytes": True}, NONE, ["bucket_bytes", "True"]),
@@ -53,13 +67,15 @@ def test_plan_packs_reverse_order_per_dtype_up_to_the_size():
     ({"bucket_bytes": 1024}, POWERSGD, ["bucket_bytes=1024", "PowerSGD", "needs each parameter's "
                                         "shape", "bucket_bytes=None", "topk"]),
     ({"bucket_bytes": 1024, "groups": 2}, NONE, ["bucket_bytes=1024", "groups=2"]),
+    ({"bucket_bytes": 1024}, None, ["bucket_bytes=1024", "needs grace=",
+                                    "HOROVOD_FUSION_THRESHOLD"]),
 ])
 def test_bad_bucket_arguments_raise_value_error_naming_them(kwargs, grace, words):
     import grace_dl.torch.horovod as hvd
 
     sgd = torch.optim.SGD(C.make_model().parameters(), lr=0.1)
     with pytest.raises(ValueError) as err:
-        hvd.DistributedOptimizer(sgd, grace=grace_from_params(dict(grace)), **kwargs)
+        hvd.DistributedOptimizer(sgd, grace=grace and grace_from_params(dict(grace)), **kwargs)
     for word in words:
         assert word in str(err.value)
 

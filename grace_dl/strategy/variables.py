@@ -109,3 +109,19 @@ def variables_of(named_parameters_or_shapes) -> list[Variable]:
     if not out:
         raise ValueError("no variables given to build a strategy for")
     return out
+
+
+def bucketed(variables, bucket_bytes: int) -> list[Variable]:
+    """``variables`` as the buckets ``DistributedOptimizer(bucket_bytes=...)`` sends them
+    (``grace_dl.communicators.buckets``): one flat variable per bucket, named like the bucket,
+    in the same forward order, so that a bucket becomes ready, in a step model's reverse pass,
+    when its last member does."""
+    from grace_dl.communicators.buckets import bucket_name, pack
+    from grace_dl.dtypes import itemsize
+
+    ready = list(variables)[::-1]
+    layout = pack([((v.dtype, ""), v.numel * itemsize(v.dtype)) for v in ready], bucket_bytes)
+    buckets = [Variable(bucket_name([ready[i].name for i in members]),
+                        (sum(ready[i].numel for i in members),), ready[members[0]].dtype)
+               for members in layout]
+    return buckets[::-1]

@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, SUM, receive_each
+from grace_dl.communicators.buckets import bucket_name, check_bucket_bytes, pack
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
 from grace_dl.tensorflow import ops as tf_ops
@@ -188,14 +189,18 @@ class GraceReducer(_Reducer):
     ``groups``: Horovod's fusion groups, as the grace object's (``Communicator.fuse``): an int
     splits the step's gradients, in order, into that many groups as even as possible; a list
     of lists of variables names them. They are resolved to gradient names on the first step.
+    ``bucket_bytes``: pack each step's gradients (in reverse order: the backward pass's) into
+    flat buckets of about this many bytes, each compressed once and sent as one tensor named
+    after its members (``grace_dl.communicators.buckets``); ``None``: one per variable.
     """
 
     def __init__(self, grace, op=hvd.Average, gradient_predivide_factor: float = 1.0,
                  process_set=hvd.global_process_set, scale_local_gradients: bool = True,
-                 device: str = "", groups=None):
+                 device: str = "", groups=None, bucket_bytes=None):
         check_not_tf1_graph()
         check_grace(grace)
         self.groups = _check_groups(groups)
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes, grace, groups)
         self.grace = grace
         self.op = grace_op(op)
         self.predivide = float(gradient_predivide_factor)
@@ -228,21 +233,48 @@ class GraceReducer(_Reducer):
         _check_agreement(self.grace, [(n, tuple(s.shape), g.dtype.name)
                                       for n, g, s in zip(names, grads, sources)],
                          self.process_set)  # every call: a None gradient may differ per rank
-        out = []
+        out = [None] * len(grads)
         with tf.device(self.device):
-            handles = []
-            for name, g in zip(names, grads):
-                if self.predivide != 1.0:
-                    g = g * tf.cast(1.0 / self.predivide, g.dtype)
-                handles.append(self.grace.send(g, name, self.op))
-            for reduced in receive_each(self.grace, handles):
+            if self.predivide != 1.0:
+                grads = [g * tf.cast(1.0 / self.predivide, g.dtype) for g in grads]
+            units = self._units(names, grads)
+            handles = [self.grace.send(tensor, name, self.op) for name, _, tensor in units]
+            for (_, members, _), reduced in zip(units, receive_each(self.grace, handles)):
                 if self.predivide != 1.0:
                     reduced = reduced * tf.cast(self.predivide, reduced.dtype)
-                out.append(reduced)
+                if len(members) == 1:
+                    out[members[0]] = reduced
+                    continue
+                sizes = [grads[i].shape.num_elements() for i in members]
+                for i, part in zip(members, tf.split(reduced, sizes)):
+                    out[i] = tf.reshape(part, grads[i].shape)
         grace = self.grace
         tf_ops.host_callback(lambda: grace.end_step())
-        _warn_unused_restored_state(grace, names)
+        _warn_unused_restored_state(grace, [name for name, _, _ in units])
         return out
+
+
+    def _units(self, names, grads) -> list:
+        """What this step sends: ``[(name, positions of its gradients, tensor)]``, a gradient
+        each, or with ``bucket_bytes`` the buckets (a lone gradient is sent as itself, under
+        its bucket's name)."""
+        if self.bucket_bytes is None:
+            return [(n, [i], g) for i, (n, g) in enumerate(zip(names, grads))]
+        for n, g in zip(names, grads):
+            if g.shape.num_elements() is None:
+                raise ValueError(f"bucket_bytes needs gradients of known shape; {n!r} has "
+                                 f"shape {g.shape}: pass bucket_bytes=None")
+        ready = list(range(len(grads)))[::-1]   # the backward pass's order
+        layout = pack([((grads[i].dtype.name, grads[i].device),
+                        grads[i].shape.num_elements() * grads[i].dtype.size) for i in ready],
+                      self.bucket_bytes)
+        units = []
+        for bucket in layout:
+            members = [ready[j] for j in bucket]
+            tensor = grads[members[0]] if len(members) == 1 else \
+                tf.concat([tf.reshape(grads[i], [-1]) for i in members], 0)
+            units.append((bucket_name([names[i] for i in members]), members, tensor))
+        return units
 
 
 def _check_groups(groups):

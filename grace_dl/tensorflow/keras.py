@@ -28,6 +28,7 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
+from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.tensorflow.checkpoint import checkpointable
 from grace_dl.tensorflow.gradients import GraceReducer, HorovodReducer
 from grace_dl.tensorflow.tape import reject_horovod_only_options
@@ -67,8 +68,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          gradient_predivide_factor=1.0, op=hvd.Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=hvd.global_process_set,
-                         scale_local_gradients=True, grace=None):
-    """Horovod's Keras ``DistributedOptimizer`` arguments plus ``grace=``; returns a new
+                         scale_local_gradients=True, grace=None, bucket_bytes=None):
+    """Horovod's Keras ``DistributedOptimizer`` arguments plus ``grace=`` (and ``bucket_bytes``,
+    as ``DistributedGradientTape``'s); returns a new
     optimizer of the same class built from ``optimizer.get_config()`` (a fresh, unbuilt
     optimizer, as Horovod's). ``op`` is ``hvd.Average`` or ``hvd.Sum``.
     ``backward_passes_per_step`` must be 1 (use the optimizer's ``gradient_accumulation_steps``);
@@ -87,7 +89,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          "optimizer instead")
     if num_groups and groups is None:
         groups = num_groups
-    if grace is not None:
+    if grace is None:
+        check_bucket_bytes(bucket_bytes, None)
+    else:
         reject_horovod_only_options(compression=compression)
         from grace_dl.recipes import warn_known_problems
 
@@ -106,7 +110,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                         gradient_predivide_factor=gradient_predivide_factor,
                                         process_set=process_set,
                                         scale_local_gradients=scale_local_gradients,
-                                        device=device_dense, groups=groups)
+                                        device=device_dense, groups=groups,
+                                        bucket_bytes=bucket_bytes)
         opt.grace_state = checkpointable(grace)
     return opt
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.tensorflow.gradients import GraceReducer, HorovodReducer
 
 
@@ -67,8 +68,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                             compression=hvd.Compression.none, sparse_as_dense=False,
                             op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
                             groups=None, process_set=hvd.global_process_set,
-                            scale_local_gradients=True, grace=None):
-    """Horovod's ``DistributedGradientTape`` plus ``grace=``.
+                            scale_local_gradients=True, grace=None, bucket_bytes=None):
+    """Horovod's ``DistributedGradientTape`` plus ``grace=`` and ``bucket_bytes``.
 
     With ``grace`` (a communicator from ``grace_from_params`` or a strategy dispatcher) every
     gradient goes through ``grace.send`` / ``grace.receive``: the compressor, memory and
@@ -77,12 +78,15 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     ``device_dense`` places the compression. ``groups`` / ``num_groups`` become the grace
     object's fusion groups (``GraceReducer``). ``compression`` is Horovod's own and is rejected
     together with ``grace=``. ``sparse_as_dense`` is implied: sparse gradients are densified.
+    ``bucket_bytes`` (grace only): gradients packed into flat buckets of about this many bytes,
+    each compressed and sent as one tensor (``grace_dl.communicators.buckets``).
 
     With ``grace=None`` every argument means what it means to Horovod (its own reduction).
     """
     if groups is None and num_groups:
         groups = num_groups
     if grace is None:
+        check_bucket_bytes(bucket_bytes, None)
         if groups is not None and not (isinstance(groups, list) or groups > 0):
             raise ValueError(f"groups must be a positive integer or a list of lists of "
                              f"variables, got {groups!r}")
@@ -94,7 +98,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
         reducer = GraceReducer(grace, op=op, gradient_predivide_factor=gradient_predivide_factor,
                                process_set=process_set,
                                scale_local_gradients=scale_local_gradients, device=device_dense,
-                               groups=groups)
+                               groups=groups, bucket_bytes=bucket_bytes)
     cls = _tape_class(type(gradtape))
     tape = cls.__new__(cls)
     tf.GradientTape.__init__(tape, persistent=gradtape._persistent,
@@ -109,7 +113,8 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
                                    compression=hvd.Compression.none, sparse_as_dense=False,
                                    op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
                                    groups=None, process_set=hvd.global_process_set,
-                                   local_layers=None, scale_local_gradients=True, grace=None):
+                                   local_layers=None, scale_local_gradients=True, grace=None,
+                                   bucket_bytes=None):
     """Horovod's ``PartialDistributedGradientTape`` (the variables of ``local_layers`` are not
     reduced, only divided by the number of ranks when ``scale_local_gradients``) plus
     ``grace=``."""
@@ -122,7 +127,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
         compression=compression, sparse_as_dense=sparse_as_dense, op=op,
         gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
-        grace=grace)
+        grace=grace, bucket_bytes=bucket_bytes)
     for layer in local_layers:
         if not hasattr(layer, "trainable_weights"):
             raise ValueError(f"local_layers must be Keras layers, got {type(layer).__name__}")

@@ -107,6 +107,7 @@ import torch.distributed as dist
 
 from grace_dl import agreement
 from grace_dl.communicators.base import AVERAGE, Communicator, check_op, receive_each
+from grace_dl.communicators.buckets import bucket_name, needs_shapes
 from grace_dl.communicators.fusion import GroupCollectives
 from grace_dl.communicators.pieces import (
     DEFAULT_PIECE_BYTES,
@@ -116,7 +117,6 @@ from grace_dl.communicators.pieces import (
     send_pieces,
 )
 from grace_dl.contracts import check_grace
-from grace_dl.torch.buckets import bucket_name, needs_shapes
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy
 

@@ -34,11 +34,12 @@ What differs from Horovod, and why:
   optimizer's ``momentum`` (random-k with error feedback, momentum applied twice, ...; see
   ``grace_dl.recipes``), with the recipe that works.
 * ``bucket_bytes=n`` (grace only; default ``None``: one grace tensor per parameter) packs the
-  gradients into flat buckets of about ``n`` bytes (``grace_dl.torch.buckets.DEFAULT_BUCKET_BYTES``
-  is DDP's 25 MiB), each compressed once and sent as one grace tensor named after its members
-  (``grace_dl.torch.buckets``): one compression and one set of collectives per bucket, a
-  sparsifier's k taken over the bucket. Not with ``groups`` (a bucket already fuses) nor with
-  compressors that need each layer's shape (PowerSGD) or strategy dispatchers.
+  gradients into flat buckets of about ``n`` bytes (``DEFAULT_BUCKET_BYTES`` is DDP's 25 MiB),
+  each compressed once and sent as one grace tensor named after its members
+  (``grace_dl.torch.buckets``, ``grace_dl.communicators.buckets``): one compression and one set
+  of collectives per bucket, a sparsifier's k taken over the bucket. Not with ``groups`` (a
+  bucket already fuses) nor with compressors that need each layer's shape (PowerSGD) or
+  strategy dispatchers.
 * Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
   a sparse gradient raises ``ValueError`` rather than silently skipping compression.
 * Collectives are named after the parameters (``named_parameters``, else Horovod's
@@ -68,6 +69,7 @@ import torch
 
 from grace_dl import agreement, validate
 from grace_dl.communicators.base import AVERAGE, SUM, receive_each
+from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
     DEFAULT_PIECE_BYTES,
@@ -78,7 +80,7 @@ from grace_dl.communicators.pieces import (
 )
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys
-from grace_dl.torch.buckets import check_bucket_bytes, plan
+from grace_dl.torch.buckets import plan
 from grace_dl.torch.trees import to_numpy, to_torch
 
 GRACE_KEY = "grace"
@@ -108,6 +110,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
     process_set = hvd.global_process_set if process_set is None else \
         validate.process_set(process_set)
     if grace is None:
+        check_bucket_bytes(bucket_bytes, None)
         _check_no_grace_agrees(process_set, hvd)
         return hvd.DistributedOptimizer(
             optimizer, named_parameters=named_parameters, compression=compression,
@@ -117,7 +120,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
 
     check_grace(grace)
     check_piece_bytes(piece_bytes)
-    check_bucket_bytes(bucket_bytes, grace)
     if compression is not hvd.Compression.none:
         raise ValueError(f"compression={compression!r} cannot be combined with grace=; the "
                          f"grace communicator compresses (accepted: hvd.Compression.none)")
@@ -144,10 +146,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
         if groups is None:
             groups = num_groups
     _check_groups(groups)
-    if bucket_bytes is not None and groups is not None:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r} and groups={groups!r} cannot be "
-                         f"combined: a bucket already sends its gradients together; pass one "
-                         f"of them")
+    check_bucket_bytes(bucket_bytes, grace, groups)
     _attach_process_set(grace, process_set, hvd)
     from grace_dl.recipes import optimizer_momentum, warn_known_problems
 

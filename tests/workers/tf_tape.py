@@ -157,6 +157,12 @@ def main():
     # 4. groups=2: the grace object's fusion groups; fewer collectives, the same gradients.
     report["groups"] = {str(g): grouped(g) for g in (None, 2)}
 
+    # 4b. bucket_bytes=300: the step's gradients in 3 buckets (reverse order: the output
+    # layer's two share one), eager and in tf.function.
+    report["buckets"] = {label: bucketed(params, graph) for label, params, graph in
+                         (("none", NONE, False), ("topk", TOPK, False),
+                          ("topk_graph", TOPK, True))}
+
     # 5. Embedding (IndexedSlices gradients), eager and tf.function, topk and none.
     keras.utils.set_random_seed(3)
     emb = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4),
@@ -220,6 +226,37 @@ def grouped(groups):
     return {"grads": out, "calls_per_step": len(calls) / 3, "names": sorted(set(calls)),
             "sent": [s["sent"] for s in grc.bytes.steps],
             "warnings": [str(w.message) for w in caught if w.category is UserWarning]}
+
+
+NONE = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
+
+
+def bucketed(params, graph):
+    """Three steps' local and reduced gradients of a tape with ``bucket_bytes=300`` (no
+    update: the model stays put), collectives counted."""
+    model = mlp(5)
+    grc = grace_from_params(dict(params))
+    calls = []
+    grc.collectives = counting_hook(grc, calls)
+
+    def step(x, y):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = loss_fn(model, x, y)
+        local = tape.gradient(loss, model.trainable_variables)
+        reduced = hvd.DistributedGradientTape(tape, grace=grc, bucket_bytes=300).gradient(
+            loss, model.trainable_variables)
+        return local, reduced
+
+    if graph:
+        step = tf.function(step)
+    out = {"local": [], "reduced": []}
+    for s in range(3):
+        local, reduced = step(*batch(s))
+        out["local"].append(numpy(local))
+        out["reduced"].append(numpy(reduced))
+    out.update(calls_per_step=len(calls) / 3, keys=sorted(grc.state_dict()["memory"]),
+               sent=[s["sent"] for s in grc.bytes.steps])
+    return out
 
 
 def resume():
