@@ -109,6 +109,36 @@ def test_groups_must_be_homogeneous():
         from_strategy(_strategy(("a", (4,), TOPK, 0), ("b", (4,), {}, 0)))
 
 
+def test_bucket_groups_are_listed_routed_and_not_fused():
+    """A group with ``bucket`` set: listed in ready order (reverse node order), routed under its
+    bucket name with its total size, not a fusion group; lone bucket nodes stay plain."""
+    from grace_dl.communicators.buckets import bucket_name
+
+    s = _strategy(("a", (4, 4), TOPK, 0), ("b", (4,), TOPK, 0), ("c", (3,), TOPK, 1))
+    for node in s.node_config:
+        node.AllReduceSynchronizer.bucket = True
+    grc = from_strategy(s)
+    assert grc.buckets == [["b", "a"]]
+    route = grc.node(bucket_name(["b", "a"]))
+    assert route.shape == (20,) and route.comm is grc.communicator("a")
+    assert not grc.communicator("a").fusion
+    grc.check_variables({"a": (4, 4), "b": (4,), "c": (3,)})  # buckets are not variables
+
+
+def test_bucket_groups_need_every_node_flagged_and_a_flat_compressor():
+    s = _strategy(("a", (4,), TOPK, 0), ("b", (4,), TOPK, 0))
+    s.node_config[1].AllReduceSynchronizer.bucket = True
+    with pytest.raises(ValueError, match="group 0: 'b' sets bucket=True and 'a' does not"):
+        from_strategy(s)
+    powersgd = {"compressor": "powersgd", "memory": "powersgd"}
+    s = _strategy(("a", (4, 4), powersgd, 0), ("b", (4, 4), powersgd, 0))
+    for node in s.node_config:
+        node.AllReduceSynchronizer.bucket = True
+    with pytest.raises(ValueError, match="group 0 is a bucket, but its compressor 'powersgd' "
+                                         "needs each variable's shape"):
+        from_strategy(s)
+
+
 def test_twophase_fuses_and_rides_ring_like_any_communicator():
     """Two-phase's later phases are ordinary phases of the one send path, so a group of
     two-phase nodes fuses (its gathers go out at once, its all-to-alls unfused) and spec RING

@@ -48,7 +48,7 @@ def test_autodist_field_numbers_kept():
     assert {node[k] for k in ("compressor", "memory", "communicator", "shape")} == {8, 9, 10, 11}
     assert _numbers(strategy_pb2.Strategy.GraphConfig) == {"replicas": 1}
     assert _numbers(strategy_pb2.AllReduceSynchronizer) == {"spec": 1, "compressor": 2,
-                                                            "group": 3}
+                                                            "group": 3, "bucket": 4}
     assert _numbers(strategy_pb2.PSSynchronizer) == {
         "reduction_destination": 1, "local_replication": 2, "sync": 3, "staleness": 4}
     spec = strategy_pb2.AllReduceSynchronizer.Spec

@@ -150,6 +150,12 @@ def test_bucket_bytes_sends_each_bucket_once(tape):
         assert topk["keys"] == graph["keys"] == sorted(bucket_name(b) for b in layout)
         assert topk["calls_per_step"] == graph["calls_per_step"] * 3  # traced (counted) once
         assert topk["calls_per_step"] * 4 == res["groups"]["None"]["calls_per_step"] * 3
+        # a strategy naming the same bucket (its lone gradients under their own names)
+        by_strategy = res["buckets"]["topk_strategy"]
+        assert by_strategy["buckets"] == [layout[0]]
+        assert by_strategy["keys"] == sorted([bucket_name(layout[0]), *layout[1], *layout[2]])
+        for a, b in zip(topk["reduced"], by_strategy["reduced"]):
+            _equal(a, b)
         for a, b in zip(topk["reduced"], graph["reduced"]):  # graph mode may round apart
             for x, y in zip(a, b):
                 np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)

@@ -173,3 +173,16 @@ def test_buckets_in_pieces_checkpoint_and_resume(ranks):
                 and "bucket_bytes=" in refusal, refusal
         assert_equal_dicts(res["resume"]["resumed"], res["resume"]["continued"])
     assert_equal_dicts(ranks[0]["qsgd"]["params"], ranks[1]["qsgd"]["params"])
+
+
+@pytest.mark.multiproc
+def test_a_strategys_buckets_train_as_bucket_bytes_does(ranks):
+    """A strategy whose groups are buckets (``AllReduceSynchronizer.bucket``, as Auto writes
+    them) with bucket_bytes=300's layout: the dispatcher lists the bucket, the optimizer sends
+    it as one tensor and the other parameters alone, and training is bit for bit the same."""
+    for res in ranks:
+        strategy = res["strategy"]
+        assert strategy["buckets"] == [["body.2.bias", "body.2.weight"]]
+        assert list(strategy["layout"].values()) == list(res["topk"]["layout"].values())
+        assert strategy["sent"] == res["topk"]["sent"]
+        assert_equal_dicts(strategy["params"], res["topk"]["params"])

@@ -63,7 +63,8 @@ def check_bucket_bytes(bucket_bytes, grace, groups=None):
     if needs_shapes(grace):
         what = (f"compressor {type(grace.compressor).__name__} needs each parameter's shape"
                 if isinstance(grace, Communicator) else
-                f"{type(grace).__name__} routes each parameter by its name")
+                f"{type(grace).__name__} routes each parameter by its name (a strategy "
+                f"names its buckets per node: AllReduceSynchronizer.bucket)")
         raise ValueError(f"bucket_bytes={bucket_bytes!r} cannot be used with this grace: {what}; "
                          f"pass bucket_bytes=None (one grace tensor per parameter), or a "
                          f"communicator whose compressor takes a flat bucket (any without "

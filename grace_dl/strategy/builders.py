@@ -17,6 +17,8 @@ raises ``ValueError`` at build time, not on the first step.
 (one fused collective per group and step). With one pipeline for all variables this is
 AutoDist's ``group = index // chunk_size``; ``chunk_size=1`` means no fusion. Every
 communicator fuses (``grace_dl.communicators.fusion``); a strategy only says which variables.
+A builder that packs variables into **buckets** (``Auto``) gives each bucket its own group
+with ``AllReduceSynchronizer.bucket`` set: its gradients travel as one flat tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from datetime import datetime, timezone
 
+from grace_dl.communicators.buckets import DEFAULT_BUCKET_BYTES
 from grace_dl.strategy import strategy_pb2 as pb
 from grace_dl.strategy.cost_model import PATTERNS, Network
 from grace_dl.strategy.pipeline import LEGACY_NAMES, Pipeline
@@ -36,7 +39,7 @@ from grace_dl.strategy.step_model import (
     simulate,
     variable_cost,
 )
-from grace_dl.strategy.variables import Variable, variables_of
+from grace_dl.strategy.variables import Variable, bucket_layout, bucketed, variables_of
 from grace_dl.validate import in_range, one_of
 
 VERSION = 1
@@ -61,26 +64,33 @@ class StrategyBuilder(ABC):
     def choose(self, variables: list[Variable], resources: ResourceSpec | None) -> list[Pipeline]:
         """The pipeline of each variable."""
 
+    #: what ``choose`` packed into buckets (positions of variables), if anything
+    buckets: list[list[int]] | None = None
+
     def build(self, named_parameters_or_shapes, resource_spec=None):
         variables = variables_of(named_parameters_or_shapes)
         resources = ResourceSpec.coerce(resource_spec)
         pipelines = self.choose(variables, resources)
         for pipeline in set(pipelines):
             pipeline.build()  # bad values and refused pairings fail here, naming them
-        return assemble(variables, pipelines, self.chunk_size, self.spec, resources)
+        return assemble(variables, pipelines, self.chunk_size, self.spec, resources,
+                        buckets=self.buckets)
 
 
 def assemble(variables, pipelines, chunk_size: int = 1, spec: int = 0, resources=None,
-             ps_destination: str | None = None):
+             ps_destination: str | None = None, buckets=None):
     """A ``Strategy`` with one AllReduce (or PS) node per variable, groups of up to
-    ``chunk_size`` variables per pipeline."""
+    ``chunk_size`` variables per pipeline; ``buckets`` (positions of variables, two or more
+    each) become groups of their own with ``bucket`` set."""
     strategy = pb.Strategy(version=VERSION,
                            id=datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ"))
     if resources is not None:
         strategy.graph_config.replicas.extend(resources.replicas())
     groups: dict[Pipeline, list] = {}  # pipeline -> [group id, members so far]
-    next_group = 0
-    for var, pipeline in zip(variables, pipelines):
+    in_bucket = {i: k for k, members in enumerate(b for b in buckets or [] if len(b) > 1)
+                 for i in members}
+    next_group = len(set(in_bucket.values()))
+    for position, (var, pipeline) in enumerate(zip(variables, pipelines)):
         node = strategy.node_config.add(var_name=var.name)
         node.shape.extend(var.shape)
         pipeline.write(node)
@@ -88,12 +98,16 @@ def assemble(variables, pipelines, chunk_size: int = 1, spec: int = 0, resources
             node.PSSynchronizer.reduction_destination = ps_destination
             node.PSSynchronizer.sync = True
             continue
+        node.AllReduceSynchronizer.spec = spec
+        if position in in_bucket:
+            node.AllReduceSynchronizer.group = in_bucket[position]
+            node.AllReduceSynchronizer.bucket = True
+            continue
         current = groups.get(pipeline)
         if current is None or current[1] >= chunk_size:
             current = groups[pipeline] = [next_group, 0]
             next_group += 1
         current[1] += 1
-        node.AllReduceSynchronizer.spec = spec
         node.AllReduceSynchronizer.group = current[0]
     return strategy
 
@@ -202,11 +216,15 @@ class Auto(StrategyBuilder):
     model's forward + backward time, which communication can overlap (0: none to hide behind).
 
     Choice: each variable's cheapest candidate alone (kept only when ``margin`` better than
-    ``none``), and every candidate for all variables, are simulated; the fastest is taken only
-    when it is predicted ``margin`` faster than no compression at all, run as Horovod's own
-    allreduce. Otherwise every variable gets ``none``: such a strategy is meant to run with
-    ``grace=None`` (``horovod_path(strategy)`` says so), and it is what the prediction assumed.
-    So Auto never picks a pipeline it predicts to lose to uncompressed Horovod.
+    ``none``), every candidate for all variables, and, with ``bucket_bytes`` (default DDP's 25
+    MiB; ``None``: never), every candidate whose compressor takes a flat tensor for all
+    variables packed into buckets of that size (``strategy.variables.bucket_layout``: one
+    compression and one exchange per bucket, priced on the bucket's size), are simulated;
+    the fastest is taken only when it is predicted ``margin`` faster than no compression at
+    all, run as Horovod's own allreduce. Otherwise every variable gets ``none``: such a
+    strategy is meant to run with ``grace=None`` (``horovod_path(strategy)`` says so), and it
+    is what the prediction assumed. So Auto never picks a pipeline it predicts to lose to
+    uncompressed Horovod.
 
     After ``build``: ``prediction`` (the chosen step, a ``StepPrediction``), ``baseline`` (the
     uncompressed step), ``report`` (each variable's cost under every candidate); the strategy's
@@ -215,8 +233,11 @@ class Auto(StrategyBuilder):
     """
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, chunk_size: int = 1, spec="AUTO",
-                 throughput=None, compute_s: float = 0.0, margin: float = 0.1):
+                 throughput=None, compute_s: float = 0.0, margin: float = 0.1,
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES):
         super().__init__(chunk_size, spec)
+        self.bucket_bytes = None if bucket_bytes is None else \
+            in_range("bucket_bytes", bucket_bytes, 1, None, kind=int)
         pipelines = [Pipeline.from_params(c) for c in candidates]
         if NONE not in pipelines:
             pipelines.insert(0, NONE)
@@ -268,17 +289,39 @@ class Auto(StrategyBuilder):
                                   for v in variables], numels, self.compute_s, calib.overlap)
         options = [[_cheapest(row, self.margin) for row in table]]
         options += [[i] * len(variables) for i in range(1, len(self.candidates))]
-        best, best_step = None, None
+        best, best_step, best_buckets = None, None, None
         for option in options:
             step = simulate([row[i] for row, i in zip(table, option)], numels, self.compute_s,
                             calib.overlap)
             if best_step is None or step.step_s < best_step.step_s:
                 best, best_step = option, step
+        for i, step, layout in self._bucketed_options(variables, calib, net):
+            if step.step_s < best_step.step_s:
+                best, best_step, best_buckets = [i] * len(variables), step, layout
+        self.buckets = None
         if best_step is not None and best_step.step_s * (1 + self.margin) < self.baseline.step_s:
             self.prediction = best_step
+            self.buckets = best_buckets
             return [self.candidates[i] for i in best]
         self.prediction = self.baseline
         return [NONE] * len(variables)
+
+    def _bucketed_options(self, variables, calib, net):
+        """``(candidate index, simulated step, bucket layout)`` for every compressing candidate
+        that takes a flat tensor, all variables in buckets of ``bucket_bytes``."""
+        if self.bucket_bytes is None:
+            return
+        layout = bucket_layout(variables, self.bucket_bytes)
+        if all(len(members) == 1 for members in layout):
+            return  # nothing shares a bucket: the per-variable options cover it
+        flat = bucketed(variables, self.bucket_bytes)
+        for i, p in enumerate(self.candidates[1:], 1):
+            if self._compressors[p].needs_shape:
+                continue
+            costs = [variable_cost(p, v.shape, v.dtype, calib, net, self._compressors[p])
+                     for v in flat]
+            yield i, simulate(costs, [v.numel for v in flat], self.compute_s,
+                              calib.overlap), layout
 
 
 def _cheapest(row: list[Cost], margin: float) -> int:

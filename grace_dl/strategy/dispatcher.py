@@ -17,6 +17,11 @@ which pipeline carried it shows in its bytes).
   All nodes of a group must name the same pipeline and spec. Every rank must send every member
   each step (the optimizers send zeros for parameters without a gradient, as Horovod does); if
   ``receive`` comes before a group is complete, the members sent so far go out together.
+* **Buckets** (``AllReduceSynchronizer.bucket`` on every node of a group of two or more): the
+  group's gradients travel as one flat tensor, members in reverse node order (the backward
+  pass's), named ``bucket_name(members)`` (``grace_dl.communicators.buckets``), compressed once
+  by the group's pipeline, whose compressor must take a flat tensor. ``buckets`` lists them;
+  the torch optimizer and the TF glue pack and unpack them, and ``route`` knows their names.
 * **Spec**: ``AUTO`` leaves payloads where the gradient is, ``RING`` moves them to host memory
   for Gloo/MPI and back (``HostCollectives``), ``NCCL`` keeps them on the GPU and rejects a
   gradient that is not on one.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from math import prod
 
 from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators.base import ByteCounter, FanOut, Handle, Router
@@ -133,6 +139,8 @@ class StrategyDispatcher(Router, FanOut):
         self._process_set = process_set
         self._routes: dict[str, Route] = {}
         self._groups: dict[str, list[str]] = {}
+        self._bucket_routes: dict[str, Route] = {}  # bucket name -> its group's route
+        self.buckets: list[list[str]] = []          # member names, in ready order
         self._comms: dict[str, object] = {}
         self._outstanding: dict[str, Handle] = {}
         self._verified = False
@@ -144,6 +152,7 @@ class StrategyDispatcher(Router, FanOut):
     def _build(self, process_set) -> None:
         replicas = list(self.strategy.graph_config.replicas)
         group_pipeline: dict[str, tuple] = {}
+        bucketed: dict[str, bool] = {}
         for index, node in enumerate(self.strategy.node_config):
             _check_node(node)
             if node.var_name in self._routes:
@@ -161,6 +170,10 @@ class StrategyDispatcher(Router, FanOut):
                         f"{first[0].label()} spec {SPEC_NAMES.get(first[1], first[1])}, "
                         f"{node.var_name!r} has {pipeline.label()} spec "
                         f"{SPEC_NAMES.get(spec, spec)}; one fused collective needs one pipeline")
+                if bucketed.setdefault(group, sync.bucket) != sync.bucket:
+                    raise ValueError(f"group {sync.group}: {node.var_name!r} sets bucket="
+                                     f"{sync.bucket} and {first[2]!r} does not; every node of "
+                                     f"a bucket sets it")
             key = pipeline.label() if root is None else f"{pipeline.label()}@{root}"
             if key not in self._comms:
                 comm = pipeline.build(process_set, root=root or 0)
@@ -171,13 +184,33 @@ class StrategyDispatcher(Router, FanOut):
             self._groups.setdefault(group, []).append(node.var_name)
         if not self._routes:
             raise ValueError("the strategy has no nodes")
+        for label, members in self._groups.items():
+            if bucketed.get(label) and len(members) > 1:
+                self._add_bucket(label, members)
         by_comm: dict[int, dict[str, list[str]]] = {}
         for label, members in self._groups.items():
-            if len(members) > 1:
+            if len(members) > 1 and not bucketed.get(label):
                 comm = self._routes[members[0]].comm
                 by_comm.setdefault(id(comm), {})[label] = members
         for comm in self._comms.values():
             comm.fuse(by_comm.get(id(comm)))
+
+    def _add_bucket(self, label: str, members: list[str]) -> None:
+        from grace_dl.communicators.buckets import bucket_name
+
+        first = self._routes[members[0]]
+        if first.comm.compressor.needs_shape:
+            raise ValueError(f"group {label[1:]} is a bucket, but its compressor "
+                             f"{first.pipeline.compressor!r} needs each variable's shape; "
+                             f"clear bucket or choose a compressor that takes a flat tensor")
+        ready = members[::-1]
+        shapes = [self._routes[n].shape for n in ready]
+        numel = sum(prod(s) for s in shapes) if all(shapes) else None
+        name = bucket_name(ready)
+        self.buckets.append(ready)
+        self._bucket_routes[name] = Route(first.index, name, first.pipeline, None, label,
+                                          first.spec, () if numel is None else (numel,),
+                                          first.comm)
 
     def parts(self) -> list:
         return list(self._comms.values())
@@ -209,7 +242,7 @@ class StrategyDispatcher(Router, FanOut):
 
     # ------------------------------------------------------------------ routing
     def node(self, name: str) -> Route:
-        route = self._routes.get(name)
+        route = self._routes.get(name) or self._bucket_routes.get(name)
         if route is None and name.endswith(":0"):
             route = self._routes.get(name[:-2])
         if route is None:
@@ -261,7 +294,7 @@ class StrategyDispatcher(Router, FanOut):
             raise ValueError(f"handle for {handle.name!r} was already received or is not from "
                              f"this dispatcher")
         ordered = sorted((h for h in self._outstanding.values() if not _finishes_alone(h)),
-                         key=lambda h: self._routes[h.name].index)
+                         key=lambda h: self.node(h.name).index)
         for h in ordered:
             del self._outstanding[h.name]
         self._outstanding.pop(handle.name, None)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n grace_dl/strategy/strategy.proto\x12\x11grace_dl.strategy\"k\n\x05Param\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x03 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x04 \x01(\tH\x00\x42\x07\n\x05value\"\x96\x01\n\x06Method\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x35\n\x06params\x18\x02 \x03(\x0b\x32%.grace_dl.strategy.Method.ParamsEntry\x1aG\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.grace_dl.strategy.Param:\x02\x38\x01\"k\n\x0ePSSynchronizer\x12\x1d\n\x15reduction_destination\x18\x01 \x01(\t\x12\x19\n\x11local_replication\x18\x02 \x01(\x08\x12\x0c\n\x04sync\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x05\"\xa4\x02\n\x15\x41llReduceSynchronizer\x12;\n\x04spec\x18\x01 \x01(\x0e\x32-.grace_dl.strategy.AllReduceSynchronizer.Spec\x12G\n\ncompressor\x18\x02 \x01(\x0e\x32\x33.grace_dl.strategy.AllReduceSynchronizer.Compressor\x12\r\n\x05group\x18\x03 \x01(\x05\"$\n\x04Spec\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04NCCL\x10\x01\x12\x08\n\x04RING\x10\x02\"P\n\nCompressor\x12\x12\n\x0eNoneCompressor\x10\x00\x12\x15\n\x11HorovodCompressor\x10\x01\x12\x17\n\x13HorovodCompressorEF\x10\x02\"\x8b\x05\n\x08Strategy\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x35\n\x0bnode_config\x18\x03 \x03(\x0b\x32 .grace_dl.strategy.Strategy.Node\x12=\n\x0cgraph_config\x18\x04 \x01(\x0b\x32\'.grace_dl.strategy.Strategy.GraphConfig\x12\x0f\n\x07version\x18\x05 \x01(\r\x12\x18\n\x10predicted_step_s\x18\x06 \x01(\x01\x1a\xa2\x03\n\x04Node\x12\x10\n\x08var_name\x18\x01 \x01(\t\x12;\n\x0ePSSynchronizer\x18\x02 \x01(\x0b\x32!.grace_dl.strategy.PSSynchronizerH\x00\x12I\n\x15\x41llReduceSynchronizer\x18\x03 \x01(\x0b\x32(.grace_dl.strategy.AllReduceSynchronizerH\x00\x12\x13\n\x0bpartitioner\x18\x05 \x01(\t\x12\x35\n\x0bpart_config\x18\x06 \x03(\x0b\x32 .grace_dl.strategy.Strategy.Node\x12-\n\ncompressor\x18\x08 \x01(\x0b\x32\x19.grace_dl.strategy.Method\x12)\n\x06memory\x18\t \x01(\x0b\x32\x19.grace_dl.strategy.Method\x12/\n\x0c\x63ommunicator\x18\n \x01(\x0b\x32\x19.grace_dl.strategy.Method\x12\r\n\x05shape\x18\x0b \x03(\x03\x42\x0e\n\x0csynchronizerJ\x04\x08\x04\x10\x05J\x04\x08\x07\x10\x08\x1a\x1f\n\x0bGraphConfig\x12\x10\n\x08replicas\x18\x01 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n grace_dl/strategy/strategy.proto\x12\x11grace_dl.strategy\"k\n\x05Param\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x03 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x04 \x01(\tH\x00\x42\x07\n\x05value\"\x96\x01\n\x06Method\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x35\n\x06params\x18\x02 \x03(\x0b\x32%.grace_dl.strategy.Method.ParamsEntry\x1aG\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.grace_dl.strategy.Param:\x02\x38\x01\"k\n\x0ePSSynchronizer\x12\x1d\n\x15reduction_destination\x18\x01 \x01(\t\x12\x19\n\x11local_replication\x18\x02 \x01(\x08\x12\x0c\n\x04sync\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x05\"\xb4\x02\n\x15\x41llReduceSynchronizer\x12;\n\x04spec\x18\x01 \x01(\x0e\x32-.grace_dl.strategy.AllReduceSynchronizer.Spec\x12G\n\ncompressor\x18\x02 \x01(\x0e\x32\x33.grace_dl.strategy.AllReduceSynchronizer.Compressor\x12\r\n\x05group\x18\x03 \x01(\x05\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x08\"$\n\x04Spec\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04NCCL\x10\x01\x12\x08\n\x04RING\x10\x02\"P\n\nCompressor\x12\x12\n\x0eNoneCompressor\x10\x00\x12\x15\n\x11HorovodCompressor\x10\x01\x12\x17\n\x13HorovodCompressorEF\x10\x02\"\x8b\x05\n\x08Strategy\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x35\n\x0bnode_config\x18\x03 \x03(\x0b\x32 .grace_dl.strategy.Strategy.Node\x12=\n\x0cgraph_config\x18\x04 \x01(\x0b\x32\'.grace_dl.strategy.Strategy.GraphConfig\x12\x0f\n\x07version\x18\x05 \x01(\r\x12\x18\n\x10predicted_step_s\x18\x06 \x01(\x01\x1a\xa2\x03\n\x04Node\x12\x10\n\x08var_name\x18\x01 \x01(\t\x12;\n\x0ePSSynchronizer\x18\x02 \x01(\x0b\x32!.grace_dl.strategy.PSSynchronizerH\x00\x12I\n\x15\x41llReduceSynchronizer\x18\x03 \x01(\x0b\x32(.grace_dl.strategy.AllReduceSynchronizerH\x00\x12\x13\n\x0bpartitioner\x18\x05 \x01(\t\x12\x35\n\x0bpart_config\x18\x06 \x03(\x0b\x32 .grace_dl.strategy.Strategy.Node\x12-\n\ncompressor\x18\x08 \x01(\x0b\x32\x19.grace_dl.strategy.Method\x12)\n\x06memory\x18\t \x01(\x0b\x32\x19.grace_dl.strategy.Method\x12/\n\x0c\x63ommunicator\x18\n \x01(\x0b\x32\x19.grace_dl.strategy.Method\x12\r\n\x05shape\x18\x0b \x03(\x03\x42\x0e\n\x0csynchronizerJ\x04\x08\x04\x10\x05J\x04\x08\x07\x10\x08\x1a\x1f\n\x0bGraphConfig\x12\x10\n\x08replicas\x18\x01 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,15 +42,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PSSYNCHRONIZER']._serialized_start=317
   _globals['_PSSYNCHRONIZER']._serialized_end=424
   _globals['_ALLREDUCESYNCHRONIZER']._serialized_start=427
-  _globals['_ALLREDUCESYNCHRONIZER']._serialized_end=719
-  _globals['_ALLREDUCESYNCHRONIZER_SPEC']._serialized_start=601
-  _globals['_ALLREDUCESYNCHRONIZER_SPEC']._serialized_end=637
-  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_start=639
-  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_end=719
-  _globals['_STRATEGY']._serialized_start=722
-  _globals['_STRATEGY']._serialized_end=1373
-  _globals['_STRATEGY_NODE']._serialized_start=922
-  _globals['_STRATEGY_NODE']._serialized_end=1340
-  _globals['_STRATEGY_GRAPHCONFIG']._serialized_start=1342
-  _globals['_STRATEGY_GRAPHCONFIG']._serialized_end=1373
+  _globals['_ALLREDUCESYNCHRONIZER']._serialized_end=735
+  _globals['_ALLREDUCESYNCHRONIZER_SPEC']._serialized_start=617
+  _globals['_ALLREDUCESYNCHRONIZER_SPEC']._serialized_end=653
+  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_start=655
+  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_end=735
+  _globals['_STRATEGY']._serialized_start=738
+  _globals['_STRATEGY']._serialized_end=1389
+  _globals['_STRATEGY_NODE']._serialized_start=938
+  _globals['_STRATEGY_NODE']._serialized_end=1356
+  _globals['_STRATEGY_GRAPHCONFIG']._serialized_start=1358
+  _globals['_STRATEGY_GRAPHCONFIG']._serialized_end=1389
 # @@protoc_insertion_point(module_scope)

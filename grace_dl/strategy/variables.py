@@ -111,17 +111,29 @@ def variables_of(named_parameters_or_shapes) -> list[Variable]:
     return out
 
 
-def bucketed(variables, bucket_bytes: int) -> list[Variable]:
-    """``variables`` as the buckets ``DistributedOptimizer(bucket_bytes=...)`` sends them
-    (``grace_dl.communicators.buckets``): one flat variable per bucket, named like the bucket,
-    in the same forward order, so that a bucket becomes ready, in a step model's reverse pass,
-    when its last member does."""
-    from grace_dl.communicators.buckets import bucket_name, pack
+
+def bucket_layout(variables, bucket_bytes: int) -> list[list[int]]:
+    """Positions of ``variables`` (forward order) in the buckets ``DistributedOptimizer(
+    bucket_bytes=...)`` packs them into (``grace_dl.communicators.buckets``): buckets in the
+    order they fill in the backward pass, each bucket's members in that order too."""
+    from grace_dl.communicators.buckets import pack
     from grace_dl.dtypes import itemsize
 
-    ready = list(variables)[::-1]
-    layout = pack([((v.dtype, ""), v.numel * itemsize(v.dtype)) for v in ready], bucket_bytes)
-    buckets = [Variable(bucket_name([ready[i].name for i in members]),
-                        (sum(ready[i].numel for i in members),), ready[members[0]].dtype)
-               for members in layout]
+    variables = list(variables)
+    ready = list(range(len(variables)))[::-1]
+    layout = pack([((variables[i].dtype, ""), variables[i].numel * itemsize(variables[i].dtype))
+                   for i in ready], bucket_bytes)
+    return [[ready[j] for j in members] for members in layout]
+
+
+def bucketed(variables, bucket_bytes: int) -> list[Variable]:
+    """``variables`` as the buckets ``DistributedOptimizer(bucket_bytes=...)`` sends them: one
+    flat variable per bucket, named like the bucket, in forward order, so that a bucket becomes
+    ready, in a step model's reverse pass, when its last member does."""
+    from grace_dl.communicators.buckets import bucket_name
+
+    variables = list(variables)
+    buckets = [Variable(bucket_name([variables[i].name for i in members]),
+                        (sum(variables[i].numel for i in members),), variables[members[0]].dtype)
+               for members in bucket_layout(variables, bucket_bytes)]
     return buckets[::-1]

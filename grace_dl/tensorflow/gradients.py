@@ -255,26 +255,42 @@ class GraceReducer(_Reducer):
 
 
     def _units(self, names, grads) -> list:
-        """What this step sends: ``[(name, positions of its gradients, tensor)]``, a gradient
-        each, or with ``bucket_bytes`` the buckets (a lone gradient is sent as itself, under
-        its bucket's name)."""
-        if self.bucket_bytes is None:
-            return [(n, [i], g) for i, (n, g) in enumerate(zip(names, grads))]
-        for n, g in zip(names, grads):
-            if g.shape.num_elements() is None:
-                raise ValueError(f"bucket_bytes needs gradients of known shape; {n!r} has "
-                                 f"shape {g.shape}: pass bucket_bytes=None")
-        ready = list(range(len(grads)))[::-1]   # the backward pass's order
-        layout = pack([((grads[i].dtype.name, grads[i].device),
-                        grads[i].shape.num_elements() * grads[i].dtype.size) for i in ready],
-                      self.bucket_bytes)
-        units = []
-        for bucket in layout:
-            members = [ready[j] for j in bucket]
-            tensor = grads[members[0]] if len(members) == 1 else \
-                tf.concat([tf.reshape(grads[i], [-1]) for i in members], 0)
-            units.append((bucket_name([names[i] for i in members]), members, tensor))
-        return units
+        """What this step sends: ``[(name, positions of its gradients, tensor)]``: a gradient
+        each; with ``bucket_bytes`` the buckets (all named ``bucket_name``, a lone gradient
+        sent as itself); with a strategy's buckets those, and every other gradient under its
+        own name."""
+        if self.bucket_bytes is not None:
+            for n, g in zip(names, grads):
+                if g.shape.num_elements() is None:
+                    raise ValueError(f"bucket_bytes needs gradients of known shape; {n!r} has "
+                                     f"shape {g.shape}: pass bucket_bytes=None")
+            ready = list(range(len(grads)))[::-1]   # the backward pass's order
+            layout = pack([((grads[i].dtype.name, grads[i].device),
+                            grads[i].shape.num_elements() * grads[i].dtype.size)
+                           for i in ready], self.bucket_bytes)
+            return [self._unit(names, grads, [ready[j] for j in members], True)
+                    for members in layout]
+        position = {n: i for i, n in enumerate(names)}
+        units, inside = [], set()
+        for members in getattr(self.grace, "buckets", None) or []:
+            present = [n for n in members if n in position]
+            if present and len(present) < len(members):
+                raise ValueError(f"the strategy's bucket {members[:3]}... has gradients for "
+                                 f"{present[:3]} but not for "
+                                 f"{[n for n in members if n not in position][:3]}: every "
+                                 f"member of a bucket needs a gradient each step")
+            if present:
+                units.append(self._unit(names, grads, [position[n] for n in members], True))
+                inside.update(members)
+        return units + [self._unit(names, grads, [i], False) for i, n in enumerate(names)
+                        if n not in inside]
+
+    @staticmethod
+    def _unit(names, grads, members, bucket: bool):
+        tensor = grads[members[0]] if len(members) == 1 else \
+            tf.concat([tf.reshape(grads[i], [-1]) for i in members], 0)
+        name = bucket_name([names[i] for i in members]) if bucket else names[members[0]]
+        return name, members, tensor
 
 
 def _check_groups(groups):

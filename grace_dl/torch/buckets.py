@@ -27,11 +27,11 @@ class Bucket:
 
     __slots__ = ("params", "names", "numels", "starts", "name", "flat", "ready", "handles")
 
-    def __init__(self, params, names):
+    def __init__(self, params, names, name=None):
         self.params, self.names = list(params), list(names)
         self.numels = [p.numel() for p in self.params]
         self.starts = [sum(self.numels[:i]) for i in range(len(self.numels))]
-        self.name = bucket_name(self.names)
+        self.name = bucket_name(self.names) if name is None else name
         self.flat = None     # the buffer, made at the first fill
         self.ready = 0       # members filled this step
         self.handles = None  # this step's handles once sent (a list when sent in pieces)
@@ -53,3 +53,21 @@ def plan(params, names: dict, bucket_bytes: int) -> list[Bucket]:
                   bucket_bytes)
     return [Bucket([params[i] for i in members], [names[params[i]] for i in members])
             for members in layout]
+
+
+def given(params, names: dict, layout) -> list[Bucket]:
+    """The buckets a strategy names (``layout``: each bucket's member names in ready order,
+    ``StrategyDispatcher.buckets``) and every other parameter of ``params`` alone under its own
+    name (so the strategy routes it by that name); ``[]`` for no layout."""
+    if not layout:
+        return []
+    params = list(params)
+    by_name = {names[p]: p for p in params}
+    unknown = [n for members in layout for n in members if n not in by_name]
+    if unknown:
+        raise ValueError(f"the strategy's buckets name {unknown[:5]}, which are not parameters "
+                         f"of this optimizer that need gradients ({sorted(by_name)[:5]}...)")
+    inside = {n for members in layout for n in members}
+    return [Bucket([by_name[n] for n in members], members) for members in layout] + \
+        [Bucket([p], [names[p]], name=names[p]) for p in reversed(params)
+         if names[p] not in inside]

@@ -39,7 +39,8 @@ What differs from Horovod, and why:
   (``grace_dl.torch.buckets``, ``grace_dl.communicators.buckets``): one compression and one set
   of collectives per bucket, a sparsifier's k taken over the bucket. Not with ``groups`` (a
   bucket already fuses) nor with compressors that need each layer's shape (PowerSGD) or
-  strategy dispatchers.
+  strategy dispatchers: a strategy names its own buckets (``AllReduceSynchronizer.bucket``,
+  ``StrategyDispatcher.buckets``), which the optimizer sends the same way.
 * Sparse gradients need ``sparse_as_dense=True`` (compressors work on dense tensors); without it
   a sparse gradient raises ``ValueError`` rather than silently skipping compression.
 * Collectives are named after the parameters (``named_parameters``, else Horovod's
@@ -80,7 +81,7 @@ from grace_dl.communicators.pieces import (
 )
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys
-from grace_dl.torch.buckets import plan
+from grace_dl.torch.buckets import given, plan
 from grace_dl.torch.trees import to_numpy, to_torch
 
 GRACE_KEY = "grace"
@@ -253,9 +254,11 @@ class _GraceDistributedOptimizer:
             grace.fuse(fusion)
         self.piece_bytes = effective_piece_bytes(grace, piece_bytes)  # None: whole
         self.bucket_bytes = check_bucket_bytes(bucket_bytes, grace)
-        self._buckets = [] if bucket_bytes is None else plan(
-            reversed([p for g in self.param_groups for p in g["params"] if p.requires_grad]),
-            self._parameter_names, bucket_bytes)
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # buckets: of bucket_bytes, or those a strategy names (its other parameters alone)
+        self._buckets = plan(reversed(trainable), self._parameter_names, bucket_bytes) \
+            if bucket_bytes is not None else \
+            given(trainable, self._parameter_names, getattr(grace, "buckets", None))
         self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: dict = {}

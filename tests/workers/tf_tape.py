@@ -162,6 +162,7 @@ def main():
     report["buckets"] = {label: bucketed(params, graph) for label, params, graph in
                          (("none", NONE, False), ("topk", TOPK, False),
                           ("topk_graph", TOPK, True))}
+    report["buckets"]["topk_strategy"] = bucketed(TOPK, False, strategy=True)
 
     # 5. Embedding (IndexedSlices gradients), eager and tf.function, topk and none.
     keras.utils.set_random_seed(3)
@@ -231,19 +232,30 @@ def grouped(groups):
 NONE = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
 
 
-def bucketed(params, graph):
+def bucketed(params, graph, strategy=False):
     """Three steps' local and reduced gradients of a tape with ``bucket_bytes=300`` (no
-    update: the model stays put), collectives counted."""
+    update: the model stays put), collectives counted; ``strategy``: the same buckets named
+    by a strategy (``AllReduceSynchronizer.bucket``) instead."""
+    from grace_dl.strategy import Pipeline, from_strategy
+    from grace_dl.strategy.builders import assemble
+    from grace_dl.strategy.variables import bucket_layout, variables_of
+
     model = mlp(5)
-    grc = grace_from_params(dict(params))
-    calls = []
-    grc.collectives = counting_hook(grc, calls)
+    calls, size = [], 300
+    if strategy:
+        variables = variables_of(model.trainable_variables)
+        grc = from_strategy(assemble(variables, [Pipeline.from_params(dict(params))] * 4,
+                                     buckets=bucket_layout(variables, size)))
+        size = None
+    else:
+        grc = grace_from_params(dict(params))
+        grc.collectives = counting_hook(grc, calls)
 
     def step(x, y):
         with tf.GradientTape(persistent=True) as tape:
             loss = loss_fn(model, x, y)
         local = tape.gradient(loss, model.trainable_variables)
-        reduced = hvd.DistributedGradientTape(tape, grace=grc, bucket_bytes=300).gradient(
+        reduced = hvd.DistributedGradientTape(tape, grace=grc, bucket_bytes=size).gradient(
             loss, model.trainable_variables)
         return local, reduced
 
@@ -254,7 +266,10 @@ def bucketed(params, graph):
         local, reduced = step(*batch(s))
         out["local"].append(numpy(local))
         out["reduced"].append(numpy(reduced))
-    out.update(calls_per_step=len(calls) / 3, keys=sorted(grc.state_dict()["memory"]),
+    memory = grc.state_dict()
+    memory = memory["memory"] if not strategy else next(iter(memory.values()))["memory"]
+    out.update(calls_per_step=len(calls) / 3, keys=sorted(memory), buckets=grc.buckets
+               if strategy else None,
                sent=[s["sent"] for s in grc.bytes.steps])
     return out
 

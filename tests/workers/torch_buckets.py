@@ -13,6 +13,9 @@ import grace_dl.torch.horovod as hvd
 import mp
 from counting import counting_hook
 from grace_dl import grace_from_params
+from grace_dl.strategy import Pipeline, from_strategy
+from grace_dl.strategy.builders import assemble
+from grace_dl.strategy.variables import bucket_layout, variables_of
 
 STEPS = 3
 NONE = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
@@ -34,9 +37,10 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, reco
     """Train ``steps`` steps; returns (model, opt, grace, records, collective calls)."""
     model = C.make_model(extra) if model is None else model
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    grc = None if grace_params is None else grace_from_params(dict(grace_params))
+    grc = grace_params if grace_params is None or not isinstance(grace_params, dict) else \
+        grace_from_params(dict(grace_params))
     calls = []
-    if grc is not None:
+    if isinstance(grace_params, dict):   # a strategy dispatcher routes its own collectives
         grc.collectives = counting_hook(grc, calls)
     wrap = real_hvd.DistributedOptimizer if horovod else hvd.DistributedOptimizer
     extra_kw = {} if horovod else {"grace": grc}
@@ -119,5 +123,16 @@ for step in range(STEPS, STEPS + 2):
         C.loss_of(mm, rank, step).backward()
         o.step()
 out["resume"] = {"continued": C.params(m), "resumed": C.params(model)}
+
+# 5. A strategy's buckets (AllReduceSynchronizer.bucket, as Auto writes them): the layout of
+# bucket_bytes=SMALL, the same training as bucket_bytes (lone parameters under their own names).
+model = C.make_model()
+variables = variables_of(model.named_parameters())
+strategy = assemble(variables, [Pipeline.from_params(dict(TOPK))] * len(variables),
+                    buckets=bucket_layout(variables, SMALL))
+m, opt, grc, _, calls = run(from_strategy(strategy), model=model)
+out["strategy"] = {"params": C.params(m), "buckets": grc.buckets,
+                   "layout": opt.state_dict()["grace"]["buckets"],
+                   "sent": [s["sent"] for s in grc.bytes.steps]}
 
 mp.report(out)
