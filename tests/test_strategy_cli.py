@@ -98,6 +98,33 @@ def test_auto_from_the_command_line(tmp_path, capsys):
         assert words in capsys.readouterr().err
 
 
+def test_buckets_from_the_command_line(tmp_path, capsys):
+    """show marks a strategy's bucket groups; build passes --bucket-bytes to Auto (0: never
+    bucket) and refuses a negative one, naming it."""
+    from grace_dl.strategy.builders import assemble
+    from grace_dl.strategy.serialize import save
+    from grace_dl.strategy.variables import variables_of
+
+    variables = variables_of({"a": (4, 4), "b": (4,), "c": (8,)})
+    topk = Pipeline.from_params(json.loads(TOPK))
+    path = tmp_path / "buckets.pbtxt"
+    save(assemble(variables, [topk] * 3, buckets=[[2, 1], [0]]), str(path))
+    assert main(["show", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[3:5] for line in lines[1:4]] == [["AllReduce", "g1"],
+                                                          ["AllReduce", "g0"],
+                                                          ["AllReduce", "g0"]]
+    assert [line.split()[5] for line in lines[2:4]] == ["bucket", "bucket"]
+    spec = tmp_path / "slow.yaml"
+    spec.write_text("nodes:\n  - {address: a, slots: 4, network_bandwidth: 1}\n")
+    build = ["build", "--variables", _shapes(tmp_path), "--builder", "auto",
+             "--resource-spec", str(spec)]
+    assert main(build + ["--bucket-bytes", "0"]) == 0
+    capsys.readouterr()
+    assert main(build + ["--bucket-bytes", "-1"]) == 1
+    assert "bucket_bytes" in capsys.readouterr().err
+
+
 def _write_json(tmp_path, obj):
     path = tmp_path / "record.json"
     path.write_text(json.dumps(obj))

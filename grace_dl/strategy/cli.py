@@ -27,6 +27,8 @@ import json
 import sys
 from pathlib import Path
 
+from grace_dl.communicators.buckets import DEFAULT_BUCKET_BYTES
+
 BUILDERS = ("allreduce", "uniform", "size-threshold", "ps", "auto")
 
 
@@ -102,7 +104,8 @@ def _builder(args):
     candidates = (_json(args.candidates, "--candidates") if args.candidates
                   else builders.DEFAULT_CANDIDATES)
     return builders.Auto(candidates, chunk_size=args.chunk_size or 1, spec=args.spec,
-                         throughput=args.throughput)
+                         throughput=args.throughput,
+                         bucket_bytes=None if args.bucket_bytes == 0 else args.bucket_bytes)
 
 
 def _check_output(path) -> None:
@@ -137,7 +140,8 @@ def _rows(dispatcher):
         numel = 1
         for d in r.shape:
             numel *= d
-        sync = "PS@" + str(r.root) if r.root is not None else f"AllReduce {r.group}"
+        sync = "PS@" + str(r.root) if r.root is not None else f"AllReduce {r.group}" + (
+            " bucket" if any(r.name in members for members in dispatcher.buckets) else "")
         rows.append((r.name, "x".join(map(str, r.shape)) or "?", str(numel if r.shape else "?"),
                      sync, SPEC_NAMES.get(r.spec, str(r.spec)), r.pipeline.label()))
     return rows
@@ -264,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--destination", type=int, default=0, help="ps: the reducing rank")
     b.add_argument("--candidates", help="auto: JSON list of GRACE key objects")
     b.add_argument("--throughput", help="auto: measured compression throughput JSON")
+    b.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
+                   help="auto: also price candidates with the variables in buckets of this "
+                        "size (default 25 MiB, DDP's); 0: never bucket")
     b.add_argument("--resource-spec", help="YAML resource spec (AutoDist's format)")
     b.add_argument("-o", "--output", help="output file (.pbtxt text, .pb binary); else stdout")
     b.set_defaults(func=cmd_build)
