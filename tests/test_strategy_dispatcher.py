@@ -128,7 +128,13 @@ def test_bucket_groups_are_listed_routed_and_not_fused():
 def test_bucket_groups_need_every_node_flagged_and_a_flat_compressor():
     s = _strategy(("a", (4,), TOPK, 0), ("b", (4,), TOPK, 0))
     s.node_config[1].AllReduceSynchronizer.bucket = True
-    with pytest.raises(ValueError, match="group 0: 'b' sets bucket=True and 'a' does not"):
+    with pytest.raises(ValueError, match="group 0: 'b' has bucket=True, 'a' has "
+                                         "bucket=False; every node of a bucket sets it"):
+        from_strategy(s)
+    s.node_config[0].AllReduceSynchronizer.bucket = True   # the other way round
+    s.node_config[1].AllReduceSynchronizer.bucket = False
+    with pytest.raises(ValueError, match="group 0: 'b' has bucket=False, 'a' has "
+                                         "bucket=True; every node of a bucket sets it"):
         from_strategy(s)
     powersgd = {"compressor": "powersgd", "memory": "powersgd"}
     s = _strategy(("a", (4, 4), powersgd, 0), ("b", (4, 4), powersgd, 0))

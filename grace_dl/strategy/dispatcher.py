@@ -171,9 +171,9 @@ class StrategyDispatcher(Router, FanOut):
                         f"{node.var_name!r} has {pipeline.label()} spec "
                         f"{SPEC_NAMES.get(spec, spec)}; one fused collective needs one pipeline")
                 if bucketed.setdefault(group, sync.bucket) != sync.bucket:
-                    raise ValueError(f"group {sync.group}: {node.var_name!r} sets bucket="
-                                     f"{sync.bucket} and {first[2]!r} does not; every node of "
-                                     f"a bucket sets it")
+                    raise ValueError(f"group {sync.group}: {node.var_name!r} has bucket="
+                                     f"{sync.bucket}, {first[2]!r} has bucket="
+                                     f"{bucketed[group]}; every node of a bucket sets it")
             key = pipeline.label() if root is None else f"{pipeline.label()}@{root}"
             if key not in self._comms:
                 comm = pipeline.build(process_set, root=root or 0)

@@ -111,7 +111,6 @@ def variables_of(named_parameters_or_shapes) -> list[Variable]:
     return out
 
 
-
 def bucket_layout(variables, bucket_bytes: int) -> list[list[int]]:
     """Positions of ``variables`` (forward order) in the buckets ``DistributedOptimizer(
     bucket_bytes=...)`` packs them into (``grace_dl.communicators.buckets``): buckets in the

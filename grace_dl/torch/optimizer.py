@@ -253,7 +253,7 @@ class _GraceDistributedOptimizer:
         if fusion:
             grace.fuse(fusion)
         self.piece_bytes = effective_piece_bytes(grace, piece_bytes)  # None: whole
-        self.bucket_bytes = check_bucket_bytes(bucket_bytes, grace)
+        self.bucket_bytes = bucket_bytes  # checked by DistributedOptimizer
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         # buckets: of bucket_bytes, or those a strategy names (its other parameters alone)
         self._buckets = plan(reversed(trainable), self._parameter_names, bucket_bytes) \
