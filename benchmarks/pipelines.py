@@ -119,7 +119,10 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
 
     if calibration() is None:
         return None
+    from grace_dl.communicators.pieces import DEFAULT_PIECE_BYTES
+
     variables = variables_of(model.named_parameters())
+    options = {}
     if pipeline in VARIANTS:
         pipeline, options = VARIANTS[pipeline]
         if "bucket_bytes" in options:
@@ -130,7 +133,8 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
     if choice is None:
         choice = Pipeline.from_params(dict(PIPELINES[pipeline]))
     return step(variables, [choice] * len(variables), calibration(),
-                Network.of(_resources(mbit, workers)), compute_s).step_s
+                Network.of(_resources(mbit, workers)), compute_s,
+                piece_bytes=options.get("piece_bytes", DEFAULT_PIECE_BYTES)).step_s
 
 
 def make_spec(spec: dict, steps_per_epoch: int = 1, model=None):

@@ -149,6 +149,84 @@ def test_files_without_a_stored_floor_take_it_from_their_points(tmp_path):
     assert (encode.floor_s, exchange.floor_s) == (pytest.approx(4e-4), pytest.approx(5e-3))
 
 
+
+def test_fit_follows_the_measured_points_between_sizes():
+    """topk's exchange in the 10 Gbit/s job: cheap at 262K elements, 7.5 ms at 2.1M, 9.9 ms at
+    8.4M. The line of the two largest points, under every point, put the MLP's 5.8M-element
+    bucket at 3.8 ms; the points say 8.9 ms."""
+    points = {1024: 2.34e-3, 262144: 1.63e-3, 2096704: 7.5e-3, 8386816: 9.89e-3}
+    fit = Fit.through(points)
+    line = fit.latency_s + fit.per_unit_s * 5824522
+    assert line < 4e-3
+    assert fit(5824522) == pytest.approx(7.5e-3 + 2.39e-3 * (5824522 - 2096704) / 6290112)
+    assert fit(1024) == pytest.approx(1.63e-3)  # no dearer than a larger call measured
+    assert fit(8386816) == pytest.approx(9.89e-3)
+    assert fit(2 * 8386816) == pytest.approx(9.89e-3 + fit.per_unit_s * 8386816)  # last slope
+    latency, transfer = fit.split(5824522)
+    assert latency == pytest.approx(1.63e-3) and latency + transfer == pytest.approx(
+        fit(5824522))
+
+
+def test_fit_keeps_the_sustained_rate_where_a_burst_was_measured():
+    """A 100 Mbit/s token bucket lets a lone small call through at burst speed; a step's many
+    calls drain the bucket, so between points the cost is at least the sustained line."""
+    fit = Fit.through({1024: 2.78e-3, 262144: 4.34e-3, 2096704: 47.55e-3, 8386816: 369e-3})
+    assert fit(262144) == pytest.approx(fit.per_unit_s * 262144) and fit(262144) > 10e-3
+    assert fit(8386816) >= 369e-3  # the line: its intercept clips at 0
+
+
+def test_measurement_files_are_read_through_their_points(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({
+        "format": FORMAT, "entries": [],
+        "collectives": [{"collective": "allreduce", "dtype": "float32", "latency_s": 0.0,
+                         "per_byte_s": 1e-9, "floor_s": 1e-3,
+                         "points": {"4096": 1e-3, "1048576": 9e-3, "8388608": 12e-3}}],
+        "pipelines": [{"pipeline": Pipeline.from_params(TOPK).label(),
+                       "encode": {"latency_s": 0.0, "per_unit_s": 1e-9, "floor_s": 1e-4},
+                       "exchange": {"latency_s": 0.0, "per_unit_s": 1e-9, "floor_s": 1e-3},
+                       "points": {"1024": [1e-4, 1e-3], "262144": [2e-3, 6e-3],
+                                  "2096704": [4e-3, 7e-3]}}]}))
+    calib = Calibration.load(path)
+    assert calib.collective("allreduce", "float32")(1 << 21) == pytest.approx(
+        9e-3 + 3e-3 * (1 << 20) / (7 << 20))
+    encode, exchange = calib.pipelines[Pipeline.from_params(TOPK).label()]
+    assert encode(131584) == pytest.approx(1e-4 + 1.9e-3 / 2)  # halfway between two points
+    assert exchange(131584) == pytest.approx(1e-3 + 5e-3 / 2)
+
+
+def test_large_gradients_are_priced_in_the_pieces_the_optimizer_sends():
+    """``DistributedOptimizer`` sends a gradient over ``piece_bytes`` as even pieces when its
+    compressor takes any chunk alone (two-phase signsgd here), each with its own encode and
+    exchange; sparsifiers keep their tensors whole, and a strategy's dispatcher sends whole."""
+    twophase = Pipeline.from_params({"compressor": "signsgd", "memory": "residual",
+                                     "communicator": "twophase"})
+    topk = Pipeline.from_params(TOPK)
+    calib = Calibration(pipelines={p.label(): (Fit(1e-4, 2e-9), Fit(3e-3, 5e-9))
+                                   for p in (twophase, topk)}, workers=2)
+    network = Network(2, 1.25e9, 25e-6)
+    whole = variable_cost(twophase, (2048, 2048), "float32", calib, network)
+    cut = variable_cost(twophase, (2048, 2048), "float32", calib, network, piece_bytes=4 << 20)
+    assert (whole.pieces, cut.pieces) == (1, 4)
+    assert cut.encode_s == pytest.approx(1e-4 + 2e-9 * (1 << 20))
+    assert cut.total_s == pytest.approx(4 * (1e-4 + 2e-9 * (1 << 20) + 3e-3 + 5e-9 * (1 << 20)))
+    assert variable_cost(topk, (2048, 2048), "float32", calib, network,
+                         piece_bytes=4 << 20).pieces == 1
+    assert variable_cost(twophase, (1024, 1024), "float32", calib, network,
+                         piece_bytes=4 << 20).pieces == 1  # no larger than one piece
+    big = variables_of({"w": (2048, 2048)})
+    quarters = variables_of({f"w{i}": (1 << 20,) for i in range(4)})
+    pieced = predict_step(big, [twophase], calib, network, compute_s=0.03, piece_bytes=4 << 20)
+    assert pieced.step_s == pytest.approx(
+        predict_step(quarters, [twophase] * 4, calib, network, compute_s=0.03).step_s)
+    # pieces overlap one another's encode and exchange where the job overlaps (a GPU, spare
+    # cores); where it does not (2 ranks on 2 cores: overlap 0) they only add latencies
+    assert pieced.step_s < predict_step(big, [twophase], calib, network, compute_s=0.03).step_s
+    calib.overlap = 0.0
+    assert predict_step(big, [twophase], calib, network, compute_s=0.03,
+                        piece_bytes=4 << 20).step_s > \
+        predict_step(big, [twophase], calib, network, compute_s=0.03).step_s
+
 BATCH_NORM = {**{f"bn{i}.{p}": (64,) for i in range(40) for p in ("weight", "bias")},
               "conv.weight": (512, 512, 3, 3)}
 

@@ -29,7 +29,10 @@ A step is simulated, not summed:
    the first half overlaps the backward pass. (Checked against the e2e rows after large
    gradients began travelling in pieces: 87 of 96 rows within 25%, 22 of the 24 two-phase
    ones, against 82 and 17 with the whole exchange deferred.)
-4. The step ends when both the training thread and the channel are done. That is the ideal
+4. A gradient the optimizer sends in pieces (``piece_bytes``: compressors that take any chunk
+   alone, ``grace_dl.communicators.pieces``) is that many variables of a piece's size, each
+   encoded and exchanged on its own (``pieces_of``); a strategy's dispatcher sends whole.
+5. The step ends when both the training thread and the channel are done. That is the ideal
    overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
    in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
    few cores) moves the prediction from the serial sum (forward + backward + every encode +
@@ -53,7 +56,7 @@ with no compression runs as: ``grace=None``) and ``HOROVOD_FP16`` (Horovod's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grace_dl.dtypes import itemsize
@@ -75,12 +78,23 @@ PATTERN_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
 
 @dataclass(frozen=True)
 class Fit:
-    """``max(floor_s, latency_s + per_unit_s * units)`` (units: bytes for collectives,
-    elements for pipelines).
+    """A cost in seconds as a function of size (units: bytes for collectives, elements for
+    pipelines): the line ``latency_s + per_unit_s * units`` (the sustained rate: its slope is
+    the two largest points'), or, where it is higher, the cost through the measured
+    ``points``; never under ``floor_s``.
+
+    ``points`` (``(units, seconds)``, ascending) are read as a cost that does not shrink with
+    size: each point is lowered to the cheapest measured at its size or above, so one slow
+    small call does not inflate the rest. Between two points the cost is interpolated, beyond
+    the largest it grows with the last two points' slope, below the smallest it is the
+    smallest's. The line alone is wrong in between where the cost is concave: topk's exchange
+    measured 1.6 ms at 262K elements, 7.5 ms at 2.1M and 9.9 ms at 8.4M, and the line put a
+    5.8M-element bucket at 3.8 ms, where the points say 8.9 ms. The points alone are wrong
+    where a shaped link let a lone small call through at burst speed (a 100 Mbit/s token
+    bucket), which a step's many calls do not get: there the line is higher and holds.
 
     ``floor_s`` is the cheapest call measured at any size: no call costs less, however small.
-    The line alone (its slope from the two largest sizes, where a shaped link runs at its
-    sustained rate) puts a 64-element batch-norm tensor at microseconds, while every call of
+    The line alone puts a 64-element batch-norm tensor at microseconds, while every call of
     this job measured a millisecond or more (Horovod's cycle, the collective's round trips, a
     second phase): for ResNet-18's 62 tensors, or a transformer's 103, that is most of a
     step's communication."""
@@ -88,37 +102,56 @@ class Fit:
     latency_s: float = 0.0
     per_unit_s: float = 0.0
     floor_s: float = 0.0
+    points: tuple = ()
+
+    def __post_init__(self):
+        if self.points:
+            pts = sorted((float(x), float(y)) for x, y in self.points)
+            for i in range(len(pts) - 2, -1, -1):
+                pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
+            object.__setattr__(self, "points", tuple(pts))
 
     def __call__(self, units: float) -> float:
-        return max(self.floor_s, self.latency_s + self.per_unit_s * units)
+        line = max(self.floor_s, self.latency_s + self.per_unit_s * units)
+        pts = self.points
+        if len(pts) < 2:
+            return line
+        if units <= pts[0][0]:
+            return max(line, pts[0][1])
+        i = next((i for i in range(1, len(pts)) if units <= pts[i][0]), len(pts) - 1)
+        (x1, y1), (x2, y2) = pts[i - 1], pts[i]
+        return max(line, y1 + (y2 - y1) * (units - x1) / (x2 - x1))
 
     def split(self, units: float) -> tuple[float, float]:
         """``(latency, transfer)`` of one call, summing to ``self(units)``: the latency is what
         a batch of fused calls pays once (the floor, or the line's intercept if higher)."""
-        latency = max(self.floor_s, self.latency_s)
+        latency = min(max(self.floor_s, self.latency_s), self(units))
         return latency, self(units) - latency
 
     @classmethod
     def through(cls, points: dict) -> Fit:
-        """The slope of the two largest of ``points`` (``units -> seconds``), under every
-        point (the latency is the least remainder, so one slow small call does not inflate
-        it); both clipped at zero; the floor is the least time measured."""
+        """The fit of ``points`` (``units -> seconds``): the points themselves, the slope of
+        the two largest, under every point (the latency is the least remainder), both clipped
+        at zero; the floor is the least time measured."""
         xs = sorted(points)
         if len(xs) < 2:
             raise ValueError(f"a fit needs two or more sizes, got {xs}")
         x1, x2 = xs[-2:]
         per = max(0.0, (points[x2] - points[x1]) / (x2 - x1))
         return cls(max(0.0, min(points[x] - per * x for x in xs)), per,
-                   max(0.0, min(points.values())))
+                   max(0.0, min(points.values())), tuple((x, points[x]) for x in xs))
 
     @classmethod
     def from_entry(cls, entry: dict, per_key: str = "per_unit_s", points=None) -> Fit:
-        """A fit as a measurement file stores it; files written before ``floor_s`` was stored
-        get it from their measured ``points`` (the least time), else none."""
+        """A fit as a measurement file stores it, through its measured ``points`` (``units ->
+        seconds``) where the file has them; files written before ``floor_s`` was stored get it
+        from the points (the least time), else none."""
+        points = {float(x): float(y) for x, y in (points or {}).items()}
         floor = entry.get("floor_s")
         if floor is None:
-            floor = min(points) if points else 0.0
-        return cls(entry["latency_s"], entry[per_key], float(floor))
+            floor = min(points.values()) if points else 0.0
+        return cls(entry["latency_s"], entry[per_key], float(floor),
+                   tuple(points.items()) if len(points) >= 2 else ())
 
     def as_dict(self) -> dict:
         return {"latency_s": self.latency_s, "per_unit_s": self.per_unit_s,
@@ -133,7 +166,8 @@ class Cost:
     the backward pass, fused with the other deferred exchanges of its kind for half its
     latency (``deferred_rounds``, module docstring). ``early``: the share of a deferred
     exchange (latency and per-byte part) that starts when the tensor is sent, on the channel
-    like any other (two-phase's all-to-all: half)."""
+    like any other (two-phase's all-to-all: half). ``pieces``: the variable travels as that
+    many even pieces (``grace_dl.communicators.pieces``), each costing what this says."""
 
     encode_s: float
     latency_s: float
@@ -141,10 +175,11 @@ class Cost:
     kind: str
     deferred: bool = False
     early: float = 0.0
+    pieces: int = 1
 
     @property
     def total_s(self) -> float:
-        return self.encode_s + self.latency_s + self.transfer_s
+        return self.pieces * (self.encode_s + self.latency_s + self.transfer_s)
 
 
 class Calibration:
@@ -167,10 +202,10 @@ class Calibration:
             raise ValueError(f"measurement file {source!r} must have \"format\": {FORMAT!r}")
         try:
             collectives = {(c["collective"], c["dtype"]): Fit.from_entry(
-                c, "per_byte_s", list((c.get("points") or {}).values()))
-                for c in data.get("collectives", [])}
+                c, "per_byte_s", c.get("points")) for c in data.get("collectives", [])}
             pipelines = {p["pipeline"]: tuple(
-                Fit.from_entry(p[part], points=[v[i] for v in (p.get("points") or {}).values()])
+                Fit.from_entry(p[part], points={n: v[i] for n, v in
+                                                (p.get("points") or {}).items()})
                 for i, part in enumerate(("encode", "exchange")))
                 for p in data.get("pipelines", [])}
         except (KeyError, TypeError) as err:
@@ -217,9 +252,12 @@ def _alpha_beta(net: Network, pattern: str) -> Fit:
 
 
 def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Network,
-                  compressor=None) -> Cost | None:
+                  compressor=None, piece_bytes: int | None = None) -> Cost | None:
     """What ``choice`` (a ``Pipeline``, ``HOROVOD`` or ``HOROVOD_FP16``) costs one variable;
-    ``None`` when its payload size cannot be known in advance."""
+    ``None`` when its payload size cannot be known in advance. ``piece_bytes``: what the
+    optimizer sends large gradients in (``DistributedOptimizer(piece_bytes=...)``, only where
+    the compressor takes any chunk alone: ``pieces_of``); None: whole (a strategy's
+    dispatcher)."""
     numel = 1
     for d in shape:
         numel *= int(d)
@@ -233,12 +271,30 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
         latency, transfer = fit.split(numel * itemsize(wire))
         return Cost(encode, latency, transfer + decode, f"{choice}:{wire}")
     compressor = compressor or choice.build_compressor()
+    pieces = pieces_of(compressor, numel, dtype, piece_bytes)
+    if pieces > 1:
+        numel = -(-numel // pieces)
+        shape = (numel,)
     measured = calib.pipelines.get(choice.label())
     if measured is not None:
         encode, exchange = measured
         return Cost(encode(numel), *exchange.split(numel), choice.label(),
-                    deferred_rounds(choice, compressor, shape), early_share(choice))
-    return _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
+                    deferred_rounds(choice, compressor, shape), early_share(choice), pieces)
+    cost = _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
+    return cost if cost is None or pieces == 1 else replace(cost, pieces=pieces)
+
+
+def pieces_of(compressor, numel: int, dtype: str, piece_bytes: int | None) -> int:
+    """How many pieces the optimizer sends a gradient of ``numel`` elements in
+    (``grace_dl.communicators.pieces.piece_sizes``): 1 unless ``piece_bytes`` is set and the
+    compressor compresses any 1-D chunk alone and does compress (``two_phase_safe``, not
+    ``sends_tensor``)."""
+    from grace_dl.communicators.pieces import piece_sizes
+
+    if piece_bytes is None or not compressor.two_phase_safe or compressor.sends_tensor:
+        return 1
+    sizes = piece_sizes(numel, itemsize(dtype), piece_bytes)
+    return 1 if sizes is None else len(sizes)
 
 
 def early_share(pipeline: Pipeline) -> float:
@@ -318,7 +374,11 @@ class StepPrediction:
 
 def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
              overlap: float = 1.0) -> StepPrediction:
-    """One step for variables in model order with these ``costs`` (module docstring)."""
+    """One step for variables in model order with these ``costs`` (module docstring); a cost
+    in ``pieces`` is that many variables, each a share of the size."""
+    if any(c.pieces > 1 for c in costs):
+        costs, numels = zip(*[(replace(c, pieces=1), n / c.pieces)
+                              for c, n in zip(costs, numels) for _ in range(c.pieces)])
     forward = compute_s / 3
     backward = compute_s - forward
     total = sum(numels) or 1
@@ -358,14 +418,16 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
 
 
 def predict_step(variables, choices, calib, net: Network, compute_s: float = 0.0,
-                 compressors=None) -> StepPrediction:
+                 compressors=None, piece_bytes: int | None = None) -> StepPrediction:
     """``simulate`` for ``variables`` (``grace_dl.strategy.variables.Variable``) under
-    ``choices`` (one per variable: a ``Pipeline``, ``HOROVOD`` or ``HOROVOD_FP16``)."""
+    ``choices`` (one per variable: a ``Pipeline``, ``HOROVOD`` or ``HOROVOD_FP16``), large
+    gradients in pieces of ``piece_bytes`` where the optimizer sends them so
+    (``variable_cost``)."""
     calib = Calibration.coerce(calib)
     costs = []
     for var, choice in zip(variables, choices):
         cost = variable_cost(choice, var.shape, var.dtype, calib, net,
-                             (compressors or {}).get(choice))
+                             (compressors or {}).get(choice), piece_bytes)
         if cost is None:
             raise ValueError(f"cannot predict the payload of {choice.label()!r} for variable "
                              f"{var.name!r} (its size depends on the data)")
