@@ -226,6 +226,14 @@ def test_large_gradients_are_priced_in_the_pieces_the_optimizer_sends():
     assert predict_step(big, [twophase], calib, network, compute_s=0.03,
                         piece_bytes=4 << 20).step_s > \
         predict_step(big, [twophase], calib, network, compute_s=0.03).step_s
+    # where the job timed the pipeline in pieces of that size, that is its cost, whole
+    calib.pieced[twophase.label()] = (4 << 20, (Fit(2e-4, 3e-9), Fit(1e-3, 2e-9)))
+    timed = variable_cost(twophase, (2048, 2048), "float32", calib, network,
+                          piece_bytes=4 << 20)
+    assert timed.pieces == 1 and timed.encode_s == pytest.approx(2e-4 + 3e-9 * (4 << 20))
+    assert timed.latency_s + timed.transfer_s == pytest.approx(1e-3 + 2e-9 * (4 << 20))
+    assert variable_cost(twophase, (2048, 2048), "float32", calib, network,
+                         piece_bytes=2 << 20).pieces == 8  # other pieces: not what was timed
 
 BATCH_NORM = {**{f"bn{i}.{p}": (64,) for i in range(40) for p in ("weight", "bias")},
               "conv.weight": (512, 512, 3, 3)}
@@ -364,9 +372,11 @@ def test_auto_chooses_for_a_160_tensor_model():
 
 def test_measure_under_horovodrun_times_the_job(tmp_path):
     """``grace-dl strategy measure`` on 2 real ranks adds the job's collectives, overlap and
-    pipelines to the compression file, and Auto builds from it."""
+    pipelines to the compression file, and Auto builds from it; a pipeline the optimizer sends
+    in pieces is also timed that way above one piece."""
     out = tmp_path / "job.json"
-    candidates = json.dumps([{"compressor": "none"}, TOPK])
+    twophase = {"compressor": "signsgd", "memory": "residual", "communicator": "twophase"}
+    candidates = json.dumps([{"compressor": "none"}, TOPK, twophase])
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
            sys.executable, "-m", "grace_dl", "strategy", "measure", "--candidates", candidates,
@@ -383,8 +393,18 @@ def test_measure_under_horovodrun_times_the_job(tmp_path):
     for c in doc["collectives"]:
         assert c["latency_s"] >= 0 and c["per_byte_s"] >= 0 and len(c["points"]) >= 2
     labels = [p["pipeline"] for p in doc["pipelines"]]
-    assert labels == [Pipeline().label(), Pipeline.from_params(TOPK).label()]
+    assert labels == [Pipeline().label(), Pipeline.from_params(TOPK).label(),
+                      Pipeline.from_params(twophase).label()]
+    assert [bool(p.get("pieces")) for p in doc["pipelines"]] == [False, False, True]
+    pieces = doc["pipelines"][2]["pieces"]
+    whole = doc["pipelines"][2]["points"]
+    assert pieces["piece_bytes"] == 4 << 20
+    large = [n for n in pieces["points"] if int(n) * 4 > 4 << 20]
+    assert large and all(n in whole for n in pieces["points"])
+    assert {n: v for n, v in pieces["points"].items() if n not in large} == \
+        {n: v for n, v in whole.items() if int(n) * 4 <= 4 << 20}
     calib = Calibration.load(out)
+    assert calib.pieced[Pipeline.from_params(twophase).label()][0] == 4 << 20
     assert calib.workers == 2 and calib.collective("allreduce", "float16") is not None
     strategy = Auto([{"compressor": "none"}, TOPK], throughput=out).build(
         MLP, ResourceSpec.local(2, bandwidth_gbps=1))

@@ -30,8 +30,10 @@ A step is simulated, not summed:
    gradients began travelling in pieces: 87 of 96 rows within 25%, 22 of the 24 two-phase
    ones, against 82 and 17 with the whole exchange deferred.)
 4. A gradient the optimizer sends in pieces (``piece_bytes``: compressors that take any chunk
-   alone, ``grace_dl.communicators.pieces``) is that many variables of a piece's size, each
-   encoded and exchanged on its own (``pieces_of``); a strategy's dispatcher sends whole.
+   alone, ``grace_dl.communicators.pieces``) costs what the job measured sending that size
+   in pieces (``Calibration.pieced``); in a file without that, it is that many variables of
+   a piece's size, each encoded and exchanged on its own (``pieces_of``). A strategy's
+   dispatcher sends whole.
 5. The step ends when both the training thread and the channel are done. That is the ideal
    overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
    in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
@@ -188,11 +190,15 @@ class Calibration:
     label -> encode and exchange, seconds per element), with the job size they were taken at."""
 
     def __init__(self, throughput: Throughput | None = None, collectives=None, pipelines=None,
-                 workers: int | None = None, mbit: float | None = None, overlap: float = 1.0):
+                 workers: int | None = None, mbit: float | None = None, overlap: float = 1.0,
+                 pieced=None):
         self.throughput = throughput or Throughput()
         self.overlap = overlap
         self.collectives: dict[tuple[str, str], Fit] = dict(collectives or {})
         self.pipelines: dict[str, tuple[Fit, Fit]] = dict(pipelines or {})
+        #: label -> (piece_bytes, (encode, exchange)): the pipeline timed as the optimizer sends
+        #: gradients larger than a piece (``grace_dl.strategy.calibrate``)
+        self.pieced: dict[str, tuple[int, tuple[Fit, Fit]]] = dict(pieced or {})
         self.workers = workers
         self.mbit = mbit
 
@@ -203,11 +209,10 @@ class Calibration:
         try:
             collectives = {(c["collective"], c["dtype"]): Fit.from_entry(
                 c, "per_byte_s", c.get("points")) for c in data.get("collectives", [])}
-            pipelines = {p["pipeline"]: tuple(
-                Fit.from_entry(p[part], points={n: v[i] for n, v in
-                                                (p.get("points") or {}).items()})
-                for i, part in enumerate(("encode", "exchange")))
-                for p in data.get("pipelines", [])}
+            pipelines = {p["pipeline"]: _pipeline_fits(p) for p in data.get("pipelines", [])}
+            pieced = {p["pipeline"]: (int(p["pieces"]["piece_bytes"]),
+                                      _pipeline_fits(p["pieces"]))
+                      for p in data.get("pipelines", []) if p.get("pieces")}
         except (KeyError, TypeError) as err:
             raise ValueError(f"measurement file {source!r}: a collective or pipeline entry is "
                              f"malformed ({err}); see grace_dl.strategy.calibrate") from None
@@ -217,7 +222,7 @@ class Calibration:
             raise ValueError(f"measurement file {source!r}: job overlap must be a number in "
                              f"[0, 1], got {overlap!r}")
         return cls(Throughput.from_document(data, source), collectives, pipelines,
-                   job.get("workers"), job.get("mbit"), float(overlap))
+                   job.get("workers"), job.get("mbit"), float(overlap), pieced)
 
     @classmethod
     def load(cls, path) -> Calibration:
@@ -245,6 +250,13 @@ class Calibration:
         return self.collectives.get((name, dtype))
 
 
+def _pipeline_fits(entry: dict) -> tuple[Fit, Fit]:
+    """``(encode, exchange)`` of a measurement file's pipeline entry (or its ``pieces``)."""
+    points = entry.get("points") or {}
+    return tuple(Fit.from_entry(entry[part], points={n: v[i] for n, v in points.items()})
+                 for i, part in enumerate(("encode", "exchange")))
+
+
 def _alpha_beta(net: Network, pattern: str) -> Fit:
     """The resource spec's formula as a fit in bytes (``cost_model.communication_time``)."""
     per = communication_time(pattern, 1.0, 1.0, net) - communication_time(pattern, 0.0, 0.0, net)
@@ -257,7 +269,8 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
     ``None`` when its payload size cannot be known in advance. ``piece_bytes``: what the
     optimizer sends large gradients in (``DistributedOptimizer(piece_bytes=...)``, only where
     the compressor takes any chunk alone: ``pieces_of``); None: whole (a strategy's
-    dispatcher)."""
+    dispatcher). A gradient in pieces costs what the job measured in pieces of that size
+    (``Calibration.pieced``), else as many pieces as whole tensors of a piece's size."""
     numel = 1
     for d in shape:
         numel *= int(d)
@@ -272,6 +285,11 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
         return Cost(encode, latency, transfer + decode, f"{choice}:{wire}")
     compressor = compressor or choice.build_compressor()
     pieces = pieces_of(compressor, numel, dtype, piece_bytes)
+    as_sent = calib.pieced.get(choice.label())
+    if pieces > 1 and as_sent is not None and as_sent[0] == piece_bytes:
+        encode, exchange = as_sent[1]   # timed in pieces, as the optimizer sends
+        return Cost(encode(numel), *exchange.split(numel), choice.label(),
+                    deferred_rounds(choice, compressor, shape), early_share(choice))
     if pieces > 1:
         numel = -(-numel // pieces)
         shape = (numel,)
