@@ -127,7 +127,7 @@ class Fit:
     def split(self, units: float) -> tuple[float, float]:
         """``(latency, transfer)`` of one call, summing to ``self(units)``: the latency is what
         a batch of fused calls pays once (the floor, or the line's intercept if higher)."""
-        latency = min(max(self.floor_s, self.latency_s), self(units))
+        latency = max(self.floor_s, self.latency_s)
         return latency, self(units) - latency
 
     @classmethod
