@@ -111,6 +111,7 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
                  compute_s: float = 0.0) -> float | None:
     """The step model's time (seconds, without the optimizer's update) for ``pipeline`` on
     ``model``, from ``calibration()``; ``None`` when nothing was measured."""
+    from grace_dl.communicators.pieces import DEFAULT_PIECE_BYTES
     from grace_dl.strategy import Pipeline
     from grace_dl.strategy.cost_model import Network
     from grace_dl.strategy.step_model import HOROVOD, HOROVOD_FP16
@@ -119,8 +120,6 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
 
     if calibration() is None:
         return None
-    from grace_dl.communicators.pieces import DEFAULT_PIECE_BYTES
-
     variables = variables_of(model.named_parameters())
     options = {}
     if pipeline in VARIANTS:

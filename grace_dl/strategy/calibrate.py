@@ -45,6 +45,7 @@ from grace_dl.communicators.pieces import (
     piece_sizes,
     send_pieces,
 )
+from grace_dl.dtypes import itemsize
 from grace_dl.strategy.pipeline import Pipeline
 from grace_dl.strategy.step_model import Fit
 
@@ -160,9 +161,10 @@ def measure_pipelines(candidates, repeats: int = 4, shapes=SHAPES,
         entry = {"pipeline": pipeline.label(), "params": pipeline.as_params(),
                  **_fits(points)}
         pieced = effective_piece_bytes(comm, piece_bytes)
-        large = [s for s in shapes if s[0] * s[1] * 4 > (pieced or 0) and s[0] * s[1] in points]
-        if pieced is not None and large:
-            points = {**{n: v for n, v in points.items() if n * 4 <= pieced},
+        whole = {n for n in points if piece_sizes(n, itemsize("float32"), pieced) is None}
+        large = [s for s in shapes if s[0] * s[1] in set(points) - whole]
+        if large:
+            points = {**{n: v for n, v in points.items() if n in whole},
                       **_points(hvd, torch, comm, large, repeats, pieced)}
             if len(points) >= 2:
                 entry["pieces"] = {"piece_bytes": pieced, **_fits(points)}

@@ -287,13 +287,12 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
     pieces = pieces_of(compressor, numel, dtype, piece_bytes)
     as_sent = calib.pieced.get(choice.label())
     if pieces > 1 and as_sent is not None and as_sent[0] == piece_bytes:
-        encode, exchange = as_sent[1]   # timed in pieces, as the optimizer sends
-        return Cost(encode(numel), *exchange.split(numel), choice.label(),
-                    deferred_rounds(choice, compressor, shape), early_share(choice))
-    if pieces > 1:
-        numel = -(-numel // pieces)
-        shape = (numel,)
-    measured = calib.pipelines.get(choice.label())
+        measured, pieces = as_sent[1], 1   # timed in pieces, as the optimizer sends
+    else:
+        measured = calib.pipelines.get(choice.label())
+        if pieces > 1:
+            numel = -(-numel // pieces)
+            shape = (numel,)
     if measured is not None:
         encode, exchange = measured
         return Cost(encode(numel), *exchange.split(numel), choice.label(),
