@@ -18,9 +18,10 @@ up to 8x as many where calls are cheap and Horovod's cycle makes single times no
   default, for compressors that take any chunk alone: ``grace_dl.communicators.pieces``), the
   sizes above one piece are timed again sent that way, pieces received in lockstep, and stored
   as the entry's ``pieces``: what the optimizer's gradient costs, where a strategy's
-  dispatcher (which sends whole) costs the whole tensor's. Over a 100 Mbit/s token bucket one
-  8.4M-element two-phase signSGD call took 240-390 ms, about twice its bytes' time, where a
-  step sending the same bytes in pieces ran at 1.1x.
+  dispatcher (which sends whole) costs the whole tensor's. (Over a 100 Mbit/s token bucket
+  the two cost about the same in the committed measurements: an 8.4M-element two-phase
+  signSGD call took 222 ms whole and 231 ms in pieces in one job; whole, it took 222-388 ms
+  across jobs.)
 
 * **overlap**: how much of an in-flight allreduce (2 MB) a CPU-bound loop of matrix products
   hides, from 0 (none: communication and compute share the cores, as 2 ranks on 2 cores do) to
