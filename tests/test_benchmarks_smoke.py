@@ -117,14 +117,14 @@ def test_pipeline_cpu_compares_code_trees_in_one_table(tmp_path):
 
     out = tmp_path / "cpu.json"
     root = str(pipeline_cpu.ROOT)
-    assert pipeline_cpu.main(["--pipelines", "qsgd-2phase", "topk", "--numel", "5000",
+    assert pipeline_cpu.main(["--pipelines", "qsgd-2phase", "powersgd", "--shape", "50", "100",
                               "--steps", "2", "--warmup", "1", "--rounds", "1",
                               "--code", root, root, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["ms"]) == {"qsgd-2phase", "topk"}
+    assert set(result["ms"]) == {"qsgd-2phase", "powersgd"} and result["shape"] == [50, 100]
     assert all(len(per_tree[root]) == 2 and min(per_tree[root]) > 0
                for per_tree in result["ms"].values())
     table = out.with_suffix(".md").read_text()
-    assert "| qsgd-2phase |" in table and "÷" in table
+    assert "| qsgd-2phase |" in table and "÷" in table and "shape 50 x 100" in table
     with pytest.raises(SystemExit, match="unknown pipelines"):
         pipeline_cpu.main(["--pipelines", "nosuch"])
