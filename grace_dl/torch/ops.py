@@ -240,12 +240,12 @@ def matmul(a, b):
 
 
 def _product(a, b, out=None):
-    """``a @ b`` (into ``out`` when given) with the factors laid out so that torch's CPU GEMM
-    does not stride across a matrix: it is up to 60x slower on thin products of matrices
-    whose rows are a power of two floats long (torch 2.13 CPU, one thread, 2048 x 2048 times
-    2048 x 2: ``M.T @ P`` 21 ms against 0.6 ms for ``(P.T @ M).T``; ``M @ Q`` 3.2 ms against
-    0.6 ms with ``Q`` column-major; ``P @ Q.T`` 3.5 ms against 0.5 ms as two outer
-    products). A PowerSGD step on one 2048 x 2048 gradient took 57 ms of CPU before and
+    """``a @ b`` (into ``out`` when given) with the factors laid out for torch's CPU GEMM, which
+    is several times slower on thin products of matrices whose rows are a power of two floats
+    long (torch 2.13 CPU, one thread, 2048 x 2048 times 2048 x 2: ``M @ Q`` 3.2 ms, 0.6 ms
+    with ``Q`` column-major; ``P @ Q.T`` 3.5 ms, 0.5 ms as two outer products; and
+    ``M.T @ P`` 21 ms against 0.6 ms for ``(P.T @ M).T``, which is how PowerSGD writes
+    it). A PowerSGD step on one 2048 x 2048 gradient took 57 ms of CPU before and
     7 ms after (``benchmarks/results/pipeline_cpu_powersgd_2048x2048.md``). Each element
     is the same sum of products, added in another order."""
     if a.dim() != 2 or b.dim() != 2:
@@ -258,12 +258,8 @@ def _product(a, b, out=None):
         for i in range(1, k):
             out.addr_(a[:, i], rows[i])
         return out
-    if m <= THIN_COLUMNS < k:
-        if not a.is_contiguous() and a.t().is_contiguous():   # a transposed: (b^T a^T)^T
-            result = (b.t() @ a.t()).t()
-            return result.contiguous() if out is None else out.copy_(result)
-        if not b.t().is_contiguous():
-            b = b.t().contiguous().t()
+    if m <= THIN_COLUMNS < k and not b.t().is_contiguous():
+        b = b.t().contiguous().t()
     return torch.matmul(a, b, out=out) if out is not None else a @ b
 
 
