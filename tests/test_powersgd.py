@@ -475,3 +475,36 @@ def test_two_rank_horovod_job_matches_the_single_process_simulation(mode, launch
     for key in states[0]:
         np.testing.assert_array_equal(states[0][key], states[1][key])
     assert results[0]["state"]["memory"].keys() == set(names)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("shape", [(64, 48), (8, 4, 3, 3)])
+def test_subtracting_the_local_share_in_place_equals_subtracting_the_product(fw, shape):
+    """The error feedback's ``residual -= P_hat Q_w^T`` done as rank-r updates of the residual
+    (torch: any shape, as a matrix view; TensorFlow: a 2-D kernel as its transpose; a conv
+    kernel by the product) leaves what ``residual - local_share`` leaves."""
+    rng = np.random.default_rng(9)
+    grad = rng.standard_normal(shape if fw == "torch" else
+                               tuple(shape[i] for i in (2, 3, 1, 0)[:len(shape)])
+                               if len(shape) == 4 else shape[::-1]).astype(np.float32)
+    comp = PowerSGDCompressor(compress_rank=2)
+    x = as_tensor(fw, grad)
+    payload, ctx = comp.compress(x, "w")
+    comp.next_round([payload[0] * 2], ctx)
+    want = grad - as_numpy(comp.local_share(ctx))
+    if fw == "torch":
+        residual = torch.tensor(grad)
+    else:
+        residual = tf.Variable(grad)
+    assert comp.subtract_local_share(ctx, residual) is True
+    np.testing.assert_allclose(as_numpy(residual), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_an_uncompressed_tensor_has_no_local_share_to_subtract(fw):
+    comp = PowerSGDCompressor(compress_rank=2)
+    x = as_tensor(fw, np.ones(7, np.float32))
+    payload, ctx = comp.compress(x, "b")
+    residual = torch.ones(7) if fw == "torch" else tf.Variable(tf.ones(7))
+    assert comp.subtract_local_share(ctx, residual) is False
+    np.testing.assert_array_equal(as_numpy(residual), np.ones(7))

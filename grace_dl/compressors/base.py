@@ -167,6 +167,15 @@ class Compressor(Stateful, ABC):
         error feedback subtracts), or ``None`` to use the averaged result."""
         return None
 
+    def subtract_local_share(self, ctx, residual) -> bool:
+        """``residual -= local_share(ctx)`` in place (``residual``: an error-feedback slot
+        holding the compensated tensor); False, leaving it, where there is no share."""
+        share = self.local_share(ctx)
+        if share is None:
+            return False
+        ops_for(share).assign_sub(residual, share)
+        return True
+
     def payload_nbytes(self, numel: int, dtype: str = "float32") -> int | None:
         """Bytes the payload of an ``numel``-element tensor has on the wire, from the method's
         formula; ``None`` where it depends on the data (threshold). Used by tests to check the

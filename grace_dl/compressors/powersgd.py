@@ -199,6 +199,25 @@ class PowerSGDCompressor(Compressor):
         return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(ctx.q_local)),
                                  ctx.shape)
 
+    def subtract_local_share(self, ctx, residual) -> bool:
+        """``residual -= P_hat Q_w^T`` as rank-r updates of the residual itself, with no
+        n x m product of its own (torch: a contiguous residual, as a matrix view; TensorFlow:
+        a 2-D kernel, whose matrix is its transpose: ``-= Q_w P_hat^T``); else the
+        base class's."""
+        if not ctx.low_rank:
+            return False
+        ops = ops_for(ctx.p_hat)
+        if ops.NAME == "torch":
+            view = ops.flat_view(residual)
+            if view is not None:
+                ops.assign_sub_matmul(ops.reshape(view, ops.shape(ctx.matrix)), ctx.p_hat,
+                                      ops.transpose(ctx.q_local))
+                return True
+        elif len(ctx.shape) == 2:
+            ops.assign_sub_matmul(residual, ctx.q_local, ops.transpose(ctx.p_hat))
+            return True
+        return super().subtract_local_share(ctx, residual)
+
     # ------------------------------------------------------------------ helpers
     def _q_slot(self, ops, name, shape, like):
         m, r = shape

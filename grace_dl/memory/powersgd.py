@@ -59,13 +59,13 @@ class PowerSGDMemory(Memory):
         slot = self.state.zeros(name, ops, tensor)
         in_slot = name in self._in_slot     # the slot holds ``tensor`` already
         self._in_slot.discard(name)
-        if compressor.rounds == 1:
-            sent = self.sent(compressor, payload, ctx, approximation)
-        else:
-            sent = compressor.local_share(ctx)
-            if sent is None:
+        if compressor.rounds > 1:
+            if not in_slot:
+                ops.assign(slot, tensor)
+            if not compressor.subtract_local_share(ctx, slot):
                 ops.assign(slot, ops.zeros_like(tensor))
-                return
+            return
+        sent = self.sent(compressor, payload, ctx, approximation)
         if in_slot:
             ops.assign_sub(slot, sent)
         else:

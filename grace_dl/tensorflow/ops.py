@@ -581,6 +581,12 @@ def assign_matmul(var, a, b):
     return var
 
 
+def assign_sub_matmul(var, a, b):
+    """In place: ``var <- var - a @ b`` (``var`` shaped like the product); returns var."""
+    var.assign_sub(tf.matmul(a, b))
+    return var
+
+
 def assign_sub_at(var, idx, values):
     """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
     flat_idx = tf.reshape(tf.cast(idx, tf.int64), [-1, 1])

@@ -239,8 +239,8 @@ def matmul(a, b):
     return _product(a, b)
 
 
-def _product(a, b, out=None):
-    """``a @ b`` (into ``out`` when given) with the factors laid out for torch's CPU GEMM, which
+def _product(a, b, out=None, alpha=None):
+    """``a @ b`` (into ``out`` when given; ``out += alpha * a @ b`` with ``alpha``) with the factors laid out for torch's CPU GEMM, which
     is several times slower on thin products of matrices whose rows are a power of two floats
     long (torch 2.13 CPU, one thread, 2048 x 2048 times 2048 x 2: ``M @ Q`` 3.2 ms, 0.6 ms
     with ``Q`` column-major; ``P @ Q.T`` 3.5 ms, 0.5 ms as two outer products; and
@@ -248,18 +248,25 @@ def _product(a, b, out=None):
     it). A PowerSGD step on one 2048 x 2048 gradient took 57 ms of CPU before and
     7 ms after (``benchmarks/results/pipeline_cpu_powersgd_2048x2048.md``). Each element
     is the same sum of products, added in another order."""
+    if alpha is not None and (a.dim() != 2 or b.dim() != 2):
+        return out.add_(a @ b, alpha=alpha)
     if a.dim() != 2 or b.dim() != 2:
         return torch.matmul(a, b, out=out) if out is not None else a @ b
     (n, k), m = a.shape, b.shape[1]
     if a.device.type == "cpu" and 0 < k <= OUTER_MAX_INNER and n * m > k * (n + m):
         rows = b.contiguous()
-        out = torch.outer(a[:, 0], rows[0], out=out) if out is not None \
-            else torch.outer(a[:, 0], rows[0])
-        for i in range(1, k):
-            out.addr_(a[:, i], rows[i])
+        first = 0
+        if alpha is None:
+            out = torch.outer(a[:, 0], rows[0], out=out) if out is not None \
+                else torch.outer(a[:, 0], rows[0])
+            first = 1
+        for i in range(first, k):
+            out.addr_(a[:, i], rows[i], alpha=1 if alpha is None else alpha)
         return out
     if m <= THIN_COLUMNS < k and not b.t().is_contiguous():
         b = b.t().contiguous().t()
+    if alpha is not None:
+        return out.addmm_(a, b, alpha=alpha)
     return torch.matmul(a, b, out=out) if out is not None else a @ b
 
 
@@ -741,6 +748,12 @@ def assign_matmul(var, a, b):
     """In place: ``var <- a @ b`` (``var`` shaped like the product), with no result of its own;
     returns var."""
     return _product(a, b, out=var)
+
+
+def assign_sub_matmul(var, a, b):
+    """In place: ``var <- var - a @ b`` (``var`` shaped like the product), with no product of
+    its own; returns var."""
+    return _product(a, b, out=var, alpha=-1)
 
 
 def assign_sub_at(var, idx, values):
