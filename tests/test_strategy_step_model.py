@@ -47,6 +47,33 @@ def test_exchanges_overlap_the_backward_pass_as_far_as_the_job_measured():
     assert simulate(costs, [1, 1], 0.03, overlap=0.5).step_s == pytest.approx(0.0375)
 
 
+def test_bytes_on_the_link_overlap_as_measured_the_rest_as_the_cores_allow():
+    """Over a slow link a compute loop hides an allreduce that is waiting on the link
+    (``overlap``), but where the ranks' threads share too few cores (``cpu_overlap`` 0) it
+    hides none of an exchange's CPU: latency, copies, reductions."""
+    on_link = [Cost(0.0, 0.0, 0.005, "a", wire_s=0.005), Cost(0.0, 0.0, 0.005, "b", wire_s=0.005)]
+    on_cpu = [Cost(0.0, 0.0, 0.005, "a"), Cost(0.0, 0.0, 0.005, "b")]
+    half = [Cost(0.0, 0.0, 0.005, "a", wire_s=0.0025), Cost(0.0, 0.0, 0.005, "b", wire_s=0.0025)]
+    # ideal 35 ms, serial 40 ms (test above)
+    assert simulate(on_link, [1, 1], 0.03, 1.0, 0.0).step_s == pytest.approx(0.035)
+    assert simulate(on_cpu, [1, 1], 0.03, 1.0, 0.0).step_s == pytest.approx(0.04)
+    assert simulate(half, [1, 1], 0.03, 1.0, 0.0).step_s == pytest.approx(0.0375)
+    assert simulate(on_cpu, [1, 1], 0.03, 0.0, 1.0).step_s == pytest.approx(0.035)
+    # no cpu_overlap (files measured before it): ``overlap`` for all of it, as before
+    for costs in (on_link, on_cpu, half):
+        assert simulate(costs, [1, 1], 0.03, 0.5).step_s == pytest.approx(0.0375)
+
+
+def test_the_wire_share_of_a_cost_is_its_payload_over_the_link():
+    calib = Calibration.coerce(None)
+    slow = Network(2, 12.5e6, 1e-4)                       # 100 Mbit/s
+    dense = variable_cost(HOROVOD, (1000, 1000), "float32", calib, slow)
+    assert dense.wire_s == pytest.approx(4e6 / 12.5e6)    # 2 ranks: 2 (N-1)/N x 4 MB
+    assert dense.wire_s <= dense.latency_s + dense.transfer_s
+    sparse = variable_cost(Pipeline.from_params(TOPK), (1000, 1000), "float32", calib, slow)
+    assert sparse.wire_s == pytest.approx(80e3 / 12.5e6)  # 1% of the values and indices
+
+
 def test_encode_is_on_the_critical_path():
     costs = [Cost(0.0, 0.0, 0.005, "a"), Cost(0.004, 0.0, 0.005, "b")]
     step = simulate(costs, [1, 1], compute_s=0.03)
@@ -335,7 +362,8 @@ def test_predict_step_covers_horovods_own_paths(tmp_path):
 
 
 @pytest.mark.parametrize("job, match", [({"overlap": 2}, "overlap must be a number in"),
-                                        ({"overlap": "x"}, "overlap must be a number in")])
+                                        ({"overlap": "x"}, "overlap must be a number in"),
+                                        ({"cpu_overlap": -1}, "cpu_overlap must be a number")])
 def test_bad_measurement_files_name_the_problem(tmp_path, job, match):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"format": FORMAT, "entries": [], "job": job}))
@@ -386,7 +414,8 @@ def test_measure_under_horovodrun_times_the_job(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["job"]["workers"] == 2 and doc["job"]["mbit"] == 1000
-    assert 0.0 <= doc["job"]["overlap"] <= 1.0
+    assert 0.0 <= doc["job"]["overlap"] <= 1.0 and 0.0 <= doc["job"]["cpu_overlap"] <= 1.0
+    assert Calibration.load(out).cpu_overlap == doc["job"]["cpu_overlap"]
     assert {(c["collective"], c["dtype"]) for c in doc["collectives"]} == {
         ("allreduce", "float32"), ("allreduce", "float16"), ("allgather", "float32"),
         ("alltoall", "float32"), ("broadcast", "float32")}

@@ -286,13 +286,14 @@ class Auto(StrategyBuilder):
         self.report = [(v, list(zip(self.candidates, row))) for v, row in zip(variables, table)]
         numels = [v.numel for v in variables]
         self.baseline = simulate([variable_cost(HOROVOD, v.shape, v.dtype, calib, net)
-                                  for v in variables], numels, self.compute_s, calib.overlap)
+                                  for v in variables], numels, self.compute_s, calib.overlap,
+                                 calib.cpu_overlap)
         options = [[_cheapest(row, self.margin) for row in table]]
         options += [[i] * len(variables) for i in range(1, len(self.candidates))]
         best, best_step, best_buckets = None, None, None
         for option in options:
             step = simulate([row[i] for row, i in zip(table, option)], numels, self.compute_s,
-                            calib.overlap)
+                            calib.overlap, calib.cpu_overlap)
             if best_step is None or step.step_s < best_step.step_s:
                 best, best_step = option, step
         for i, step, layout in self._bucketed_options(variables, calib, net):
@@ -321,7 +322,7 @@ class Auto(StrategyBuilder):
             costs = [variable_cost(p, v.shape, v.dtype, calib, net, self._compressors[p])
                      for v in flat]
             yield i, simulate(costs, [v.numel for v in flat], self.compute_s,
-                              calib.overlap), layout
+                              calib.overlap, calib.cpu_overlap), layout
 
 
 def _cheapest(row: list[Cost], margin: float) -> int:

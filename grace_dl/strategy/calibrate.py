@@ -26,7 +26,12 @@ up to 8x as many where calls are cheap and Horovod's cycle makes single times no
 * **overlap**: how much of an in-flight allreduce (2 MB) a CPU-bound loop of matrix products
   hides, from 0 (none: communication and compute share the cores, as 2 ranks on 2 cores do) to
   1 (all: compute elsewhere, a GPU, or spare cores): ``(comm + work - both) / min(comm,
-  work)``, clipped.
+  work)``, clipped. Over a slow link that allreduce is mostly waiting on the link, which
+  any loop hides.
+* **cpu_overlap**: the same ratio for a second thread's CPU work (copies of 4 MB, as Horovod's
+  background thread copies and reduces) against the loop, on every rank at once: whether a
+  rank's communication thread has a core of its own. The step model applies it to the part
+  of the communication that is not bytes on the link.
 
 Sizes grow (collectives to 32 MB, tensors to 8.4M elements) while a call is expected to take
 under ``MAX_CALL_S``, so a measurement takes under 30 s on 2 ranks even over a 100 Mbit/s link,
@@ -250,6 +255,51 @@ def measure_overlap(repeats: int = 4, nbytes: int = 1 << 21) -> float:
     return min(1.0, max(0.0, hidden))
 
 
+def measure_cpu_overlap(repeats: int = 4, nbytes: int = 4 << 20) -> float:
+    """The fraction of a second thread's CPU work that a compute loop on this thread hides,
+    on every rank at once (module docstring): NumPy copies, which release the GIL, against
+    single-threaded matrix products."""
+    import threading
+
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
+        src = np.random.default_rng(3).standard_normal(nbytes // 8)
+        dst = np.empty_like(src)
+        t_product = _median_of_slowest(hvd, torch, _timed(lambda: a @ a), 2 * repeats)
+        t_copy1 = _median_of_slowest(hvd, torch, _timed(lambda: np.copyto(dst, src)), 2 * repeats)
+        # about 20 ms of each, so that the thread's start is a small part of it
+        products = max(1, round(0.02 / max(t_product, 1e-7)))
+        copies = max(1, round(0.02 / max(t_copy1, 1e-7)))
+
+        def work():
+            for _ in range(products):
+                a @ a
+
+        def copy():
+            for _ in range(copies):
+                np.copyto(dst, src)
+
+        def both():
+            helper = threading.Thread(target=copy)
+            helper.start()
+            work()
+            helper.join()
+
+        t_work = _median_of_slowest(hvd, torch, _timed(work), repeats)
+        t_copy = _median_of_slowest(hvd, torch, _timed(copy), repeats)
+        t_both = _median_of_slowest(hvd, torch, _timed(both), repeats)
+    finally:
+        torch.set_num_threads(threads)
+    hidden = (t_work + t_copy - t_both) / max(min(t_work, t_copy), 1e-9)
+    return min(1.0, max(0.0, hidden))
+
+
 def measure_job(candidates, repeats: int = 4, mbit: float | None = None) -> dict:
     """The job's sections of a measurement document: ``job`` (size, link, overlap, seconds
     taken), ``collectives``, ``pipelines``."""
@@ -259,7 +309,9 @@ def measure_job(candidates, repeats: int = 4, mbit: float | None = None) -> dict
     start = time.perf_counter()
     collectives = measure_collectives(repeats)
     overlap = measure_overlap(repeats)
+    cpu_overlap = measure_cpu_overlap(repeats)
     pipelines = measure_pipelines(candidates, repeats)
     return {"job": {"workers": hvd.size(), "mbit": mbit, "overlap": overlap,
+                    "cpu_overlap": cpu_overlap,
                     "seconds": round(time.perf_counter() - start, 2)},
             "collectives": collectives, "pipelines": pipelines}

@@ -35,10 +35,17 @@ A step is simulated, not summed:
    a piece's size, each encoded and exchanged on its own (``pieces_of``). A strategy's
    dispatcher sends whole.
 5. The step ends when both the training thread and the channel are done. That is the ideal
-   overlap; the job's measured ``overlap`` (``grace_dl.strategy.calibrate``: how much of an
-   in-flight collective a compute loop hides, 0 where ranks and Horovod's threads share too
-   few cores) moves the prediction from the serial sum (forward + backward + every encode +
-   every exchange) towards it: ``ideal + (1 - overlap) * (serial - ideal)``.
+   overlap; the job's measured overlaps (``grace_dl.strategy.calibrate``) move the prediction
+   from the serial sum (forward + backward + every encode + every exchange) towards it:
+   ``ideal + (serial - ideal) * (w * (1 - overlap) + (1 - w) * (1 - cpu_overlap))``, where
+   ``w`` is the share of the channel's time that is bytes on the link (``Cost.wire_s``:
+   payload bytes over the link's bandwidth), ``overlap`` how much of an in-flight 2 MB
+   allreduce a compute loop hides, and ``cpu_overlap`` how much of a second thread's CPU work
+   it hides (0 where ranks and Horovod's threads share too few cores). The rest of an
+   exchange (latency, copies, reductions, Horovod's and gloo's work per call) is CPU on the
+   rank's host: over a slow link a compute loop hides a 2 MB allreduce whole, because it is
+   waiting on the link, but not a step's 60 small ones. A file without ``cpu_overlap`` uses
+   ``overlap`` for both.
 
 Each variable's cost comes from what was measured in the running job (``grace_dl.strategy.
 calibrate``, stored in the measurement file): a pipeline measured end to end has an encode fit
@@ -169,7 +176,8 @@ class Cost:
     latency (``deferred_rounds``, module docstring). ``early``: the share of a deferred
     exchange (latency and per-byte part) that starts when the tensor is sent, on the channel
     like any other (two-phase's all-to-all: half). ``pieces``: the variable travels as that
-    many even pieces (``grace_dl.communicators.pieces``), each costing what this says."""
+    many even pieces (``grace_dl.communicators.pieces``), each costing what this says.
+    ``wire_s``: the part of the exchange that is payload bytes on the link."""
 
     encode_s: float
     latency_s: float
@@ -178,6 +186,7 @@ class Cost:
     deferred: bool = False
     early: float = 0.0
     pieces: int = 1
+    wire_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -191,9 +200,11 @@ class Calibration:
 
     def __init__(self, throughput: Throughput | None = None, collectives=None, pipelines=None,
                  workers: int | None = None, mbit: float | None = None, overlap: float = 1.0,
-                 pieced=None):
+                 pieced=None, cpu_overlap: float | None = None):
         self.throughput = throughput or Throughput()
         self.overlap = overlap
+        #: measured apart (``calibrate.measure_cpu_overlap``), else None: ``overlap``'s
+        self.measured_cpu_overlap = cpu_overlap
         self.collectives: dict[tuple[str, str], Fit] = dict(collectives or {})
         self.pipelines: dict[str, tuple[Fit, Fit]] = dict(pipelines or {})
         #: label -> (piece_bytes, (encode, exchange)): the pipeline timed as the optimizer sends
@@ -217,12 +228,16 @@ class Calibration:
             raise ValueError(f"measurement file {source!r}: a collective or pipeline entry is "
                              f"malformed ({err}); see grace_dl.strategy.calibrate") from None
         job = data.get("job") or {}
-        overlap = job.get("overlap", 1.0)
-        if not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
-            raise ValueError(f"measurement file {source!r}: job overlap must be a number in "
-                             f"[0, 1], got {overlap!r}")
+        overlaps = {k: job.get(k, 1.0 if k == "overlap" else None)
+                    for k in ("overlap", "cpu_overlap")}
+        for key, value in overlaps.items():
+            if value is not None and (not isinstance(value, (int, float))
+                                      or not 0.0 <= value <= 1.0):
+                raise ValueError(f"measurement file {source!r}: job {key} must be a number in "
+                                 f"[0, 1], got {value!r}")
         return cls(Throughput.from_document(data, source), collectives, pipelines,
-                   job.get("workers"), job.get("mbit"), float(overlap), pieced)
+                   job.get("workers"), job.get("mbit"), float(overlaps["overlap"]), pieced,
+                   overlaps["cpu_overlap"])
 
     @classmethod
     def load(cls, path) -> Calibration:
@@ -245,6 +260,11 @@ class Calibration:
         if isinstance(value, Throughput):
             return cls(value)
         return cls.load(value)
+
+    @property
+    def cpu_overlap(self) -> float:
+        """How much of an exchange's CPU (not its bytes on the link) compute hides."""
+        return self.overlap if self.measured_cpu_overlap is None else self.measured_cpu_overlap
 
     def collective(self, name: str, dtype: str) -> Fit | None:
         return self.collectives.get((name, dtype))
@@ -281,8 +301,10 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
         if choice == HOROVOD_FP16:
             cast, uncast = calib.throughput.costs("fp16", {})
             encode, decode = cast(numel), uncast(numel)
-        latency, transfer = fit.split(numel * itemsize(wire))
-        return Cost(encode, latency, transfer + decode, f"{choice}:{wire}")
+        nbytes = numel * itemsize(wire)
+        latency, transfer = fit.split(nbytes)
+        return Cost(encode, latency, transfer + decode, f"{choice}:{wire}",
+                    wire_s=_wire_s("allreduce", nbytes, nbytes, net, latency + transfer))
     compressor = compressor or choice.build_compressor()
     pieces = pieces_of(compressor, numel, dtype, piece_bytes)
     as_sent = calib.pieced.get(choice.label())
@@ -295,10 +317,24 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
             shape = (numel,)
     if measured is not None:
         encode, exchange = measured
-        return Cost(encode(numel), *exchange.split(numel), choice.label(),
-                    deferred_rounds(choice, compressor, shape), early_share(choice), pieces)
+        latency, transfer = exchange.split(numel)
+        nbytes = payload_bytes(compressor, shape, dtype)
+        wire = 0.0 if nbytes is None else _wire_s(
+            choice.communicator, nbytes, numel * itemsize(dtype), net, latency + transfer)
+        return Cost(encode(numel), latency, transfer, choice.label(),
+                    deferred_rounds(choice, compressor, shape), early_share(choice), pieces,
+                    wire)
     cost = _analytic_cost(choice, shape, numel, dtype, calib, net, compressor)
     return cost if cost is None or pieces == 1 else replace(cost, pieces=pieces)
+
+
+def _wire_s(pattern: str, nbytes: float, dense: float, net: Network, most: float) -> float:
+    """Seconds the payload's bytes take on the link (``cost_model.communication_time`` with
+    no latency), at most ``most`` (the exchange's measured time)."""
+    if net.bandwidth <= 0:
+        return 0.0
+    bare = Network(net.workers, net.bandwidth, 0.0)
+    return min(most, communication_time(pattern, nbytes, dense, bare))
 
 
 def pieces_of(compressor, numel: int, dtype: str, piece_bytes: int | None) -> int:
@@ -371,7 +407,9 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
     else:
         decode = workers * decompress(numel)
     return Cost(encode, latency, transfer + decode, pipeline.label(),
-                deferred_rounds(pipeline, compressor, shape), early_share(pipeline))
+                deferred_rounds(pipeline, compressor, shape), early_share(pipeline),
+                wire_s=_wire_s(pattern, nbytes, numel * itemsize(dtype), net,
+                               latency + transfer))
 
 
 @dataclass
@@ -390,9 +428,10 @@ class StepPrediction:
 
 
 def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
-             overlap: float = 1.0) -> StepPrediction:
+             overlap: float = 1.0, cpu_overlap: float | None = None) -> StepPrediction:
     """One step for variables in model order with these ``costs`` (module docstring); a cost
-    in ``pieces`` is that many variables, each a share of the size."""
+    in ``pieces`` is that many variables, each a share of the size. ``cpu_overlap``: for the
+    part of the channel's time that is not bytes on the link (None: ``overlap``)."""
     if any(c.pieces > 1 for c in costs):
         costs, numels = zip(*[(replace(c, pieces=1), n / c.pieces)
                               for c, n in zip(costs, numels) for _ in range(c.pieces)])
@@ -407,7 +446,7 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
             ready.append((t, c))
         elif c.early:   # the round that starts at send, alone (Horovod never fuses alltoall)
             ready.append((t, Cost(0.0, c.latency_s * c.early, c.transfer_s * c.early,
-                                  f"{c.kind}:early:{i}")))
+                                  f"{c.kind}:early:{i}", wire_s=c.wire_s * c.early)))
     # deferred exchanges (``deferred_rounds``): the rest after the backward pass and the
     # channel, in flight together, every transfer; latency: half once per kind and half per
     # tensor (the first round went alone), or, where the first round went early, the later
@@ -420,17 +459,21 @@ def simulate(costs: list[Cost], numels: list[int], compute_s: float = 0.0,
             once[c.kind] = max(once.get(c.kind, 0.0), later)
             each += (0.0 if c.early else c.latency_s / 2) + c.transfer_s * (1.0 - c.early)
     after = sum(once.values()) + each
-    free, j, channel = 0.0, 0, 0.0
+    free, j, channel, wire = 0.0, 0, 0.0, 0.0
     while j < len(ready):
         start = max(free, ready[j][0])
         kind, busy = ready[j][1].kind, ready[j][1].latency_s
         while j < len(ready) and ready[j][0] <= start and ready[j][1].kind == kind:
             busy += ready[j][1].transfer_s
+            wire += ready[j][1].wire_s
             j += 1
         free = start + busy
         channel += busy
     ideal, serial = max(t, free) + after, t + channel + after
-    return StepPrediction(ideal + (1.0 - overlap) * (serial - ideal), compute_s, ideal, serial,
+    on_link = min(1.0, wire / channel) if channel > 0 else 0.0
+    cpu_overlap = overlap if cpu_overlap is None else cpu_overlap
+    hidden = on_link * (1.0 - overlap) + (1.0 - on_link) * (1.0 - cpu_overlap)
+    return StepPrediction(ideal + hidden * (serial - ideal), compute_s, ideal, serial,
                           t, free + after, costs)
 
 
@@ -449,4 +492,5 @@ def predict_step(variables, choices, calib, net: Network, compute_s: float = 0.0
             raise ValueError(f"cannot predict the payload of {choice.label()!r} for variable "
                              f"{var.name!r} (its size depends on the data)")
         costs.append(cost)
-    return simulate(costs, [v.numel for v in variables], compute_s, calib.overlap)
+    return simulate(costs, [v.numel for v in variables], compute_s, calib.overlap,
+                    calib.cpu_overlap)
