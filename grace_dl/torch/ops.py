@@ -246,7 +246,7 @@ def _product(a, b, out=None, alpha=None):
     2048 times 2048 x 2: ``M @ Q`` 3.2 ms, 0.6 ms with ``Q`` column-major; ``P @ Q.T``
     3.5 ms, 0.5 ms as two outer products; and ``M.T @ P`` 21 ms against 0.6 ms for
     ``(P.T @ M).T``, which is how PowerSGD writes it). A PowerSGD step on one 2048 x 2048
-    gradient took 57 ms of CPU before and 7 ms after
+    gradient took 62 ms of CPU before and 7 ms after
     (``benchmarks/results/pipeline_cpu_powersgd_2048x2048.md``). Each element is the same
     sum of products, added in another order."""
     if alpha is not None and (a.dim() != 2 or b.dim() != 2):
