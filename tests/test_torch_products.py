@@ -1,5 +1,5 @@
-"""``grace_dl.torch.ops.matmul`` / ``assign_matmul``: the thin products PowerSGD makes, laid out
-for the CPU GEMM (``_product``), equal ``a @ b`` in every layout they take."""
+"""``grace_dl.torch.ops.matmul`` / ``assign_matmul``: the thin products PowerSGD makes, some as
+outer products on the CPU (``_product``), equal ``a @ b`` in every layout they take."""
 
 import pytest
 import torch
@@ -20,9 +20,9 @@ def _layouts(n, k, m, seed=0):
 
 
 SHAPES = [
-    (2048, 2048, 2),   # M @ Q: thin right factor
+    (2048, 2048, 2),   # M @ Q: plain GEMM
     (2048, 2048, 8),
-    (2048, 2048, 9),   # wider than THIN_COLUMNS: plain GEMM
+    (2048, 2048, 9),
     (2048, 2, 2048),   # P @ Q^T: outer products
     (512, 4, 300),
     (300, 5, 512),     # inner dimension above OUTER_MAX_INNER: plain GEMM

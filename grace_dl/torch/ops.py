@@ -228,47 +228,39 @@ def count_nonzero(x):
     return torch.count_nonzero(x)
 
 
-#: a right factor with at most this many columns is read column-major (``_product``)
-THIN_COLUMNS = 8
 #: on the CPU, a product over an inner dimension this small is a sum of outer products
 OUTER_MAX_INNER = 4
 
 
 def matmul(a, b):
-    """``a @ b``; 2-D products arranged for the thin factors PowerSGD multiplies (``_product``)."""
+    """``a @ b``; 2-D products over a small inner dimension as outer products (``_product``)."""
     return _product(a, b)
 
 
 def _product(a, b, out=None, alpha=None):
-    """``a @ b`` (into ``out`` when given; ``out += alpha * a @ b`` with ``alpha``), the
-    factors laid out for torch's CPU GEMM, which is several times slower on thin products of
-    matrices whose rows are a power of two floats long (torch 2.13 CPU, one thread, 2048 x
-    2048 times 2048 x 2: ``M @ Q`` 3.2 ms, 0.6 ms with ``Q`` column-major; ``P @ Q.T``
-    3.5 ms, 0.5 ms as two outer products; and ``M.T @ P`` 21 ms against 0.6 ms for
-    ``(P.T @ M).T``, which is how PowerSGD writes it). A PowerSGD step on one 2048 x 2048
-    gradient took 62 ms of CPU before and 7 ms after
+    """``a @ b`` (into ``out`` when given; ``out += alpha * a @ b`` with ``alpha``). On the
+    CPU a product over an inner dimension of at most ``OUTER_MAX_INNER`` with a large result
+    (PowerSGD's ``P @ Q.T`` and its error feedback) is a sum of outer products: torch's CPU
+    GEMM is several times slower there on matrices whose rows are a power of two floats long
+    (torch 2.13, one thread, 2048 x 2 times 2 x 2048: 3.5 ms, 0.5 ms as two outer products;
+    PowerSGD's ``Q = M.T @ P``, 21 ms, it writes as ``(P.T @ M).T``, 0.6 ms). A PowerSGD step
+    on one 2048 x 2048 gradient took 62 ms of CPU before both and 7 ms after
     (``benchmarks/results/pipeline_cpu_powersgd_2048x2048.md``). Each element is the same
     sum of products, added in another order."""
-    if alpha is not None and (a.dim() != 2 or b.dim() != 2):
-        return out.add_(a @ b, alpha=alpha)
-    if a.dim() != 2 or b.dim() != 2:
-        return torch.matmul(a, b, out=out) if out is not None else a @ b
-    (n, k), m = a.shape, b.shape[1]
-    if a.device.type == "cpu" and 0 < k <= OUTER_MAX_INNER and n * m > k * (n + m):
-        rows = b.contiguous()
-        first = 0
-        if alpha is None:
-            out = torch.outer(a[:, 0], rows[0], out=out) if out is not None \
-                else torch.outer(a[:, 0], rows[0])
-            first = 1
-        for i in range(first, k):
-            out.addr_(a[:, i], rows[i], alpha=1 if alpha is None else alpha)
-        return out
-    if m <= THIN_COLUMNS < k and not b.t().is_contiguous():
-        b = b.t().contiguous().t()
-    if alpha is not None:
+    if a.dim() == 2 and b.dim() == 2 and a.device.type == "cpu":
+        (n, k), m = a.shape, b.shape[1]
+        if 0 < k <= OUTER_MAX_INNER and n * m > k * (n + m):
+            rows = b.contiguous()
+            if alpha is None:
+                out = torch.outer(a[:, 0], rows[0], out=out)
+            for i in range(0 if alpha is not None else 1, k):
+                out.addr_(a[:, i], rows[i], alpha=1 if alpha is None else alpha)
+            return out
+    if alpha is None:
+        return torch.matmul(a, b, out=out)
+    if a.dim() == 2 and b.dim() == 2:
         return out.addmm_(a, b, alpha=alpha)
-    return torch.matmul(a, b, out=out) if out is not None else a @ b
+    return out.add_(a @ b, alpha=alpha)
 
 
 # ------------------------------------------------------------------ joining, slicing, indexing
