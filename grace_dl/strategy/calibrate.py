@@ -225,6 +225,24 @@ def _round_trip(comm, grad, name: str, piece_bytes=None):
     return round_trip
 
 
+def _sized_loop(hvd, torch, fn, seconds: float, repeats: int):
+    """A function that calls ``fn`` for about ``seconds`` (as many calls as the slowest rank's
+    median call fits, so every rank makes the same number)."""
+    once = _median_of_slowest(hvd, torch, _timed(fn), 2 * repeats)
+    calls = max(1, round(seconds / max(once, 1e-7)))
+
+    def loop():
+        for _ in range(calls):
+            fn()
+    return loop
+
+
+def _hidden(t_a: float, t_b: float, t_both: float) -> float:
+    """How much of the shorter of two activities ran hidden behind the other when both ran
+    at once: ``(a + b - both) / min(a, b)``, clipped to [0, 1]."""
+    return min(1.0, max(0.0, (t_a + t_b - t_both) / max(min(t_a, t_b), 1e-9)))
+
+
 def measure_overlap(repeats: int = 4, nbytes: int = 1 << 21) -> float:
     """The fraction of communication that overlapping compute hides in this job (docstring)."""
     import horovod.torch as hvd
@@ -237,12 +255,7 @@ def measure_overlap(repeats: int = 4, nbytes: int = 1 << 21) -> float:
         hvd.synchronize(hvd.allreduce_async(data, name="grace.calibrate.overlap", op=hvd.Sum))
 
     t_comm = _median_of_slowest(hvd, torch, _timed(comm), repeats)
-    t_product = _median_of_slowest(hvd, torch, _timed(lambda: a @ a), 2 * repeats)
-    iterations = max(1, round(t_comm / max(t_product, 1e-7)))
-
-    def work():
-        for _ in range(iterations):
-            a @ a
+    work = _sized_loop(hvd, torch, lambda: a @ a, t_comm, repeats)
 
     def both():
         handle = hvd.allreduce_async(data, name="grace.calibrate.overlap", op=hvd.Sum)
@@ -251,14 +264,13 @@ def measure_overlap(repeats: int = 4, nbytes: int = 1 << 21) -> float:
 
     t_work = _median_of_slowest(hvd, torch, _timed(work), repeats)
     t_both = _median_of_slowest(hvd, torch, _timed(both), repeats)
-    hidden = (t_comm + t_work - t_both) / max(min(t_comm, t_work), 1e-9)
-    return min(1.0, max(0.0, hidden))
+    return _hidden(t_comm, t_work, t_both)
 
 
 def measure_cpu_overlap(repeats: int = 4, nbytes: int = 4 << 20) -> float:
     """The fraction of a second thread's CPU work that a compute loop on this thread hides,
     on every rank at once (module docstring): NumPy copies, which release the GIL, against
-    single-threaded matrix products."""
+    single-threaded matrix products, about 20 ms of each (the thread's start a small part)."""
     import threading
 
     import horovod.torch as hvd
@@ -271,19 +283,8 @@ def measure_cpu_overlap(repeats: int = 4, nbytes: int = 4 << 20) -> float:
         a = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
         src = np.random.default_rng(3).standard_normal(nbytes // 8)
         dst = np.empty_like(src)
-        t_product = _median_of_slowest(hvd, torch, _timed(lambda: a @ a), 2 * repeats)
-        t_copy1 = _median_of_slowest(hvd, torch, _timed(lambda: np.copyto(dst, src)), 2 * repeats)
-        # about 20 ms of each, so that the thread's start is a small part of it
-        products = max(1, round(0.02 / max(t_product, 1e-7)))
-        copies = max(1, round(0.02 / max(t_copy1, 1e-7)))
-
-        def work():
-            for _ in range(products):
-                a @ a
-
-        def copy():
-            for _ in range(copies):
-                np.copyto(dst, src)
+        work = _sized_loop(hvd, torch, lambda: a @ a, 0.02, repeats)
+        copy = _sized_loop(hvd, torch, lambda: np.copyto(dst, src), 0.02, repeats)
 
         def both():
             helper = threading.Thread(target=copy)
@@ -296,8 +297,7 @@ def measure_cpu_overlap(repeats: int = 4, nbytes: int = 4 << 20) -> float:
         t_both = _median_of_slowest(hvd, torch, _timed(both), repeats)
     finally:
         torch.set_num_threads(threads)
-    hidden = (t_work + t_copy - t_both) / max(min(t_work, t_copy), 1e-9)
-    return min(1.0, max(0.0, hidden))
+    return _hidden(t_work, t_copy, t_both)
 
 
 def measure_job(candidates, repeats: int = 4, mbit: float | None = None) -> dict:

@@ -228,8 +228,8 @@ class Calibration:
             raise ValueError(f"measurement file {source!r}: a collective or pipeline entry is "
                              f"malformed ({err}); see grace_dl.strategy.calibrate") from None
         job = data.get("job") or {}
-        overlaps = {k: job.get(k, 1.0 if k == "overlap" else None)
-                    for k in ("overlap", "cpu_overlap")}
+        overlaps = {k: job.get(k, default)
+                    for k, default in (("overlap", 1.0), ("cpu_overlap", None))}
         for key, value in overlaps.items():
             if value is not None and (not isinstance(value, (int, float))
                                       or not 0.0 <= value <= 1.0):
