@@ -116,6 +116,27 @@ def test_later_rounds_run_after_the_backward_pass_half_fused_by_kind():
                              network).deferred
 
 
+def test_tensors_powersgd_leaves_uncompressed_cost_the_plain_allreduce(tmp_path):
+    """PowerSGD sends a vector (and a matrix too small to gain) as it is, one allreduce: it
+    costs the measured ``none`` pipeline, not PowerSGD's two-round matrix exchange."""
+    powersgd = {"compressor": "powersgd", "memory": "powersgd", "communicator": "allreduce",
+                "compress_rank": 2}
+    plain = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
+    calib = Calibration.load(_document(tmp_path, pipelines=[(powersgd, 1e-9, 1e-6),
+                                                            (plain, 0.0, 1e-8)]))
+    network = Network(2, 1.25e8, 25e-6)
+    matrix = variable_cost(Pipeline.from_params(powersgd), (512, 512), "float32", calib,
+                           network)
+    assert matrix.kind == Pipeline.from_params(powersgd).label() and matrix.deferred
+    assert matrix.transfer_s == pytest.approx(512 * 512 * 1e-6)
+    for shape in ((2048,), (4, 3)):   # a vector; a matrix whose rank-2 factors are no smaller
+        cost = variable_cost(Pipeline.from_params(powersgd), shape, "float32", calib, network)
+        numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        assert cost.kind == Pipeline.from_params(plain).label()
+        assert not cost.deferred
+        assert cost.latency_s + cost.transfer_s == pytest.approx(1e-4 + numel * 1e-8)
+
+
 def test_two_phase_all_to_all_starts_at_send_and_only_the_gather_waits():
     """Half of a two-phase exchange (its all-to-all) goes on the channel when the tensor is
     encoded, alone, during the backward pass; only the gathers' half runs after it, fused."""
@@ -416,6 +437,9 @@ def test_measure_under_horovodrun_times_the_job(tmp_path):
     assert doc["job"]["workers"] == 2 and doc["job"]["mbit"] == 1000
     assert 0.0 <= doc["job"]["overlap"] <= 1.0 and 0.0 <= doc["job"]["cpu_overlap"] <= 1.0
     assert Calibration.load(out).cpu_overlap == doc["job"]["cpu_overlap"]
+    parts = doc["job"]["seconds_by_part"]
+    assert set(parts) == {"collectives", "overlap", "cpu_overlap", "pipelines"}
+    assert sum(parts.values()) == pytest.approx(doc["job"]["seconds"], abs=0.05)
     assert {(c["collective"], c["dtype"]) for c in doc["collectives"]} == {
         ("allreduce", "float32"), ("allreduce", "float16"), ("allgather", "float32"),
         ("alltoall", "float32"), ("broadcast", "float32")}
