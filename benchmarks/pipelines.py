@@ -42,11 +42,14 @@ PIPELINES: dict[str, dict | str | None] = {
 #: variants of a pipeline with other ``DistributedOptimizer`` options, not in the default runs:
 #: ``-whole`` sends every gradient whole (``piece_bytes=None``), to show what pieces buy;
 #: ``-bucket`` packs the gradients into DDP-sized buckets, each compressed once
-#: (``bucket_bytes``, ``grace_dl.torch.buckets``)
+#: (``bucket_bytes``, ``grace_dl.torch.buckets``); ``-bucket-whole`` sends those buckets whole,
+#: as a strategy's dispatcher does
 VARIANTS: dict[str, tuple[str, dict]] = {
     **{f"{k}-whole": (k, {"piece_bytes": None}) for k in ("qsgd-2phase", "signsgd-2phase")},
     **{f"{k}-bucket": (k, {"bucket_bytes": DEFAULT_BUCKET_BYTES})
        for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase")},
+    **{f"{k}-bucket-whole": (k, {"bucket_bytes": DEFAULT_BUCKET_BYTES, "piece_bytes": None})
+       for k in ("topk", "randomk")},
 }
 
 
