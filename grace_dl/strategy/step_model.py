@@ -382,10 +382,7 @@ def deferred_rounds(pipeline: Pipeline, compressor, shape) -> bool:
     most of the step.)"""
     if pipeline.communicator == "twophase":
         return True
-    if getattr(compressor, "rounds", 1) <= 1:
-        return False
-    plan = getattr(compressor, "matrix_shape", None)
-    return plan is None or plan(tuple(shape)) is not None
+    return getattr(compressor, "rounds", 1) > 1 and not sent_raw(compressor, shape)
 
 
 def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Calibration,
