@@ -43,14 +43,25 @@ PIPELINES: dict[str, dict | str | None] = {
 #: ``-whole`` sends every gradient whole (``piece_bytes=None``), to show what pieces buy;
 #: ``-bucket`` packs the gradients into DDP-sized buckets, each compressed once
 #: (``bucket_bytes``, ``grace_dl.torch.buckets``); ``-bucket-whole`` sends those buckets whole,
-#: as a strategy's dispatcher does
+#: as a strategy's dispatcher does; ``-unpacked`` sends a payload's parts in one collective each
+#: (``pack_parts=False``: the layout before packing, ``grace_dl.communicators.wire``). The
+#: ``"grace"`` option overrides the pipeline's GRACE keys, the others go to the optimizer.
 VARIANTS: dict[str, tuple[str, dict]] = {
     **{f"{k}-whole": (k, {"piece_bytes": None}) for k in ("qsgd-2phase", "signsgd-2phase")},
     **{f"{k}-bucket": (k, {"bucket_bytes": DEFAULT_BUCKET_BYTES})
        for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase")},
     **{f"{k}-bucket-whole": (k, {"bucket_bytes": DEFAULT_BUCKET_BYTES, "piece_bytes": None})
        for k in ("topk", "randomk")},
+    **{f"{k}-unpacked": (k, {"grace": {"pack_parts": False}})
+       for k in ("topk", "qsgd-2phase", "signsgd-2phase")},
 }
+
+
+def _variant(pipeline: str) -> tuple[str, dict, dict]:
+    """``(base pipeline, GRACE keys it overrides, DistributedOptimizer options)``."""
+    base, options = VARIANTS[pipeline]
+    options = dict(options)
+    return base, options.pop("grace", {}), options
 
 
 def calibration():
@@ -88,7 +99,9 @@ def make_grace(pipeline: str, model, mbit: float | None = None, workers: int = 2
     """``(grace object or None, extra DistributedOptimizer kwargs)`` for ``pipeline``;
     ``compute_s`` (forward + backward, the same on every rank) is for Auto's step model."""
     if pipeline in VARIANTS:
-        base, options = VARIANTS[pipeline]
+        base, keys, options = _variant(pipeline)
+        if keys:
+            return grace_from_params({**PIPELINES[base], **keys}), options
         grc, kwargs = make_grace(base, model, mbit, workers, compute_s)
         return grc, {**kwargs, **options}
     if pipeline not in PIPELINES:
@@ -124,16 +137,16 @@ def predict_step(pipeline: str, model, mbit: float | None = None, workers: int =
     if calibration() is None:
         return None
     variables = variables_of(model.named_parameters())
-    options = {}
+    options, keys = {}, {}
     if pipeline in VARIANTS:
-        pipeline, options = VARIANTS[pipeline]
+        pipeline, keys, options = _variant(pipeline)
         if "bucket_bytes" in options:
             variables = bucketed(variables, options["bucket_bytes"])
     if PIPELINES.get(pipeline) == "auto":
         return build_auto(model, mbit, workers, compute_s)[0].prediction.step_s
     choice = {"none": HOROVOD, "hvd-fp16": HOROVOD_FP16}.get(pipeline)
     if choice is None:
-        choice = Pipeline.from_params(dict(PIPELINES[pipeline]))
+        choice = Pipeline.from_params({**PIPELINES[pipeline], **keys})
     return step(variables, [choice] * len(variables), calibration(),
                 Network.of(_resources(mbit, workers)), compute_s,
                 piece_bytes=options.get("piece_bytes", DEFAULT_PIECE_BYTES)).step_s

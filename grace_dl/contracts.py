@@ -142,6 +142,14 @@ class OpsBackend(Protocol):
         """Reinterpret the bits of ``x`` as dtype ``dt`` (float32 <-> int32; a wider integer
         as its bytes, int16 -> uint8 in memory order)."""
 
+    def to_bytes(self, x):
+        """The bytes of ``x`` (row-major) as a 1-D uint8 tensor (``grace_dl.communicators.
+        wire.pack``: a payload's parts in one buffer)."""
+
+    def from_bytes(self, b, dt: str):
+        """1-D uint8 ``b`` read as a 1-D tensor of dtype ``dt`` (its length a multiple of the
+        width)."""
+
     def shift_left(self, x, n: int):
         """``x << n`` for integer tensors."""
 

@@ -97,3 +97,59 @@ def test_grace_from_params_reaches_twophase_option():
     comm = grace_from_params({"compressor": "none", "communicator": "twophase",
                               "server_error_feedback": False})
     assert comm.server_error_feedback is False
+
+
+@pytest.mark.parametrize("comm", ["allgather", "twophase"])
+def test_pack_parts_option_is_checked_routed_and_agreed_on(comm):
+    from grace_dl import grace_from_params
+
+    cls = lookup("communicator", comm)
+    assert cls(lookup("compressor", "qsgd")(), lookup("memory", "none")()).pack_parts is True
+    built = grace_from_params({"compressor": "qsgd", "communicator": comm, "pack_parts": False})
+    assert built.pack_parts is False and built.config()["pack_parts"] is False
+    for bad in ("no", 1, None):
+        with pytest.raises(ValueError, match=f"pack_parts must be True or False, got {bad!r}"):
+            cls(lookup("compressor", "qsgd")(), lookup("memory", "none")(), pack_parts=bad)
+
+
+def _packed_round_trip(tensor_of, to_numpy):
+    """Parts of several dtypes (an int64 part after a 3-element float32 one starts off its
+    width) packed, gathered as two ranks' segments and cut back: the same bits, the same
+    bytes."""
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal(3).astype(np.float32), np.arange(-2, 3, dtype=np.int64),
+             np.array([7, 255, 0], np.uint8), rng.standard_normal(2).astype(np.float16)]
+    flats = [tensor_of(p) for p in parts]
+    assert wire.packable(flats) and not wire.packable(flats[:1])
+    layout = wire.layout(flats)
+    buffer = wire.pack(flats)
+    assert to_numpy(buffer).dtype == np.uint8
+    assert to_numpy(buffer).size == sum(p.nbytes for p in parts) == sum(n for _, n in layout)
+    from grace_dl.backend import ops_for
+
+    two = ops_for(buffer).cat([buffer, buffer])
+    pieces = wire.unpack_all(two, [layout, [], layout])
+    assert len(pieces) == len(parts) and all(len(p) == 2 for p in pieces)
+    for want, got in zip(parts, pieces):
+        for rank in range(2):
+            out = to_numpy(got[rank])
+            assert out.dtype == want.dtype
+            np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+
+
+def test_packed_parts_round_trip_torch():
+    import torch
+
+    _packed_round_trip(torch.from_numpy, lambda t: t.numpy())
+
+
+def test_packed_parts_round_trip_tensorflow():
+    import tensorflow as tf
+
+    _packed_round_trip(tf.constant, lambda t: t.numpy())
+
+
+def test_bool_parts_are_not_packed():
+    import torch
+
+    assert not wire.packable([torch.zeros(2), torch.zeros(3, dtype=torch.bool)])

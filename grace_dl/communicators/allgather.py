@@ -2,8 +2,10 @@
 combines them with ``compressor.aggregate`` (GRACE, Xu et al. 2021, §3: the collective for
 sparsifiers, signs and quantizers with per-rank scales).
 
-Wire: one allgather per payload part, flattened to 1-D, named ``grace.<tensor>.p<i>``. A rank
-sends its payload once and receives the N-1 others' (the byte counters record exactly that).
+Wire: one allgather of the payload, its parts flattened to 1-D and packed into one byte buffer
+(``wire.pack``; ``pack_parts=False``: one allgather per part), named ``grace.<tensor>.p``
+(unpacked: ``grace.<tensor>.p<i>``). A rank sends its payload once and receives the N-1 others'
+(the byte counters record exactly that).
 When payload sizes differ across ranks (``equal_sizes`` False: threshold, DGC) one more
 allgather, ``grace.<tensor>.len``, carries the int32 element count of each part (4 bytes per part
 per rank). It starts together with the payload's own allgathers and never blocks ``send``, so
@@ -41,10 +43,16 @@ class Gathering(Phase):
     shapes: list
     numels: list
     sent: Any
+    #: the parts' ``wire.layout`` when they travel packed in ``parts[0]``, else None
+    packed: Any = None
 
 
 @register_communicator("allgather")
 class Allgather(Communicator):
+    def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
+        super().__init__(compressor, memory, process_set)
+        self.pack_parts = wire.check_pack_parts(pack_parts)
+
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
@@ -60,17 +68,29 @@ class Allgather(Communicator):
             numels = ops.numels(flats)
             lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
             sent = sent + ops.nbytes(numels)
-        parts = [coll.allgather_async(f, self.wire_name(handle.name, f"p{i}"))
-                 for i, f in enumerate(flats)]
+        numels = [ops.numel(f) for f in flats]
+        if lengths is None and self.pack_parts and wire.packable(flats):
+            packed = wire.layout(flats)
+            parts = [coll.allgather_async(wire.pack(flats), self.wire_name(handle.name, "p"))]
+        else:
+            packed = None
+            parts = [coll.allgather_async(f, self.wire_name(handle.name, f"p{i}"))
+                     for i, f in enumerate(flats)]
         wire.count(self, ops, handle.name, sent=sent)
-        return Gathering(parts, lengths, shapes, [ops.numel(f) for f in flats], sent)
+        return Gathering(parts, lengths, shapes, numels, sent, packed)
+
+    def config(self) -> dict:
+        return {**super().config(), "pack_parts": self.pack_parts}
 
     def complete(self, phase: Gathering, handle: Handle):
         coll = handle.coll
         size = coll.size()
         gathered = [coll.synchronize(h) for h in phase.parts]
         ops = ops_for(gathered[0])
-        if phase.lengths is None:
+        if phase.packed is not None:
+            pieces = wire.unpack_all(gathered[0], [phase.packed] * size)
+            received = phase.sent * (size - 1)
+        elif phase.lengths is None:
             pieces = [ops.split(g, [n] * size) for g, n in zip(gathered, phase.numels)]
             received = phase.sent * (size - 1)
         else:

@@ -4,12 +4,16 @@ Convergence Speed"; CGX, Markov et al. 2022), with error feedback on both sides.
 
 1. The compensated tensor (the memory's error feedback, applied to the whole tensor) is split
    into ``m = min(N, numel)`` contiguous chunks, as even as possible; chunk j is compressed as
-   ``<name>/chunk<j>`` and sent to rank j by one ``alltoall`` per payload part
-   (``grace.<tensor>.a2a.p<i>``). The memory is updated with what the N chunk compressions lost.
+   ``<name>/chunk<j>`` and sent to rank j by one ``alltoall`` of every chunk's payload, its
+   parts packed into one byte buffer (``wire.pack``; ``grace.<tensor>.a2a.p``; with
+   ``pack_parts=False`` one per part, ``grace.<tensor>.a2a.p<i>``: Horovod never fuses
+   all-to-alls, so each is a cycle of its own). The memory is updated with what the N chunk
+   compressions lost.
 2. Rank j decompresses the N payloads of its chunk, aggregates them (sum, or majority vote for
    signs), adds its server-side residual for that chunk, re-compresses the result as
    ``<name>/chunk<j>/server`` and keeps what that lost as the new server residual.
-3. One ``allgather`` per part (``grace.<tensor>.ag.p<i>``) gives every rank every chunk's
+3. One ``allgather`` (``grace.<tensor>.ag.p``, packed; unpacked one per part,
+   ``grace.<tensor>.ag.p<i>``) gives every rank every chunk's
    re-compressed payload; each is decompressed and the chunks are joined in order.
 
 Ranks j >= m (tensors with fewer elements than ranks) own no chunk: they receive nothing in
@@ -55,6 +59,8 @@ class Scattering(Phase):
 
     exchanges: list
     flat: list
+    #: whether the payload parts travel packed (``wire.pack``): one collective, not one per part
+    packed: bool = False
 
 
 @dataclass
@@ -66,12 +72,15 @@ class Gathering(Phase):
     #: this rank's chunk as the gather will deliver it (decoded for the server's error
     #: feedback already), or None
     own: object = None
+    packed: bool = False
 
 
 @register_communicator("twophase")
 class TwoPhase(Communicator):
-    def __init__(self, compressor, memory, process_set=None, server_error_feedback: bool = True):
+    def __init__(self, compressor, memory, process_set=None, server_error_feedback: bool = True,
+                 pack_parts: bool = True):
         super().__init__(compressor, memory, process_set)
+        self.pack_parts = wire.check_pack_parts(pack_parts)
         if not isinstance(server_error_feedback, bool):
             raise ValueError(f"server_error_feedback must be True or False, "
                              f"got {server_error_feedback!r}")
@@ -145,18 +154,25 @@ class TwoPhase(Communicator):
         ops = ops_for(encoded.compensated)
         flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
-        exchanges = []
-        for i in range(n_parts):
-            pieces = [flat[j][0][i] for j in range(m)]
-            splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
-            # every rank sends chunk j's payload of the same length: sizes known up front
-            exchanges.append(coll.alltoall_known_async(
-                ops.cat(pieces), splits, [splits] * size,
-                self.wire_name(handle.name, f"a2a.p{i}")))
+        packed = self.pack_parts and wire.packable(flat[0][0])
+        # every rank sends chunk j's payload of the same length: sizes known up front
+        if packed:
+            buffers = [wire.pack(flat[j][0]) for j in range(m)]
+            splits = [ops.numel(b) for b in buffers] + [0] * (size - m)
+            exchanges = [coll.alltoall_known_async(ops.cat(buffers), splits, [splits] * size,
+                                                   self.wire_name(handle.name, "a2a.p"))]
+        else:
+            exchanges = []
+            for i in range(n_parts):
+                pieces = [flat[j][0][i] for j in range(m)]
+                splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
+                exchanges.append(coll.alltoall_known_async(
+                    ops.cat(pieces), splits, [splits] * size,
+                    self.wire_name(handle.name, f"a2a.p{i}")))
         sent = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         received = (size - 1) * wire.nbytes(flat[me][0]) if me < m else 0
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Scattering(exchanges, flat)
+        return Scattering(exchanges, flat, packed)
 
     # ------------------------------------------------------------------ phases 2 and 3
     def complete(self, phase: Phase, handle: Handle):
@@ -174,8 +190,11 @@ class TwoPhase(Communicator):
         got = [coll.synchronize(h)[0] for h in phase.exchanges]
         if me < m:
             # from each rank, part i of its payload for my chunk: the length of my own
-            per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
-                        for i, g in enumerate(got)]
+            if phase.packed:
+                per_rank = wire.unpack_all(got[0], [wire.layout(flat[me][0])] * size)
+            else:
+                per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
+                            for i, g in enumerate(got)]
             lengths = wire.chunk_sizes(ops.numel(handle.encoded.compensated), m)
             start = sum(lengths[:me])
             like = ops.slice(ops.flatten(handle.encoded.compensated), start, start + lengths[me])
@@ -185,18 +204,25 @@ class TwoPhase(Communicator):
             mine, own = self._recompress(reduced, f"{handle.name}/chunk{me}",
                                          handle.encoded.call)
 
-        gathers = []
-        for i in range(n_parts):
-            # A rank that owns no chunk received nothing and contributes that empty piece;
-            # using it keeps its alltoall alive in tf.function, which prunes unused ops.
-            piece = mine[i] if mine is not None else got[i]
-            counts = [ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
-            gathers.append(coll.allgather_known_async(piece, counts,
-                                                      self.wire_name(handle.name, f"ag.p{i}")))
+        # A rank that owns no chunk received nothing and contributes that empty piece;
+        # using it keeps its alltoall alive in tf.function, which prunes unused ops.
+        if phase.packed:
+            piece = wire.pack(mine) if mine is not None else got[0]
+            counts = [sum(n for _, n in wire.layout(flat[j][0])) for j in range(m)] + \
+                [0] * (size - m)
+            gathers = [coll.allgather_known_async(piece, counts,
+                                                  self.wire_name(handle.name, "ag.p"))]
+        else:
+            gathers = []
+            for i in range(n_parts):
+                piece = mine[i] if mine is not None else got[i]
+                counts = [ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
+                gathers.append(coll.allgather_known_async(
+                    piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
         sent = wire.nbytes(mine) if mine is not None else 0
         received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Gathering(gathers, flat, own)
+        return Gathering(gathers, flat, own, phase.packed)
 
     def _join(self, phase: Gathering, handle: Handle):
         coll = handle.coll
@@ -205,9 +231,13 @@ class TwoPhase(Communicator):
         m, n_parts = len(flat), len(flat[0][0])
         gathered = [coll.synchronize(h) for h in phase.gathers]
         ops = ops_for(gathered[0])
-        lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
-                   for i in range(n_parts)]
-        pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
+        if phase.packed:
+            pieces = wire.unpack_all(gathered[0], [wire.layout(flat[j][0]) for j in range(m)] +
+                                     [[]] * (size - m))
+        else:
+            lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
+                       for i in range(n_parts)]
+            pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
         payloads = [[ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)]
                     for j in range(m)]
         known = {} if phase.own is None else {coll.rank(): phase.own}
@@ -296,7 +326,8 @@ class TwoPhase(Communicator):
 
     # ------------------------------------------------------------------ checkpointing
     def config(self) -> dict:
-        return {**super().config(), "server_error_feedback": self.server_error_feedback}
+        return {**super().config(), "server_error_feedback": self.server_error_feedback,
+                "pack_parts": self.pack_parts}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "server": self.server.state_dict()}

@@ -189,6 +189,22 @@ def bitcast(x, dt: str):
     return tf.bitcast(x, _DTYPES[dt])
 
 
+def to_bytes(x):
+    """The bytes of ``x`` (any shape, row-major) as a 1-D uint8 tensor."""
+    x = tf.reshape(x, [-1])
+    return x if x.dtype == tf.uint8 else tf.reshape(tf.bitcast(x, tf.uint8), [-1])
+
+
+def from_bytes(b, dt: str):
+    """1-D uint8 ``b`` read as a 1-D tensor of dtype ``dt``."""
+    want = _DTYPES[dt]
+    if want == tf.uint8:
+        return b
+    if want.size == 1:
+        return tf.bitcast(b, want)
+    return tf.bitcast(tf.reshape(b, [-1, want.size]), want)
+
+
 def shift_left(x, n: int):
     """``x << n`` for integer tensors."""
     return tf.bitwise.left_shift(x, tf.cast(n, x.dtype))

@@ -175,6 +175,24 @@ def bitcast(x, dt: str):
     return x.view(_DTYPES[dt])
 
 
+def to_bytes(x):
+    """The bytes of ``x`` (any shape, row-major) as a 1-D uint8 tensor: a view where ``x`` is
+    contiguous."""
+    x = x.reshape(-1)
+    return x if x.dtype == torch.uint8 else x.contiguous().view(torch.uint8)
+
+
+def from_bytes(b, dt: str):
+    """1-D uint8 ``b`` read as a 1-D tensor of dtype ``dt``: a view where ``b`` starts on a
+    multiple of ``dt``'s width in its storage, else a copy."""
+    want = _DTYPES[dt]
+    if want == torch.uint8:
+        return b
+    if b.storage_offset() % want.itemsize or not b.is_contiguous():
+        b = b.clone()
+    return b.view(want)
+
+
 def shift_left(x, n: int):
     """``x << n`` for integer tensors."""
     return x << n

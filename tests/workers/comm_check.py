@@ -20,6 +20,7 @@ import comm_common as cc
 import numpy as np
 
 import mp
+from counting import counting_hook
 
 if os.environ.get("GRACE_HANG_DUMP_S"):  # debugging aid: stacks of a hung rank
     faulthandler.dump_traceback_later(int(os.environ["GRACE_HANG_DUMP_S"]), exit=True)
@@ -47,6 +48,9 @@ names = list(cc.TENSORS)
 def run_pair(mode, comm_name, comp_name):
     tensor = frameworks["torch" if mode == "torch" else "tf"][1]
     comm = cc.build(comm_name, comp_name)
+    calls = []   # the collectives' names, counted in eager torch only
+    if mode == "torch":
+        comm.collectives = counting_hook(comm, calls)
 
     def step(xs):
         handles = [comm.send(x, n) for x, n in zip(xs, names)]
@@ -54,13 +58,15 @@ def run_pair(mode, comm_name, comp_name):
 
     if mode == "tf-graph":
         step = tf.function(step)
-    outs, counts = [], []
+    outs, counts, per_step = [], [], []
     for s in range(cc.STEPS):
         xs = [tensor(cc.make_input(rank, s, n)) for n in names]
         res = step(xs)
         outs.append([np.asarray(r.numpy()) for r in res])
         counts.append(comm.end_step())
-    return {"outs": outs, "bytes": counts, "state": comm.state_dict()}
+        per_step.append(list(calls))
+        calls.clear()
+    return {"outs": outs, "bytes": counts, "state": comm.state_dict(), "calls": per_step}
 
 
 start = time.perf_counter()

@@ -9,6 +9,8 @@ and it reduces in rank order with NumPy-free framework arithmetic.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from grace_dl.backend import ops_for
@@ -57,7 +59,13 @@ def pairs(communicators):
 
 
 def build(comm: str, comp: str):
-    return lookup("communicator", comm)(lookup("compressor", comp)(), lookup("memory", MEMORY)())
+    """A fresh communicator; ``GRACE_TEST_PACK_PARTS=0`` builds those that pack a payload's
+    parts into one collective (allgather, two-phase) with ``pack_parts=False``."""
+    kwargs = {}
+    if comm in ("allgather", "twophase") and os.environ.get("GRACE_TEST_PACK_PARTS") == "0":
+        kwargs["pack_parts"] = False
+    return lookup("communicator", comm)(lookup("compressor", comp)(), lookup("memory", MEMORY)(),
+                                        **kwargs)
 
 
 # ------------------------------------------------------------------ the reference
