@@ -31,6 +31,13 @@ def in_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=False
     return v
 
 
+def boolean(name: str, value) -> bool:
+    """A flag argument: exactly ``True`` or ``False`` (not 1, 0 or a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def one_of(name: str, value, accepted):
     if value not in accepted:
         raise ValueError(f"{name} must be one of {sorted(accepted)}, got {value!r}")

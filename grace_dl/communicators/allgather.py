@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grace_dl import validate
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase
@@ -51,7 +52,7 @@ class Gathering(Phase):
 class Allgather(Communicator):
     def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
         super().__init__(compressor, memory, process_set)
-        self.pack_parts = wire.check_pack_parts(pack_parts)
+        self.pack_parts = validate.boolean("pack_parts", pack_parts)
 
     @classmethod
     def refusal(cls, compressor) -> str | None:
@@ -68,7 +69,6 @@ class Allgather(Communicator):
             numels = ops.numels(flats)
             lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
             sent = sent + ops.nbytes(numels)
-        numels = [ops.numel(f) for f in flats]
         if lengths is None and self.pack_parts and wire.packable(flats):
             packed = wire.layout(flats)
             parts = [coll.allgather_async(wire.pack(flats), self.wire_name(handle.name, "p"))]
@@ -77,7 +77,7 @@ class Allgather(Communicator):
             parts = [coll.allgather_async(f, self.wire_name(handle.name, f"p{i}"))
                      for i, f in enumerate(flats)]
         wire.count(self, ops, handle.name, sent=sent)
-        return Gathering(parts, lengths, shapes, numels, sent, packed)
+        return Gathering(parts, lengths, shapes, [ops.numel(f) for f in flats], sent, packed)
 
     def config(self) -> dict:
         return {**super().config(), "pack_parts": self.pack_parts}

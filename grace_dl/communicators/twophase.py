@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grace_dl import validate
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.base import (
@@ -80,11 +81,9 @@ class TwoPhase(Communicator):
     def __init__(self, compressor, memory, process_set=None, server_error_feedback: bool = True,
                  pack_parts: bool = True):
         super().__init__(compressor, memory, process_set)
-        self.pack_parts = wire.check_pack_parts(pack_parts)
-        if not isinstance(server_error_feedback, bool):
-            raise ValueError(f"server_error_feedback must be True or False, "
-                             f"got {server_error_feedback!r}")
-        self.server_error_feedback = server_error_feedback
+        self.pack_parts = validate.boolean("pack_parts", pack_parts)
+        self.server_error_feedback = validate.boolean("server_error_feedback",
+                                                      server_error_feedback)
         self.server = State()
         # per key, a reused buffer for values that live within one step (not training state)
         self._scratch: dict = {}
@@ -208,8 +207,7 @@ class TwoPhase(Communicator):
         # using it keeps its alltoall alive in tf.function, which prunes unused ops.
         if phase.packed:
             piece = wire.pack(mine) if mine is not None else got[0]
-            counts = [sum(n for _, n in wire.layout(flat[j][0])) for j in range(m)] + \
-                [0] * (size - m)
+            counts = [wire.nbytes(flat[j][0]) for j in range(m)] + [0] * (size - m)
             gathers = [coll.allgather_known_async(piece, counts,
                                                   self.wire_name(handle.name, "ag.p"))]
         else:

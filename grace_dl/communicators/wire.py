@@ -27,14 +27,6 @@ def flatten(payload):
     return [ops.flatten(p) for p in payload], [ops.shape(p) for p in payload]
 
 
-def check_pack_parts(value) -> bool:
-    """A communicator's ``pack_parts`` argument: True (a payload's parts in one collective,
-    ``pack``) or False (one collective per part)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"pack_parts must be True or False, got {value!r}")
-    return value
-
-
 def packable(flats) -> bool:
     """Whether 1-D parts ``flats`` travel packed: more than one part, none of them ``bool``
     (TF cannot reinterpret a bool's bytes)."""
