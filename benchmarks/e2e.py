@@ -217,6 +217,10 @@ def main(argv=None) -> int:
                     help="where each link's measurement is written (e2e-<mbit>mbit.json)")
     ap.add_argument("--reuse-calibration", action="store_true",
                     help="use a link's existing measurement in --calibration-dir, if any")
+    ap.add_argument("--no-bind", dest="bind", action="store_false",
+                    help="leave the ranks to the scheduler on the shared cores (every row "
+                         "before the binding was); by default each rank runs on cores of its "
+                         "own (benchmarks/bind.py)")
     ap.add_argument("--repredict", action="store_true",
                     help="recompute the fixed pipelines' predictions in --out; run nothing")
     args = ap.parse_args(argv)
@@ -239,7 +243,8 @@ def main(argv=None) -> int:
     records, measured = [], {}
     run = f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} {_commit()}"
     Path(args.calibration_dir).mkdir(parents=True, exist_ok=True)
-    with EmulatedCluster(args.hosts, mbit=args.mbit[0], prefix=args.prefix) as cluster:
+    with EmulatedCluster(args.hosts, mbit=args.mbit[0], prefix=args.prefix,
+                         bind=args.bind) as cluster:
         bar = tqdm(runs, desc="e2e", unit="run")
         for mbit, model, pipeline in bar:
             if cluster.mbit != mbit:
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
                           args.timeout, measured[mbit])
             rec.update({"mbit": mbit, "hosts": args.hosts, "launcher": args.launcher,
                         "run": run, "calibration": _relative(measured[mbit]),
-                        "command": command})
+                        "command": command, "bound": args.bind})
             records.append(rec)
             if "error" in rec:
                 tqdm.write(f"FAILED {mbit:g} {model} {pipeline}: {rec['error'][-400:]}")

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from benchmarks.bind import command as bind_command
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -23,7 +25,8 @@ def worker_env(base: dict | None = None, **extra: str) -> dict:
     return env
 
 
-def local_horovodrun(argv: list[str], ranks: int = 2) -> list[str]:
-    """``horovodrun --gloo`` with ``ranks`` ranks on this machine's loopback."""
+def local_horovodrun(argv: list[str], ranks: int = 2, bind: bool = True) -> list[str]:
+    """``horovodrun --gloo`` with ``ranks`` ranks on this machine's loopback; with ``bind``,
+    each rank on cores of its own (``benchmarks/bind.py``)."""
     return [str(BIN / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
-            *argv]
+            *(bind_command(argv) if bind else argv)]

@@ -18,6 +18,10 @@ here; a kernel with netem would add ``netem delay`` under the token bucket).
 runs a command in the namespace of the host address it is given. The launcher itself runs inside
 host 0's namespace so that its rendezvous server is reachable from every host.
 
+CPU: with ``bind`` (the default), every rank starts through ``benchmarks/bind.py`` and runs on
+cores of its own, as a rank on a host of its own would; ``bind=False`` leaves the ranks to the
+scheduler on the shared cores (every emulated run before the binding was).
+
 Namespaces are removed on exit, on Ctrl-C / SIGTERM and on failure; ``cleanup_stale()`` removes
 leftovers of a run that was killed hard.
 """
@@ -32,6 +36,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.bind import command as bind_command
 
 HERE = Path(__file__).resolve().parent
 FAKE_SSH_DIR = HERE / "fake_ssh_bin"
@@ -68,7 +74,7 @@ def _shape(ns: str, dev: str, mbit: float) -> None:
 
 class EmulatedCluster:
     def __init__(self, n_hosts: int = 2, mbit: float = 1000.0, delay_ms: float = 0.0,
-                 subnet_id: int = 77, prefix: str = PREFIX):
+                 subnet_id: int = 77, prefix: str = PREFIX, bind: bool = True):
         if n_hosts < 2:
             raise ValueError(f"n_hosts must be >= 2, got {n_hosts}")
         if not 0 < mbit <= 100_000:
@@ -80,7 +86,7 @@ class EmulatedCluster:
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 raise FileNotFoundError(f"'{tool}' not found: install Debian's iproute2")
-        self.n_hosts, self.mbit, self.prefix = n_hosts, float(mbit), prefix
+        self.n_hosts, self.mbit, self.prefix, self.bind = n_hosts, float(mbit), prefix, bind
         self.switch = f"{prefix}-sw"
         self.namespaces = [f"{prefix}-h{i}" for i in range(n_hosts)]
         self.addresses = [f"10.{subnet_id}.0.{i + 1}" for i in range(n_hosts)]
@@ -176,12 +182,18 @@ class EmulatedCluster:
         hosts = ",".join(f"{a}:{slots}" for a in self.addresses)
         return self.in_host(0, [str(Path(sys.executable).parent / "horovodrun"),
                                 "-np", str(self.n_hosts * slots), "-H", hosts, "--gloo",
-                                "--network-interface", "eth0", *argv])
+                                "--network-interface", "eth0", *self._bound(argv)])
+
+    def _bound(self, argv: list[str]) -> list[str]:
+        return bind_command(argv) if self.bind else list(argv)
 
     def torchrun(self, argv: list[str], port: int = 29511, nproc: int = 1) -> list[list[str]]:
         """One ``torchrun`` per host (static rendezvous on host 0's address), ``nproc`` ranks
-        each: start them all, then wait for them all. Set ``GLOO_SOCKET_IFNAME=eth0``."""
+        each: start them all, then wait for them all. Set ``GLOO_SOCKET_IFNAME=eth0``.
+        ``argv`` is a script and its arguments."""
         launcher = str(Path(sys.executable).parent / "torchrun")
+        if self.bind:  # torchrun runs the binding module, which then runs the script
+            argv = ["-m", "benchmarks.bind", sys.executable, *argv]
         return [self.in_host(i, [launcher, f"--nnodes={self.n_hosts}", f"--node-rank={i}",
                                  f"--nproc-per-node={nproc}",
                                  f"--master-addr={self.addresses[0]}", f"--master-port={port}",
@@ -198,4 +210,4 @@ class EmulatedCluster:
                                 "eth0", "--mca", "oob_tcp_if_include", "eth0",
                                 "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
                                 "-x", "PATH", "-x", "PYTHONPATH",
-                                "-x", "GRACE_NETNS_MAP", *argv])
+                                "-x", "GRACE_NETNS_MAP", *self._bound(argv)])

@@ -29,12 +29,12 @@ PHASES = ("compensate", "compress", "memory_update", "issue", "wait", "complete"
 
 
 def run(model: str, pipelines: list[str], rounds: int, steps: int, ranks: int,
-        timeout: float) -> list[dict]:
+        timeout: float, bind: bool = True) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         out = tmp.name
     cmd = local_horovodrun([sys.executable, "-m", "benchmarks.overhead_worker", "--model", model,
                             "--rounds", str(rounds), "--steps", str(steps), "--out", out,
-                            "--pipelines", *pipelines], ranks)
+                            "--pipelines", *pipelines], ranks, bind)
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout,
                           cwd=str(ROOT))
     if proc.returncode != 0:
@@ -105,14 +105,19 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="after")
     ap.add_argument("--note", default="", help="what this run's code changed, for the table")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--no-bind", dest="bind", action="store_false",
+                    help="leave the ranks to the scheduler on the shared cores (every run "
+                         "before round 10 was); by default each rank runs on cores of its own "
+                         "(benchmarks/bind.py)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/overhead.json"))
     args = ap.parse_args(argv)
 
-    rows = run(args.model, args.pipelines, args.rounds, args.steps, args.ranks, args.timeout)
+    rows = run(args.model, args.pipelines, args.rounds, args.steps, args.ranks, args.timeout,
+               args.bind)
     command = "python -m benchmarks.overhead " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
     stamp = {"label": args.label, "when": time.strftime("%Y-%m-%d"), "commit": commit(),
-             "command": command, "note": args.note}
+             "command": command, "note": args.note, "bound": args.bind}
     for r in rows:
         r.update(stamp)
     out = Path(args.out)
