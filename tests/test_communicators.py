@@ -237,10 +237,10 @@ def _parts(comp, name, step=0):
 
 def _collectives_per_tensor(results):
     """(comm, comp) -> tensor -> the names of the collectives rank 0 issued for it in step 0
-    (torch; allgather and two-phase pairs)."""
+    (torch; allgather, broadcast and two-phase pairs)."""
     out = {}
     for (mode, comm, comp), res in results[0]["results"].items():
-        if mode == "torch" and comm in ("allgather", "twophase"):
+        if mode == "torch" and comm in ("allgather", "broadcast", "twophase"):
             out[(comm, comp)] = {name: [c[len(f"grace.{name}."):] for c in res["calls"][0]
                                         if c.startswith(f"grace.{name}.")]
                                  for name in cc.TENSORS}
@@ -250,9 +250,9 @@ def _collectives_per_tensor(results):
 @pytest.mark.multiproc
 def test_payload_parts_travel_packed_one_collective_per_round():
     """A payload of several parts (topk's values and indices, a quantizer's norms and levels)
-    goes in one collective per round, its parts' bytes in one buffer: one allgather, or one
-    all-to-all and one allgather for two-phase. The results and byte counts are the ones the
-    reference checks above (the same bytes, fewer collectives)."""
+    goes in one collective per round, its parts' bytes in one buffer: one allgather, one
+    broadcast per root, or one all-to-all and one allgather for two-phase. The results and
+    byte counts are the ones the reference checks above (the same bytes, fewer collectives)."""
     per = _collectives_per_tensor(launch("gloo", 2))
     packed_pairs = set()
     for (comm, comp), tensors in per.items():
@@ -261,17 +261,19 @@ def test_payload_parts_travel_packed_one_collective_per_round():
             if not packed:
                 continue
             packed_pairs.add((comm, comp))
-            want = ["p"] if comm == "allgather" else ["a2a.p", "ag.p"]
+            want = {"allgather": ["p"], "broadcast": ["b0p", "b1p"],
+                    "twophase": ["a2a.p", "ag.p"]}[comm]
             assert calls == want, (comm, comp, name, calls, n_parts)
-    # the multi-part compressors the issue names travel packed on both communicators
-    assert {("allgather", "topk"), ("allgather", "qsgd"), ("twophase", "qsgd"),
+    # the multi-part compressors the issue names travel packed on every communicator that packs
+    assert {("allgather", "topk"), ("allgather", "qsgd"), ("broadcast", "topk"),
+            ("broadcast", "qsgd"), ("twophase", "qsgd"),
             ("twophase", "terngrad")} <= packed_pairs, sorted(packed_pairs)
 
 
 @pytest.mark.multiproc
 def test_pack_parts_false_sends_one_collective_per_part_with_the_same_results():
-    """``pack_parts=False`` on allgather and two-phase: one collective per payload part
-    (``.p<i>``), results and byte counts as the single-process reference says."""
+    """``pack_parts=False`` on allgather, broadcast and two-phase: one collective per payload
+    part (``.p<i>``), results and byte counts as the single-process reference says."""
     results = mp.run("comm_check.py", np=2, args=["torch", COMMS], timeout=420,
                      env={"GRACE_TEST_PACK_PARTS": "0"})
     check(results, 2)
@@ -282,6 +284,9 @@ def test_pack_parts_false_sends_one_collective_per_part_with_the_same_results():
                 continue
             if comm == "allgather":
                 assert calls == [f"p{i}" for i in range(n_parts)], (comp, name, calls)
+            elif comm == "broadcast":
+                assert calls == [f"b{r}p{i}" for r in range(2) for i in range(n_parts)], \
+                    (comp, name, calls)
             else:
                 assert calls == [f"a2a.p{i}" for i in range(n_parts)] + \
                     [f"ag.p{i}" for i in range(n_parts)], (comp, name, calls)

@@ -99,7 +99,7 @@ def test_grace_from_params_reaches_twophase_option():
     assert comm.server_error_feedback is False
 
 
-@pytest.mark.parametrize("comm", ["allgather", "twophase"])
+@pytest.mark.parametrize("comm", ["allgather", "broadcast", "twophase"])
 def test_pack_parts_option_is_checked_routed_and_agreed_on(comm):
     from grace_dl import grace_from_params
 

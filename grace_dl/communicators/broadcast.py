@@ -2,13 +2,16 @@
 then every rank decompresses all N payloads and aggregates them, as ``allgather`` does (GRACE,
 Xu et al. 2021, §3, lists it as the collective for stacks without an allgather of ragged tensors).
 
-Wire: for root r and part i, a broadcast named ``grace.<tensor>.b<r>p<i>``, flattened to 1-D.
-A rank sends its own payload once (as root) and receives the N-1 others' (the counters record
-that; how the library relays a broadcast is not counted). Non-roots pass a buffer of the root's
-size, so when payload sizes differ across ranks (``equal_sizes`` False) an int32 allgather,
-``grace.<tensor>.len``, first says every rank's part lengths (4 bytes per part per rank). It
-starts in ``send``; the broadcasts, which need its answer to size their buffers, are a second
-phase started in ``receive``. With equal sizes everything starts in ``send``.
+Wire: for root r, one broadcast of its payload, the parts flattened to 1-D and packed into one
+byte buffer (``wire.pack``), named ``grace.<tensor>.b<r>p``; where the payload does not pack
+(sizes that differ across ranks, bool parts, or ``pack_parts=False``), one broadcast per part,
+``grace.<tensor>.b<r>p<i>``. A rank sends its own payload once (as root) and receives the N-1
+others' (the counters record that; how the library relays a broadcast is not counted).
+Non-roots pass a buffer of the root's size, so when payload sizes differ across ranks
+(``equal_sizes`` False) an int32 allgather, ``grace.<tensor>.len``, first says every rank's
+part lengths (4 bytes per part per rank). It starts in ``send``; the broadcasts, which need its
+answer to size their buffers, are a second phase started in ``receive``. With equal sizes
+everything starts in ``send``.
 
 Carries every single-round compressor; the aggregation runs in rank order, so every rank gets
 the same bits.
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grace_dl import validate
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.allgather import gather_rounds_refusal
@@ -45,21 +49,30 @@ class Broadcasting(Phase):
     rounds: list
     sent: Any
     lengths: Any = None
+    #: the parts' ``wire.layout`` when each root's parts travel packed in ``rounds[r][0]``
+    packed: Any = None
 
 
 @register_communicator("broadcast")
 class Broadcast(Communicator):
+    def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
+        super().__init__(compressor, memory, process_set)
+        self.pack_parts = validate.boolean("pack_parts", pack_parts)
+
+    def config(self) -> dict:
+        return {**super().config(), "pack_parts": self.pack_parts}
+
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
         return gather_rounds_refusal(compressor)
 
-    def _broadcasts(self, coll, name, flats, buffer):
+    def _broadcasts(self, coll, name, flats, buffer, suffix=lambda i: i):
         """Start every root's broadcast of every part; ``buffer(r, i)`` is this rank's
         receive buffer for root r's part i."""
         me = coll.rank()
         return [[coll.broadcast_async(f if r == me else buffer(r, i), r,
-                                      self.wire_name(name, f"b{r}p{i}"))
+                                      self.wire_name(name, f"b{r}p{suffix(i)}"))
                  for i, f in enumerate(flats)]
                 for r in range(coll.size())]
 
@@ -68,7 +81,14 @@ class Broadcast(Communicator):
         ops = ops_for(encoded.payload[0])
         flats, shapes = wire.flatten(encoded.payload)
         sent = wire.nbytes(flats)
-        if self.compressor.equal_sizes:
+        if self.compressor.equal_sizes and self.pack_parts and wire.packable(flats):
+            # one buffer per root; a non-root's own packed payload has the root's size and
+            # serves as its receive buffer
+            packed = wire.pack(flats)
+            rounds = self._broadcasts(coll, handle.name, [packed], lambda r, i: packed,
+                                      suffix=lambda i: "")
+            phase = Broadcasting(flats, shapes, rounds, sent, packed=wire.layout(flats))
+        elif self.compressor.equal_sizes:
             # a non-root's own part has the root's shape: it serves as the receive buffer
             phase = Broadcasting(flats, shapes, self._broadcasts(coll, handle.name, flats,
                                                                  lambda r, i: flats[i]), sent)
@@ -96,5 +116,7 @@ class Broadcast(Communicator):
         if phase.lengths is not None:
             total = total + ops.nbytes(phase.lengths)
         wire.count(self, ops, handle.name, received=total)
+        if phase.packed is not None:
+            received = [wire.unpack(parts[0], phase.packed) for parts in received]
         pieces = [[parts[i] for parts in received] for i in range(len(flats))]
         return wire.combine(self, pieces, phase.shapes, handle, size, average=True)

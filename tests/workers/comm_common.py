@@ -60,9 +60,10 @@ def pairs(communicators):
 
 def build(comm: str, comp: str):
     """A fresh communicator; ``GRACE_TEST_PACK_PARTS=0`` builds those that pack a payload's
-    parts into one collective (allgather, two-phase) with ``pack_parts=False``."""
+    parts into one collective (allgather, broadcast, two-phase) with ``pack_parts=False``."""
     kwargs = {}
-    if comm in ("allgather", "twophase") and os.environ.get("GRACE_TEST_PACK_PARTS") == "0":
+    if comm in ("allgather", "broadcast", "twophase") \
+            and os.environ.get("GRACE_TEST_PACK_PARTS") == "0":
         kwargs["pack_parts"] = False
     return lookup("communicator", comm)(lookup("compressor", comp)(), lookup("memory", MEMORY)(),
                                         **kwargs)
