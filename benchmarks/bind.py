@@ -1,10 +1,10 @@
 """Run a command bound to this rank's own CPU cores: ``python -m benchmarks.bind CMD ARGS...``.
 
 The benchmarks emulate one host per rank on one machine (``benchmarks/network.py``), but the
-ranks share its cores. Unbound, the scheduler now and then runs both ranks' training threads on
-one core while the other core runs Horovod's background threads, so one rank's backward pass
-falls 5-15 ms behind the other's and every collective waits for it (measured on 2 cores: the
-MLP's two ranks ended their backward passes 4-14 ms apart unbound, 0-3 ms apart bound). Real
+ranks share its cores. Unbound, the scheduler moves both ranks' training threads and their
+Horovod and gloo threads across the shared cores, one rank's backward pass falls behind the
+other's and every collective waits for it (measured on 2 cores: the MLP's
+two ranks ended their backward passes up to 14 ms apart unbound, at most 3 ms bound). Real
 hosts have cores of their own, and ``mpirun`` binds a rank to a core by default for 2 ranks.
 
 Each rank (``HOROVOD_RANK``, ``OMPI_COMM_WORLD_RANK`` or torchrun's ``RANK``, out of the
