@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grace_dl import validate
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase
+from grace_dl.communicators.base import Encoded, Handle, PackingCommunicator, Phase
 from grace_dl.registry import register_communicator
 
 
@@ -49,11 +48,7 @@ class Gathering(Phase):
 
 
 @register_communicator("allgather")
-class Allgather(Communicator):
-    def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
-        super().__init__(compressor, memory, process_set)
-        self.pack_parts = validate.boolean("pack_parts", pack_parts)
-
+class Allgather(PackingCommunicator):
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
@@ -69,7 +64,7 @@ class Allgather(Communicator):
             numels = ops.numels(flats)
             lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
             sent = sent + ops.nbytes(numels)
-        if lengths is None and self.pack_parts and wire.packable(flats):
+        if lengths is None and self.packs(flats):
             packed = wire.layout(flats)
             parts = [coll.allgather_async(wire.pack(flats), self.wire_name(handle.name, "p"))]
         else:
@@ -78,9 +73,6 @@ class Allgather(Communicator):
                      for i, f in enumerate(flats)]
         wire.count(self, ops, handle.name, sent=sent)
         return Gathering(parts, lengths, shapes, [ops.numel(f) for f in flats], sent, packed)
-
-    def config(self) -> dict:
-        return {**super().config(), "pack_parts": self.pack_parts}
 
     def complete(self, phase: Gathering, handle: Handle):
         coll = handle.coll

@@ -432,3 +432,20 @@ class Communicator(Router, ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.compressor!r}, {self.memory!r})"
+
+
+class PackingCommunicator(Communicator):
+    """Base of the communicators that can send a multi-part payload packed, its parts' bytes in
+    one collective per round (``wire.pack``): allgather, broadcast, two-phase. ``pack_parts``
+    (agreed across ranks through ``config``) False sends one collective per part."""
+
+    def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
+        super().__init__(compressor, memory, process_set)
+        self.pack_parts = validate.boolean("pack_parts", pack_parts)
+
+    def packs(self, flats) -> bool:
+        """Whether the 1-D parts ``flats`` of one payload travel packed."""
+        return self.pack_parts and wire.packable(flats)
+
+    def config(self) -> dict:
+        return {**super().config(), "pack_parts": self.pack_parts}

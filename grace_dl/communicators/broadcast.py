@@ -22,11 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grace_dl import validate
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.allgather import gather_rounds_refusal
-from grace_dl.communicators.base import Communicator, Encoded, Handle, Phase
+from grace_dl.communicators.base import Encoded, Handle, PackingCommunicator, Phase
 from grace_dl.registry import register_communicator
 
 
@@ -54,25 +53,19 @@ class Broadcasting(Phase):
 
 
 @register_communicator("broadcast")
-class Broadcast(Communicator):
-    def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
-        super().__init__(compressor, memory, process_set)
-        self.pack_parts = validate.boolean("pack_parts", pack_parts)
-
-    def config(self) -> dict:
-        return {**super().config(), "pack_parts": self.pack_parts}
-
+class Broadcast(PackingCommunicator):
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
         return gather_rounds_refusal(compressor)
 
-    def _broadcasts(self, coll, name, flats, buffer, suffix=lambda i: i):
-        """Start every root's broadcast of every part; ``buffer(r, i)`` is this rank's
-        receive buffer for root r's part i."""
+    def _broadcasts(self, coll, name, flats, buffer, packed=False):
+        """Start every root's broadcast of every part (``packed``: of its one packed buffer,
+        ``flats == [buffer]``); ``buffer(r, i)`` is this rank's receive buffer for root r's
+        part i."""
         me = coll.rank()
         return [[coll.broadcast_async(f if r == me else buffer(r, i), r,
-                                      self.wire_name(name, f"b{r}p{suffix(i)}"))
+                                      self.wire_name(name, f"b{r}p" if packed else f"b{r}p{i}"))
                  for i, f in enumerate(flats)]
                 for r in range(coll.size())]
 
@@ -81,12 +74,12 @@ class Broadcast(Communicator):
         ops = ops_for(encoded.payload[0])
         flats, shapes = wire.flatten(encoded.payload)
         sent = wire.nbytes(flats)
-        if self.compressor.equal_sizes and self.pack_parts and wire.packable(flats):
+        if self.compressor.equal_sizes and self.packs(flats):
             # one buffer per root; a non-root's own packed payload has the root's size and
             # serves as its receive buffer
             packed = wire.pack(flats)
             rounds = self._broadcasts(coll, handle.name, [packed], lambda r, i: packed,
-                                      suffix=lambda i: "")
+                                      packed=True)
             phase = Broadcasting(flats, shapes, rounds, sent, packed=wire.layout(flats))
         elif self.compressor.equal_sizes:
             # a non-root's own part has the root's shape: it serves as the receive buffer

@@ -40,9 +40,9 @@ from grace_dl import validate
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.base import (
-    Communicator,
     Encoded,
     Handle,
+    PackingCommunicator,
     Phase,
     Ready,
     average_divisor,
@@ -77,11 +77,10 @@ class Gathering(Phase):
 
 
 @register_communicator("twophase")
-class TwoPhase(Communicator):
+class TwoPhase(PackingCommunicator):
     def __init__(self, compressor, memory, process_set=None, server_error_feedback: bool = True,
                  pack_parts: bool = True):
-        super().__init__(compressor, memory, process_set)
-        self.pack_parts = validate.boolean("pack_parts", pack_parts)
+        super().__init__(compressor, memory, process_set, pack_parts)
         self.server_error_feedback = validate.boolean("server_error_feedback",
                                                       server_error_feedback)
         self.server = State()
@@ -153,7 +152,7 @@ class TwoPhase(Communicator):
         ops = ops_for(encoded.compensated)
         flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
-        packed = self.pack_parts and wire.packable(flat[0][0])
+        packed = self.packs(flat[0][0])
         # every rank sends chunk j's payload of the same length: sizes known up front
         if packed:
             buffers = [wire.pack(flat[j][0]) for j in range(m)]
@@ -324,8 +323,7 @@ class TwoPhase(Communicator):
 
     # ------------------------------------------------------------------ checkpointing
     def config(self) -> dict:
-        return {**super().config(), "server_error_feedback": self.server_error_feedback,
-                "pack_parts": self.pack_parts}
+        return {**super().config(), "server_error_feedback": self.server_error_feedback}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "server": self.server.state_dict()}
