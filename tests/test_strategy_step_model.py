@@ -14,6 +14,7 @@ import torch
 
 from grace_dl.strategy import Auto, Pipeline, ResourceSpec
 from grace_dl.strategy.builders import horovod_path
+from grace_dl.strategy.calibrate import fp16_overlap_bytes
 from grace_dl.strategy.cost_model import FORMAT, Network
 from grace_dl.strategy.step_model import (
     HOROVOD,
@@ -21,6 +22,7 @@ from grace_dl.strategy.step_model import (
     Calibration,
     Cost,
     Fit,
+    link_share_s,
     predict_step,
     simulate,
     variable_cost,
@@ -72,6 +74,57 @@ def test_the_wire_share_of_a_cost_is_its_payload_over_the_link():
     assert dense.wire_s <= dense.latency_s + dense.transfer_s
     sparse = variable_cost(Pipeline.from_params(TOPK), (1000, 1000), "float32", calib, slow)
     assert sparse.wire_s == pytest.approx(80e3 / 12.5e6)  # 1% of the values and indices
+
+
+def test_a_float16_sum_hides_as_much_as_the_job_measured_not_its_bytes_time():
+    """Over 1 Gbit/s Horovod's fp16 allreduce takes its bytes' time, but its CPU sum takes the
+    core from the backward pass: with ``fp16_overlap`` measured, compute hides that share of
+    it (ResNet-18: predicted 273 ms from the bytes, measured 365-375 ms)."""
+    link = Network(2, 1.25e8, 1e-4)
+    fits = {("allreduce", "float16"): Fit(0.0, 8e-9), ("allreduce", "float32"): Fit(0.0, 8e-9)}
+    bytes_only = Calibration(collectives=fits, overlap=0.9, cpu_overlap=0.0)
+    measured = Calibration(collectives=fits, overlap=0.9, cpu_overlap=0.0, fp16_overlap=0.45)
+    shape = (1000, 1000)
+    before = variable_cost(HOROVOD_FP16, shape, "float32", bytes_only, link)
+    after = variable_cost(HOROVOD_FP16, shape, "float32", measured, link)
+    busy = 8e-9 * 2e6                                        # the fit at 2 MB, before the cast back
+    assert before.wire_s == pytest.approx(2e6 / 1.25e8)     # the payload's bytes
+    assert after.wire_s == pytest.approx(busy * 0.45 / 0.9)  # hides 0.45 of it, as measured
+    # float32 sums are not touched, nor is a job that measured no fp16_overlap
+    assert variable_cost(HOROVOD, shape, "float32", measured, link).wire_s == pytest.approx(
+        variable_cost(HOROVOD, shape, "float32", bytes_only, link).wire_s)
+    assert link_share_s(measured, "float32", 0.01, 0.02) == 0.01
+    assert link_share_s(bytes_only, "float16", 0.01, 0.02) == 0.01
+    assert link_share_s(measured, None, 0.01, 0.02) == 0.01
+    # the grace fp16 pipeline's allreduce sums float16 the same way
+    grace = variable_cost(Pipeline.from_params({"compressor": "fp16"}), shape, "float32",
+                          measured, link)
+    assert grace.wire_s == pytest.approx(busy * 0.5)
+    # clipped to the exchange: a share above the fp32 overlap is all of it, below cpu_overlap none
+    assert link_share_s(Calibration(overlap=0.5, cpu_overlap=0.1, fp16_overlap=0.9),
+                        "float16", 0.01, 0.02) == pytest.approx(0.02)
+    assert link_share_s(Calibration(overlap=0.5, cpu_overlap=0.2, fp16_overlap=0.1),
+                        "float16", 0.01, 0.02) == 0.0
+    # where overlap does not exceed cpu_overlap, the share cannot be told apart: bytes
+    assert link_share_s(Calibration(overlap=0.3, cpu_overlap=0.3, fp16_overlap=0.1),
+                        "float16", 0.01, 0.02) == 0.01
+    # the step: a 4 MB fp16 gradient sent mid-backward hides less behind it, so it is slower
+    variables = variables_of({"a": shape, "b": shape})
+    slow = predict_step(variables, [HOROVOD_FP16] * 2, measured, link, compute_s=0.1)
+    fast = predict_step(variables, [HOROVOD_FP16] * 2, bytes_only, link, compute_s=0.1)
+    assert slow.step_s > fast.step_s
+
+
+def test_the_fp16_overlap_size_is_the_largest_fp16_allreduce_measured_under_the_limit():
+    fp16 = {"collective": "allreduce", "dtype": "float16",
+            "points": {"4096": 0.001, "1048576": 0.009, "8388608": 0.07, "33554432": 0.2}}
+    fp32 = {"collective": "allreduce", "dtype": "float32", "points": {"33554432": 0.05}}
+    assert fp16_overlap_bytes([fp32, fp16]) == 8 << 20
+    assert fp16_overlap_bytes([fp32, fp16], most_s=0.5) == 32 << 20
+    slow = {**fp16, "points": {"4096": 0.002, "1048576": 0.09}}
+    assert fp16_overlap_bytes([slow]) == 1 << 20
+    assert fp16_overlap_bytes([{**fp16, "points": {"4096": 0.001}}]) == 1 << 20  # at least 1 MB
+    assert fp16_overlap_bytes([fp32]) == 1 << 20
 
 
 def test_encode_is_on_the_critical_path():
@@ -384,7 +437,8 @@ def test_predict_step_covers_horovods_own_paths(tmp_path):
 
 @pytest.mark.parametrize("job, match", [({"overlap": 2}, "overlap must be a number in"),
                                         ({"overlap": "x"}, "overlap must be a number in"),
-                                        ({"cpu_overlap": -1}, "cpu_overlap must be a number")])
+                                        ({"cpu_overlap": -1}, "cpu_overlap must be a number"),
+                                        ({"fp16_overlap": 1.5}, "fp16_overlap must be a num")])
 def test_bad_measurement_files_name_the_problem(tmp_path, job, match):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"format": FORMAT, "entries": [], "job": job}))
@@ -437,8 +491,10 @@ def test_measure_under_horovodrun_times_the_job(tmp_path):
     assert doc["job"]["workers"] == 2 and doc["job"]["mbit"] == 1000
     assert 0.0 <= doc["job"]["overlap"] <= 1.0 and 0.0 <= doc["job"]["cpu_overlap"] <= 1.0
     assert Calibration.load(out).cpu_overlap == doc["job"]["cpu_overlap"]
+    assert 0.0 <= doc["job"]["fp16_overlap"] <= 1.0
+    assert Calibration.load(out).fp16_overlap == doc["job"]["fp16_overlap"]
     parts = doc["job"]["seconds_by_part"]
-    assert set(parts) == {"collectives", "overlap", "cpu_overlap", "pipelines"}
+    assert set(parts) == {"collectives", "overlap", "fp16_overlap", "cpu_overlap", "pipelines"}
     assert sum(parts.values()) == pytest.approx(doc["job"]["seconds"], abs=0.05)
     assert {(c["collective"], c["dtype"]) for c in doc["collectives"]} == {
         ("allreduce", "float32"), ("allreduce", "float16"), ("allgather", "float32"),
