@@ -14,7 +14,7 @@ import torch
 
 from grace_dl.strategy import Auto, Pipeline, ResourceSpec
 from grace_dl.strategy.builders import horovod_path
-from grace_dl.strategy.calibrate import fp16_overlap_bytes
+from grace_dl.strategy.calibrate import overlap_bytes
 from grace_dl.strategy.cost_model import FORMAT, Network
 from grace_dl.strategy.step_model import (
     HOROVOD,
@@ -115,16 +115,19 @@ def test_a_float16_sum_hides_as_much_as_the_job_measured_not_its_bytes_time():
     assert slow.step_s > fast.step_s
 
 
-def test_the_fp16_overlap_size_is_the_largest_fp16_allreduce_measured_under_the_limit():
+def test_the_overlap_size_is_the_largest_allreduce_of_its_dtype_measured_under_the_limit():
     fp16 = {"collective": "allreduce", "dtype": "float16",
             "points": {"4096": 0.001, "1048576": 0.009, "8388608": 0.07, "33554432": 0.2}}
-    fp32 = {"collective": "allreduce", "dtype": "float32", "points": {"33554432": 0.05}}
-    assert fp16_overlap_bytes([fp32, fp16]) == 8 << 20
-    assert fp16_overlap_bytes([fp32, fp16], most_s=0.5) == 32 << 20
+    fp32 = {"collective": "allreduce", "dtype": "float32",
+            "points": {"4096": 0.001, "33554432": 0.05}}
+    gather = {"collective": "allgather", "dtype": "float32", "points": {"67108864": 0.05}}
+    assert overlap_bytes([fp32, fp16, gather], "float16") == 8 << 20
+    assert overlap_bytes([fp32, fp16, gather], "float16", most_s=0.5) == 32 << 20
+    assert overlap_bytes([fp32, fp16, gather], "float32") == 32 << 20
     slow = {**fp16, "points": {"4096": 0.002, "1048576": 0.09}}
-    assert fp16_overlap_bytes([slow]) == 1 << 20
-    assert fp16_overlap_bytes([{**fp16, "points": {"4096": 0.001}}]) == 1 << 20  # at least 1 MB
-    assert fp16_overlap_bytes([fp32]) == 1 << 20
+    assert overlap_bytes([slow], "float16") == 1 << 20
+    assert overlap_bytes([{**fp16, "points": {"4096": 0.001}}], "float16") == 1 << 20  # >= 1 MB
+    assert overlap_bytes([fp32], "float16") == 1 << 20
 
 
 def test_encode_is_on_the_critical_path():

@@ -23,16 +23,17 @@ up to 8x as many where calls are cheap and Horovod's cycle makes single times no
   signSGD call took 222 ms whole and 231 ms in pieces in one job; whole, it took 222-388 ms
   across jobs.)
 
-* **overlap**: how much of an in-flight allreduce (2 MB) a CPU-bound loop of matrix products
+* **overlap**: how much of an in-flight float32 allreduce a CPU-bound loop of matrix products
   hides, from 0 (none: communication and compute share the cores, as 2 ranks on 2 cores do) to
   1 (all: compute elsewhere, a GPU, or spare cores): ``(comm + work - both) / min(comm,
   work)``, clipped. Over a slow link that allreduce is mostly waiting on the link, which
-  any loop hides.
-* **fp16_overlap**: the same for a float16 allreduce (the largest measured under 0.1 s, 1 MB
-  or more: ``fp16_overlap_bytes``). Horovod sums float16 on the CPU while the bytes travel, so
-  over a link slow enough to hide the sum the call takes its bytes' time, yet the sum takes
-  the core from the compute loop: at 1 Gbit/s an 8 MB one measured 0.46 hidden where float32
-  measured 0.86 (one probe, 2 ranks).
+  any loop hides. Its size is the largest allreduce measured under 0.1 s, 1 MB or more
+  (``overlap_bytes``): a fixed 2 MB call, 1.6 ms at 10 Gbit/s, read 0.0, 0.51, 0.66 and 0.78
+  in four jobs on the same emulated link, a scatter as wide as the ratio's range.
+* **fp16_overlap**: the same for a float16 allreduce, sized the same way. Horovod sums float16
+  on the CPU while the bytes travel, so over a link slow enough to hide the sum the call takes
+  its bytes' time, yet the sum takes the core from the compute loop: at 1 Gbit/s an 8 MB one
+  measured 0.46 hidden where float32 measured 0.86 (one probe, 2 ranks).
 * **cpu_overlap**: the same ratio for a second thread's CPU work (copies of 4 MB, as Horovod's
   background thread copies and reduces) against the loop, on every rank at once: whether a
   rank's communication thread has a core of its own. The step model applies it to the part
@@ -248,7 +249,7 @@ def _hidden(t_a: float, t_b: float, t_both: float) -> float:
     return min(1.0, max(0.0, (t_a + t_b - t_both) / max(min(t_a, t_b), 1e-9)))
 
 
-def measure_overlap(repeats: int = 4, nbytes: int = 1 << 21, dtype: str = "float32") -> float:
+def measure_overlap(repeats: int = 4, nbytes: int = 1 << 20, dtype: str = "float32") -> float:
     """The fraction of an allreduce of ``nbytes`` of ``dtype`` that overlapping compute hides
     in this job (module docstring)."""
     import horovod.torch as hvd
@@ -276,13 +277,15 @@ def measure_overlap(repeats: int = 4, nbytes: int = 1 << 21, dtype: str = "float
     return _hidden(t_comm, t_work, t_both)
 
 
-def fp16_overlap_bytes(collectives: list, most_s: float = 0.1) -> int:
-    """The size for ``fp16_overlap``: the largest float16 allreduce measured (``collectives``,
-    as ``measure_collectives`` returns) that took under ``most_s``, and at least 1 MB. The
-    share compute hides grows with the size (1 Gbit/s: 0.12 at 1 MB, 0.46 at 8 MB in one
-    probe), and a step's float16 traffic is fused into buffers of many MB."""
+def overlap_bytes(collectives: list, dtype: str, most_s: float = 0.1) -> int:
+    """The size for ``overlap`` (``dtype`` float32) or ``fp16_overlap`` (float16): the largest
+    allreduce of ``dtype`` measured (``collectives``, as ``measure_collectives`` returns) that
+    took under ``most_s``, and at least 1 MB. A call of a few ms is mostly Horovod's cycle and
+    the ranks' scheduling, which swamp the ratio; a step's traffic is fused into buffers of
+    many MB anyway, and the share compute hides depends on the size (float16 at 1 Gbit/s:
+    0.12 at 1 MB, 0.46 at 8 MB in one probe)."""
     sizes = [int(size) for c in collectives
-             if (c["collective"], c["dtype"]) == ("allreduce", "float16")
+             if (c["collective"], c["dtype"]) == ("allreduce", dtype)
              for size, seconds in c["points"].items() if seconds < most_s]
     return max([1 << 20, *sizes])
 
@@ -334,8 +337,9 @@ def measure_job(candidates, repeats: int = 4, mbit: float | None = None) -> dict
         return out
 
     collectives = timed(measure_collectives, repeats)
-    overlap = timed(measure_overlap, repeats)
-    fp16_overlap = timed(measure_overlap, repeats, fp16_overlap_bytes(collectives), "float16")
+    overlap = timed(measure_overlap, repeats, overlap_bytes(collectives, "float32"))
+    fp16_overlap = timed(measure_overlap, repeats, overlap_bytes(collectives, "float16"),
+                         "float16")
     cpu_overlap = timed(measure_cpu_overlap, repeats)
     pipelines = timed(measure_pipelines, candidates, repeats)
     parts = ("collectives", "overlap", "fp16_overlap", "cpu_overlap", "pipelines")

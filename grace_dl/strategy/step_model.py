@@ -39,13 +39,13 @@ A step is simulated, not summed:
    from the serial sum (forward + backward + every encode + every exchange) towards it:
    ``ideal + (serial - ideal) * (w * (1 - overlap) + (1 - w) * (1 - cpu_overlap))``, where
    ``w`` is the share of the channel's time that is bytes on the link (``Cost.wire_s``:
-   payload bytes over the link's bandwidth), ``overlap`` how much of an in-flight 2 MB
-   allreduce a compute loop hides, and ``cpu_overlap`` how much of a second thread's CPU work
-   it hides (0 where ranks and Horovod's threads share too few cores). The rest of an
-   exchange (latency, copies, reductions, Horovod's and gloo's work per call) is CPU on the
-   rank's host: over a slow link a compute loop hides a 2 MB allreduce whole, because it is
-   waiting on the link, but not a step's 60 small ones. A file without ``cpu_overlap`` uses
-   ``overlap`` for both.
+   payload bytes over the link's bandwidth), ``overlap`` how much of an in-flight
+   allreduce (of many MB) a compute loop hides, and ``cpu_overlap`` how much of a second
+   thread's CPU work it hides (0 where ranks and Horovod's threads share too few cores). The
+   rest of an exchange (latency, copies, reductions, Horovod's and gloo's work per call) is
+   CPU on the rank's host: over a slow link a compute loop hides a large allreduce whole,
+   because it is waiting on the link, but not a step's 60 small ones. A file without
+   ``cpu_overlap`` uses ``overlap`` for both.
    A float16 allreduce is summed on the CPU while its bytes travel: there compute hides what
    the job measured of one (``fp16_overlap``, ``link_share_s``), not its bytes' time.
 
