@@ -310,9 +310,9 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
             encode, decode = cast(numel), uncast(numel)
         nbytes = numel * itemsize(wire)
         latency, transfer = fit.split(nbytes)
-        link = _wire_s("allreduce", nbytes, nbytes, net, latency + transfer)
         return Cost(encode, latency, transfer + decode, f"{choice}:{wire}",
-                    wire_s=link_share_s(calib, wire, link, latency + transfer))
+                    wire_s=_wire_s("allreduce", nbytes, nbytes, net, latency + transfer,
+                                   calib, wire))
     compressor = compressor or choice.build_compressor()
     if sent_raw(compressor, shape):
         return variable_cost(Pipeline(communicator=choice.communicator), shape, dtype, calib,
@@ -330,10 +330,9 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
         encode, exchange = measured
         latency, transfer = exchange.split(numel)
         nbytes = payload_bytes(compressor, shape, dtype)
-        wire = 0.0 if nbytes is None else link_share_s(
-            calib, _allreduce_dtype(choice, dtype), _wire_s(
-                choice.communicator, nbytes, numel * itemsize(dtype), net, latency + transfer),
-            latency + transfer)
+        wire = 0.0 if nbytes is None else _wire_s(
+            choice.communicator, nbytes, numel * itemsize(dtype), net, latency + transfer,
+            calib, _allreduce_dtype(choice, dtype))
         return Cost(encode(numel), latency, transfer, choice.label(),
                     deferred_rounds(choice, compressor, shape), early_share(choice), pieces,
                     wire)
@@ -341,13 +340,16 @@ def variable_cost(choice, shape: tuple, dtype: str, calib: Calibration, net: Net
     return cost if cost is None or pieces == 1 else replace(cost, pieces=pieces)
 
 
-def _wire_s(pattern: str, nbytes: float, dense: float, net: Network, most: float) -> float:
-    """Seconds the payload's bytes take on the link (``cost_model.communication_time`` with
-    no latency), at most ``most`` (the exchange's measured time)."""
-    if net.bandwidth <= 0:
-        return 0.0
-    bare = Network(net.workers, net.bandwidth, 0.0)
-    return min(most, communication_time(pattern, nbytes, dense, bare))
+def _wire_s(pattern: str, nbytes: float, dense: float, net: Network, most: float,
+            calib: Calibration, summed: str | None) -> float:
+    """``Cost.wire_s`` of an exchange that takes ``most`` (its measured time): the seconds the
+    payload's bytes take on the link (``cost_model.communication_time`` with no latency), at
+    most ``most``, as ``link_share_s`` takes them for an allreduce summing ``summed``."""
+    link = 0.0
+    if net.bandwidth > 0:
+        bare = Network(net.workers, net.bandwidth, 0.0)
+        link = min(most, communication_time(pattern, nbytes, dense, bare))
+    return link_share_s(calib, summed, link, most)
 
 
 def _allreduce_dtype(pipeline: Pipeline, dtype: str) -> str | None:
@@ -430,9 +432,9 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
     workers = max(net.workers, 1)
     compress, decompress = calib.throughput.costs(pipeline.compressor,
                                                   pipeline.params("compressor"))
-    wire = "float16" if pipeline.compressor == "fp16" else dtype
+    summed = _allreduce_dtype(pipeline, dtype)
     names = PATTERN_COLLECTIVES.get(pattern)
-    fits = [calib.collective(c, wire if c == "allreduce" else dtype) for c in names or ()]
+    fits = [calib.collective(c, summed if c == "allreduce" else dtype) for c in names or ()]
     if names and all(fits):
         share = nbytes / workers if pattern == "twophase" else nbytes
         parts = [f.split(share) for f in fits]
@@ -452,9 +454,8 @@ def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Cal
         decode = workers * decompress(numel)
     return Cost(encode, latency, transfer + decode, pipeline.label(),
                 deferred_rounds(pipeline, compressor, shape), early_share(pipeline),
-                wire_s=link_share_s(calib, _allreduce_dtype(pipeline, dtype),
-                                    _wire_s(pattern, nbytes, numel * itemsize(dtype), net,
-                                            latency + transfer), latency + transfer))
+                wire_s=_wire_s(pattern, nbytes, numel * itemsize(dtype), net,
+                               latency + transfer, calib, summed))
 
 
 @dataclass
