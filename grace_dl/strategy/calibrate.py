@@ -28,12 +28,14 @@ up to 8x as many where calls are cheap and Horovod's cycle makes single times no
   1 (all: compute elsewhere, a GPU, or spare cores): ``(comm + work - both) / min(comm,
   work)``, clipped. Over a slow link that allreduce is mostly waiting on the link, which
   any loop hides. Its size is the largest allreduce measured under 0.1 s, 1 MB or more
-  (``overlap_bytes``): a fixed 2 MB call, 1.6 ms at 10 Gbit/s, read 0.0, 0.51, 0.66 and 0.78
-  in four jobs on the same emulated link, a scatter as wide as the ratio's range.
+  (``overlap_bytes``): a fixed 2 MB call, 1.6 ms at 10 Gbit/s, read 0.51 and 0.78 in the
+  b74b43e calibrations (committed at b597e43) and 0.0 and 0.66 in two later jobs on the same
+  emulated link, a scatter as wide as the ratio's range.
 * **fp16_overlap**: the same for a float16 allreduce, sized the same way. Horovod sums float16
   on the CPU while the bytes travel, so over a link slow enough to hide the sum the call takes
-  its bytes' time, yet the sum takes the core from the compute loop: at 1 Gbit/s an 8 MB one
-  measured 0.46 hidden where float32 measured 0.86 (one probe, 2 ranks).
+  its bytes' time, yet the sum takes the core from the compute loop: at 1 Gbit/s the
+  committed calibrations (``benchmarks/results/calibration/*/e2e-1000mbit.json``, 2 ranks)
+  read 0.47-0.50 for 8 MB float16 calls where float32 (2 MB calls) read 0.84-0.88.
 * **cpu_overlap**: the same ratio for a second thread's CPU work (copies of 4 MB, as Horovod's
   background thread copies and reduces) against the loop, on every rank at once: whether a
   rank's communication thread has a core of its own. The step model applies it to the part
@@ -282,8 +284,7 @@ def overlap_bytes(collectives: list, dtype: str, most_s: float = 0.1) -> int:
     allreduce of ``dtype`` measured (``collectives``, as ``measure_collectives`` returns) that
     took under ``most_s``, and at least 1 MB. A call of a few ms is mostly Horovod's cycle and
     the ranks' scheduling, which swamp the ratio; a step's traffic is fused into buffers of
-    many MB anyway, and the share compute hides depends on the size (float16 at 1 Gbit/s:
-    0.12 at 1 MB, 0.46 at 8 MB in one probe)."""
+    many MB anyway."""
     sizes = [int(size) for c in collectives
              if (c["collective"], c["dtype"]) == ("allreduce", dtype)
              for size, seconds in c["points"].items() if seconds < most_s]
