@@ -61,6 +61,9 @@ def markdown(rows: list[dict]) -> str:
                 **{f"{p} ms": ms(r.get(p + "_s", 0.0)) if timed or p == "other" else ""
                    for p in PHASES},
                 "sent MB": f"{r['sent_bytes'] / 1e6:.2f}" if r.get("sent_bytes") else ""})
+            if any("early_phases" in g for g in group):
+                table[-1]["early phases"] = f"{r['early_phases']:g}" if "early_phases" in r \
+                    else ""
             if r["pipeline"] == "compute":
                 table[-1]["other ms"] = ""
         lines += [f"### {label}", "",
@@ -79,7 +82,9 @@ def markdown(rows: list[dict]) -> str:
             "grace's methods (`benchmarks/overhead_worker.py`): encode is compensate + compress "
             "+ memory_update and runs inside the backward pass (hooks); wait is time blocked on "
             "Horovod; other = step − compute − phases (for Horovod's own rows: everything "
-            "beyond compute).\n\n" + "\n".join(lines))
+            "beyond compute); early phases (where shown) = the exchanges' phases the gradient "
+            "hooks completed per step, before `step()` (`early_rounds`, `Router.advance`; "
+            "their complete and wait time is then inside fwd+bwd).\n\n" + "\n".join(lines))
 
 
 def commit() -> str:

@@ -166,6 +166,7 @@ def main() -> None:
         model, opt, _ = runs[name]
         CLOCK.take()
         opt.zero_grad()
+        early = getattr(opt, "phases_completed_early", None)
         t0 = time.perf_counter()
         loss_fn(model(x), y).backward()
         t1 = time.perf_counter()
@@ -179,6 +180,8 @@ def main() -> None:
             row["total_s"].append(t2 - t0)
             for phase in PHASES:
                 row[phase + "_s"].append(spent.get(phase, 0.0))
+            if early is not None:
+                row["early_phases"].append(opt.phases_completed_early - early)
 
     for name in runs:
         for _ in range(args.warmup):

@@ -44,7 +44,9 @@ PIPELINES: dict[str, dict | str | None] = {
 #: ``-bucket`` packs the gradients into DDP-sized buckets, each compressed once
 #: (``bucket_bytes``, ``grace_dl.torch.buckets``); ``-bucket-whole`` sends those buckets whole,
 #: as a strategy's dispatcher does; ``-unpacked`` sends a payload's parts in one collective each
-#: (``pack_parts=False``: the layout before packing, ``grace_dl.communicators.wire``). The
+#: (``pack_parts=False``: the layout before packing, ``grace_dl.communicators.wire``);
+#: ``-early`` lets the gradient hooks complete exchanges whose collectives have finished
+#: (``early_rounds=True``, ``Router.advance``): later rounds start during the backward pass. The
 #: ``"grace"`` option overrides the pipeline's GRACE keys, the others go to the optimizer.
 VARIANTS: dict[str, tuple[str, dict]] = {
     **{f"{k}-whole": (k, {"piece_bytes": None}) for k in ("qsgd-2phase", "signsgd-2phase")},
@@ -54,6 +56,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
        for k in ("topk", "randomk")},
     **{f"{k}-unpacked": (k, {"grace": {"pack_parts": False}})
        for k in ("topk", "qsgd-2phase", "signsgd-2phase")},
+    **{f"{k}-early": (k, {"early_rounds": True})
+       for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase", "powersgd")},
 }
 
 

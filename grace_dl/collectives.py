@@ -12,6 +12,13 @@ from abc import ABC, abstractmethod
 
 
 class Collectives(ABC):
+    #: Whether ranks may start these collectives in different orders and still meet (Horovod
+    #: matches them by name). Only then may a tensor's later phases start before ``receive``,
+    #: as soon as ``done`` says its earlier collectives finished (``Router.advance``); an
+    #: engine whose calls must come in the same order on every rank (``torch.distributed``)
+    #: leaves it False.
+    any_order = False
+
     @abstractmethod
     def size(self) -> int:
         """Number of ranks taking part."""
@@ -70,6 +77,11 @@ class Collectives(ABC):
     @abstractmethod
     def synchronize(self, handle):
         """Wait for a handle; returns its result tensor (a tuple for ``alltoall``)."""
+
+    def done(self, handle) -> bool:
+        """Whether ``handle`` has finished, so ``synchronize`` would not block; never waits.
+        False where the engine cannot tell (the default)."""
+        return False
 
     def barrier(self) -> None:
         """Block until every rank gets here (used by tests and set-up checks)."""

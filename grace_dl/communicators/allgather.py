@@ -46,6 +46,9 @@ class Gathering(Phase):
     #: the parts' ``wire.layout`` when they travel packed in ``parts[0]``, else None
     packed: Any = None
 
+    def waits_on(self) -> list:
+        return self.parts if self.lengths is None else [*self.parts, self.lengths]
+
 
 @register_communicator("allgather")
 class Allgather(PackingCommunicator):

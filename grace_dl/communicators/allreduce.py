@@ -46,6 +46,9 @@ class Reducing(Phase):
     round: int = 1
     in_place: bool = False
 
+    def waits_on(self) -> list:
+        return self.parts
+
 
 @register_communicator("allreduce")
 class Allreduce(Communicator):

@@ -63,6 +63,9 @@ class Scattering(Phase):
     #: whether the payload parts travel packed (``wire.pack``): one collective, not one per part
     packed: bool = False
 
+    def waits_on(self) -> list:
+        return self.exchanges
+
 
 @dataclass
 class Gathering(Phase):
@@ -74,6 +77,9 @@ class Gathering(Phase):
     #: feedback already), or None
     own: object = None
     packed: bool = False
+
+    def waits_on(self) -> list:
+        return self.gathers
 
 
 @register_communicator("twophase")

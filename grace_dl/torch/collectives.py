@@ -54,6 +54,8 @@ def _to_wire(tensor, table):
 
 
 class TorchCollectives(Collectives):
+    any_order = True     # Horovod negotiates each collective by name
+
     def __init__(self, process_set=None):
         self.process_set = global_process_set if process_set is None else process_set
 
@@ -105,6 +107,9 @@ class TorchCollectives(Collectives):
     def synchronize(self, handle):
         out = hvd.synchronize(handle.handle)
         return handle.post(out) if handle.post else out
+
+    def done(self, handle) -> bool:
+        return hvd.poll(handle.handle)
 
     def barrier(self) -> None:
         hvd.barrier(process_set=self.process_set)

@@ -13,6 +13,13 @@ of a class derived from ``type(opt)`` (as Horovod does) whose
   rank waits on a collective another never starts), then receives every tensor in name order,
   writes the averaged (or summed) gradient into ``p.grad`` and closes the step in
   ``grc.bytes``;
+* with ``early_rounds=True`` each hook also completes, without waiting, the exchanges already
+  sent whose collectives have finished (``Router.advance``): two-phase's gather and PowerSGD's
+  next round start during the rest of the backward pass instead of in ``synchronize()``, and a
+  finished single-round result is written into ``p.grad`` there. Same bits either way. Off by
+  default: on this project's CPU-only ranks it measured no faster (the rounds then leave
+  Horovod one at a time instead of fused, and the work they start takes the core from the
+  backward pass: ``benchmarks/results/e2e_early.md``, ``overhead.md``);
 * ``state_dict()`` carries the grace state (error-feedback residuals, momenta, warm-start
   matrices, step counters) under the key ``"grace"``, and ``load_state_dict()`` restores it.
 
@@ -64,12 +71,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import deque
 from contextlib import contextmanager
 
 import torch
 
 from grace_dl import agreement, validate
-from grace_dl.communicators.base import AVERAGE, SUM, receive_each
+from grace_dl.communicators.base import AVERAGE, SUM, Handle, advance_each, receive_each
 from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
@@ -91,7 +99,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # noqa: N802
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
-                         grace=None, piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None):
+                         grace=None, piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None,
+                         early_rounds=False):
     """Wrap ``optimizer`` so gradients are averaged across Horovod ranks before ``step()``.
 
     Takes ``horovod.torch.DistributedOptimizer``'s arguments (same defaults) plus ``grace``: a
@@ -103,6 +112,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
     (``grace_dl.communicators.pieces``); ``None`` sends every gradient whole.
     ``bucket_bytes`` (grace only): pack gradients into buckets of about this many bytes, each
     compressed and sent as one tensor (``grace_dl.torch.buckets``); ``None``: per parameter.
+    ``early_rounds`` (grace only): the gradient hooks complete exchanges whose collectives
+    have finished, so later rounds start during the backward pass (``Router.advance``);
+    ``False`` (default) leaves every completion to ``synchronize()``. Same results.
     """
     import horovod.torch as hvd
 
@@ -121,6 +133,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
 
     check_grace(grace)
     check_piece_bytes(piece_bytes)
+    validate.boolean("early_rounds", early_rounds)
     if compression is not hvd.Compression.none:
         raise ValueError(f"compression={compression!r} cannot be combined with grace=; the "
                          f"grace communicator compresses (accepted: hvd.Compression.none)")
@@ -157,7 +170,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
                {})
     return cls(optimizer.param_groups, named_parameters, grace, backward_passes_per_step,
                grace_op, factor, groups, sparse_as_dense, process_set, piece_bytes,
-               bucket_bytes)
+               bucket_bytes, early_rounds)
 
 
 def _grace_op(op, hvd) -> str:
@@ -237,7 +250,7 @@ class _GraceDistributedOptimizer:
 
     def __init__(self, params, named_parameters, grace, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                 piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None):
+                 piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None, early_rounds=False):
         super().__init__(params)
         import horovod.torch as hvd
 
@@ -262,6 +275,10 @@ class _GraceDistributedOptimizer:
         self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: dict = {}
+        self.early_rounds = early_rounds
+        self._pending: deque = deque()   # this step's handles for Router.advance, oldest first
+        #: phases the hooks completed before ``synchronize()`` (``early_rounds``), all steps
+        self.phases_completed_early = 0
         self._hook_handles: list = []
         self._requires_update: set = set()
         self._synchronized = False
@@ -349,7 +366,17 @@ class _GraceDistributedOptimizer:
             assert self._allreduce_delay[p] > 0
             self._allreduce_delay[p] -= 1
             self._handles[p] = self._start(p) if self._allreduce_delay[p] == 0 else None
+            if self.early_rounds:
+                self._advance(self._handles[p])
         return hook
+
+    def _advance(self, started) -> None:
+        """Queue what a hook just sent (a handle, pieces' handles, or a bucket that filled up)
+        and complete the queued exchanges whose collectives have finished."""
+        sent = getattr(started, "handles", started)     # a bucket: None until it is sent
+        self._pending.extend(sent if isinstance(sent, list) else
+                             [sent] if isinstance(sent, Handle) else [])
+        self.phases_completed_early += advance_each(self.grace, self._pending)
 
     # ------------------------------------------------------------------ one tensor's pipeline
     def _start(self, p):
@@ -475,6 +502,7 @@ class _GraceDistributedOptimizer:
         else:
             self._receive_parameters()
         self._handles.clear()
+        self._pending.clear()
         self.grace.end_step()
         self._synchronized = True
 
