@@ -209,10 +209,8 @@ class Router:
             if not all(handle.coll.done(h) for h in waits):
                 pending.appendleft(handle)
                 break
-            out = handle.comm.complete(phase, handle)
-            handle.phase = out if isinstance(out, Phase) else Ready(out)
             advanced += 1
-            if not isinstance(handle.phase, Ready):
+            if _complete_phase(handle):
                 pending.append(handle)
         return advanced
 
@@ -318,6 +316,14 @@ def _finish(handle: Handle, into=None):
     return out
 
 
+def _complete_phase(handle: Handle) -> bool:
+    """Complete ``handle``'s current phase once; a finished result is kept as ``Ready``.
+    Whether phases with collectives in flight remain."""
+    out = handle.comm.complete(handle.phase, handle)
+    handle.phase = out if isinstance(out, Phase) else Ready(out)
+    return not isinstance(handle.phase, Ready)
+
+
 def _advance_together(handles) -> None:
     """Run the phases of ``handles`` in lockstep passes (``Router.receive_all``); a finished
     handle's result is left as ``Ready``. Fusion groups' collectives record each pass's calls
@@ -332,10 +338,8 @@ def _advance_together(handles) -> None:
             coll.collect()
         nxt = []
         for handle in live:
-            out = handle.comm.complete(handle.phase, handle)
-            if isinstance(out, Phase) and not isinstance(out, Ready):
+            if _complete_phase(handle):
                 nxt.append(handle)
-            handle.phase = out if isinstance(out, Phase) else Ready(out)
         for coll in groups.values():
             coll.close()
         live = nxt
