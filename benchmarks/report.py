@@ -45,7 +45,17 @@ def machine() -> str:
                 "horovod": _version("horovod"), "numpy": _version("numpy")}
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
             f"{platform.platform()}; {os.cpu_count()} CPU cores; Python "
-            f"{platform.python_version()}; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+            f"{platform.python_version()}; " + ", ".join(f"{k} {v}" for k, v in versions.items())
+            + f"; grace_dl kernels: {_kernels()}")
+
+
+def _kernels() -> str:
+    from grace_dl import native
+
+    if not native.available():
+        return "NumPy twins (no compiled library)"
+    bits = native.vector_bits()
+    return f"compiled, {bits}-bit SIMD" if bits else "compiled, scalar"
 
 
 def _table(columns, rows) -> str:

@@ -24,7 +24,8 @@ die() { printf '\033[1;31m[setup] ERROR:\033[0m %s\n' "$*" >&2; exit 1; }
 # The stamp records every input of a set-up; when it matches and the build check passes,
 # there is nothing to do.
 inputs_hash() {
-  cat "$ROOT/scripts/setup.sh" "$PATCH" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16
+  cat "$ROOT/scripts/setup.sh" "$PATCH" "$ROOT/pyproject.toml" "$ROOT/setup.py" \
+    "$ROOT/grace_dl/native/kernels.c" | sha256sum | cut -c1-16
 }
 STAMP="$VENV/.grace_dl_setup"
 
@@ -51,7 +52,9 @@ hvd_built() {
   [[ -n "$site" ]] && ls "$site"/horovod/torch/mpi_lib_v2*.so "$site"/horovod/tensorflow/mpi_lib*.so \
     "$site"/horovod-${HOROVOD_VERSION}.dist-info >/dev/null 2>&1
 }
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" ]] && hvd_built; then
+# grace_dl's compiled kernels (built in place by `pip install -e`; gone after a `git clean`)
+native_built() { ls "$ROOT"/grace_dl/native/_kernels*.so >/dev/null 2>&1; }
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" ]] && hvd_built && native_built; then
   log "environment up to date ($VENV); nothing to do"
   exit 0
 fi

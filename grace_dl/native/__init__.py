@@ -1,0 +1,90 @@
+"""Compiled kernels (``kernels.c``), loaded with ctypes, each with a NumPy twin that gives the
+same result where the library is missing or ``GRACE_DL_NATIVE=0``.
+
+The library is built by ``pip install`` (``setup.py``, an optional extension: a machine without
+a C compiler still installs, and runs the NumPy paths). It uses no Python API, so the ctypes
+call releases the GIL and any framework can pass it a buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+import numpy as np
+
+_HERE = Path(__file__).resolve().parent
+_MODE = {None: 0, 1: 1, -1: -1}
+
+
+def _load():
+    if os.environ.get("GRACE_DL_NATIVE", "1") == "0":
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = _HERE / f"_kernels{suffix}"
+        if path.exists():
+            lib = ctypes.CDLL(str(path))
+            lib.gd_positions_f32.restype = ctypes.c_int64
+            lib.gd_positions_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                             ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+            lib.gd_vector_bits.restype = ctypes.c_int
+            lib.gd_vector_bits.argtypes = []
+            lib.gd_limit_vector_bits.restype = None
+            lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
+            return lib
+    return None
+
+
+_lib = _load()
+
+
+def available() -> bool:
+    """Whether the compiled library is loaded (False: every kernel runs its NumPy twin)."""
+    return _lib is not None
+
+
+def vector_bits() -> int:
+    """The SIMD width the kernels use on this CPU (512, 256, 0 = scalar); 0 without the library."""
+    return _lib.gd_vector_bits() if _lib is not None else 0
+
+
+def limit_vector_bits(bits: int) -> None:
+    """Keep the kernels to SIMD paths at most ``bits`` wide (512, 256, 0 = scalar), so that
+    tests run every path on one CPU; 512 restores the default."""
+    if _lib is not None:
+        _lib.gd_limit_vector_bits(int(bits))
+
+
+def positions_at_least(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
+    """int64 positions of the 1-D array ``a``'s entries that reach ``thr``: ``|x| >= thr``
+    (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never. One pass over ``a``
+    when compiled (float32, C-contiguous, under 2**31 elements), else NumPy chunk by chunk."""
+    mode = _MODE[sign]
+    if _lib is None or a.dtype != np.float32 or not a.flags.c_contiguous or a.size >= 2**31:
+        return _positions_numpy(a, thr, sign)
+    n = a.size
+    t = float(thr)
+    cap = max(1024, n >> 6)      # sparsifiers' candidates are a few percent at most
+    out = np.empty(cap, np.int32)
+    count = _lib.gd_positions_f32(a.ctypes.data, n, t, mode, out.ctypes.data, cap)
+    if count > cap:
+        out = np.empty(count, np.int32)
+        count = _lib.gd_positions_f32(a.ctypes.data, n, t, mode, out.ctypes.data, count)
+    return out[:count].astype(np.int64)
+
+
+_CHUNK = 1 << 16   # elements NumPy compares at a time: the mask stays in cache
+
+
+def _positions_numpy(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
+    t = a.dtype.type(thr)
+    found = []
+    for start in range(0, a.size, _CHUNK):
+        c = a[start:start + _CHUNK]
+        mask = np.abs(c) >= t if sign is None else (c >= t if sign > 0 else c <= -t)
+        idx = np.flatnonzero(mask)
+        if idx.size:
+            found.append(idx + start if start else idx)
+    return np.concatenate(found) if found else np.empty(0, np.int64)
