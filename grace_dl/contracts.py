@@ -273,6 +273,13 @@ class OpsBackend(Protocol):
 
     def flat_view(self, var): ...
 
+    def sign_planes(self, flat, error=None, decoded=None):
+        """signsgd's payload in one compiled pass, or None (TF: always) where that does not
+        apply and ``signbits`` computes it."""
+
+    def ternary_signs(self, pos, neg, n, out=None):
+        """+1/-1/0 from two bit planes in one compiled pass, or None (TF: always)."""
+
     def assign_sub_at(self, var, idx, values): ...
 
     def increment(self, counter_var):

@@ -78,3 +78,86 @@ def test_torch_positions_use_the_kernel_on_a_tensor_view():
     view = base[1000:9000]
     got = ops.positions_at_least(view, torch.tensor(1.5), -1)
     np.testing.assert_array_equal(got.numpy(), np.flatnonzero((view <= -1.5).numpy()))
+
+
+def _planes(a):
+    return (np.packbits(a < 0, bitorder="little"), np.packbits(a == 0, bitorder="little"))
+
+
+SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 100, 3 * (1 << 16) + 123]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+def test_sign_planes_equal_the_framework_code_on_every_path(every_path, n, bad):
+    """The planes and status byte signsgd sends, sign(x) and x - sign(x), bit for bit (the sign
+    of zero included: torch.sign gives +0, so -0 leaves an error of -0)."""
+    from grace_dl.compressors import signbits
+    from grace_dl.torch import ops
+
+    a = _mixed(n, n + 1)
+    a[~np.isfinite(a)] = 1.0
+    if bad is not None and n:
+        a[n // 2] = bad
+    t = torch.from_numpy(a)
+    want_dec = torch.sign(t)
+    want_err = t - want_dec
+    neg, zero = _planes(a)
+    want = np.concatenate([neg, zero, signbits.status(ops, t).numpy()])
+    for bits in every_path:
+        native.limit_vector_bits(bits)
+        err, dec = np.full(n, 7, np.float32), np.full(n, 7, np.float32)
+        got = native.sign_planes(a, err, dec)
+        np.testing.assert_array_equal(got, want, err_msg=f"path {bits}")
+        assert got[-1] == (bad is not None and n > 0)
+        np.testing.assert_array_equal(dec.view(np.uint32), want_dec.numpy().view(np.uint32))
+        np.testing.assert_array_equal(err.view(np.uint32), want_err.numpy().view(np.uint32))
+        np.testing.assert_array_equal(native.sign_planes(a), want)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_ternary_equals_the_table_on_every_path(every_path, n):
+    rng = np.random.default_rng(n)
+    nb = -(-n // 8)
+    pos, neg = (rng.integers(0, 256, nb, dtype=np.uint8) for _ in range(2))
+    p = np.unpackbits(pos, count=n, bitorder="little").astype(np.int8)
+    m = np.unpackbits(neg, count=n, bitorder="little").astype(np.int8)
+    want = (p - m).astype(np.float32)      # both bits set: 0, as signbits' table
+    for bits in every_path:
+        native.limit_vector_bits(bits)
+        out = np.full(n, 7, np.float32)
+        assert native.ternary(pos, neg, n, out) is out
+        np.testing.assert_array_equal(out, want, err_msg=f"path {bits}")
+
+
+def test_sign_kernels_refuse_what_they_do_not_take():
+    a = _mixed(64, 2)
+    assert native.sign_planes(a.astype(np.float64)) is None
+    assert native.sign_planes(a[::2]) is None
+    assert native.sign_planes(a, err=np.empty(63, np.float32)) is None
+    assert native.sign_planes(a, dec=np.empty(64, np.float64)) is None
+    pos = np.zeros(8, np.uint8)
+    assert native.ternary(pos, pos, 64, np.empty(64, np.float64)) is None
+    assert native.ternary(pos, pos[:7], 64, np.empty(64, np.float32)) is None
+
+
+def test_signsgd_through_torch_takes_the_kernel_and_matches_tensorflow():
+    """The same payload and decoded vote from torch (compiled) and TF (framework ops)."""
+    tf = pytest.importorskip("tensorflow")
+    from grace_dl.compressors.signsgd import SignSGDCompressor
+
+    c = SignSGDCompressor()
+    a = _mixed(1001, 9)
+    a[0] = 1.0                                   # no NaN/Inf: the vote decodes
+    a[[17, 33]] = [3.0, -3.0]
+    p_torch, ctx_t = c.compress(torch.from_numpy(a), "g")
+    p_tf, ctx_f = c.compress(tf.constant(a), "g")
+    np.testing.assert_array_equal(p_torch[0].numpy(), p_tf[0].numpy())
+    b = _mixed(1001, 10)
+    b[[0, 17, 33]] = [1.0, 2.0, 2.0]
+    q_torch, _ = c.compress(torch.from_numpy(b), "g")
+    q_tf, _ = c.compress(tf.constant(b), "g")
+    vote_t = c.combine([p_torch, q_torch], ctx_t)
+    vote_f = c.combine([p_tf, q_tf], ctx_f)
+    np.testing.assert_array_equal(vote_t.numpy(), vote_f.numpy())
+    assert set(np.unique(vote_t.numpy())) <= {-1.0, 0.0, 1.0}

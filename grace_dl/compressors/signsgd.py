@@ -48,6 +48,9 @@ class SignSGDCompressor(Compressor):
 
     @staticmethod
     def _encode(ops, flat):
+        fast = ops.sign_planes(flat)
+        if fast is not None:
+            return [fast]
         return [ops.cat([signbits.encode(ops, flat), ops.pack_compare(flat, "eq", 0),
                          signbits.status(ops, flat)])]
 
@@ -62,15 +65,19 @@ class SignSGDCompressor(Compressor):
         if outs is None:
             return None
         flat = ops.flatten(tensor)
-        payload = self._encode(ops, flat)
+        fast = ops.sign_planes(flat, *outs)
+        if fast is not None:
+            payload = [fast]
+        else:
+            payload = self._encode(ops, flat)
 
-        def error_of(xc, *dc):
-            v = ops.sign(xc)
-            if dc:
-                ops.assign(dc[0], v)
-            return xc - v
+            def error_of(xc, *dc):
+                v = ops.sign(xc)
+                if dc:
+                    ops.assign(dc[0], v)
+                return xc - v
 
-        ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
+            ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
         if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):   # torch only here
             for o in outs:   # as decoding gives: NaN everywhere
                 ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))

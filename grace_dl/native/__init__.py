@@ -1,5 +1,8 @@
-"""Compiled kernels (``kernels.c``), loaded with ctypes, each with a NumPy twin that gives the
-same result where the library is missing or ``GRACE_DL_NATIVE=0``.
+"""Compiled kernels (``kernels.c``), loaded with ctypes. Where the library is missing, or
+``GRACE_DL_NATIVE=0``, or an array is of a dtype or layout a kernel does not take, the same
+result comes from elsewhere: ``positions_at_least`` from its NumPy twin here, the sign-code
+kernels from ``signbits``' framework code (they return None and the caller runs it); the tests
+hold each kernel equal to its twin on every SIMD path.
 
 The library is built by ``pip install`` (``setup.py``, an optional extension: a machine without
 a C compiler still installs, and runs the NumPy paths). It uses no Python API, so the ctypes
@@ -31,6 +34,12 @@ def _load():
                                              ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
             lib.gd_vector_bits.restype = ctypes.c_int
             lib.gd_vector_bits.argtypes = []
+            lib.gd_sign_code_f32.restype = ctypes.c_int
+            lib.gd_sign_code_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64,
+                                             *[ctypes.c_void_p] * 4]
+            lib.gd_ternary_f32.restype = None
+            lib.gd_ternary_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                           ctypes.c_void_p]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -73,6 +82,41 @@ def positions_at_least(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
         out = np.empty(count, np.int32)
         count = _lib.gd_positions_f32(a.ctypes.data, n, t, mode, out.ctypes.data, count)
     return out[:count].astype(np.int64)
+
+
+def _f32(a, n=None) -> bool:
+    return (a.dtype == np.float32 and a.flags.c_contiguous and a.ndim == 1
+            and (n is None or a.size == n))
+
+
+def sign_planes(a: np.ndarray, err: np.ndarray | None = None, dec: np.ndarray | None = None):
+    """signsgd's payload for the 1-D float32 ``a`` in one pass (``signbits``' layout): uint8,
+    the negative plane (``x < 0``), the zero plane (``x == 0``), ``ceil(n/8)`` bytes each, then a
+    status byte, 1 when ``a`` holds a NaN or an Inf. When given, ``dec <- sign(a)`` (+1, -1,
+    +0 for zeros and NaN, as ``torch.sign``) and ``err <- a - dec``, float32 of ``a``'s length.
+    None where the kernel does not apply."""
+    if _lib is None or not _f32(a) or any(o is not None and not _f32(o, a.size)
+                                          for o in (err, dec)):
+        return None
+    nb = -(-a.size // 8)
+    out = np.empty(2 * nb + 1, np.uint8)
+    ptr = out.ctypes.data
+    out[2 * nb] = _lib.gd_sign_code_f32(a.ctypes.data, a.size, ptr, ptr + nb,
+                                        None if err is None else err.ctypes.data,
+                                        None if dec is None else dec.ctypes.data)
+    return out
+
+
+def ternary(pos: np.ndarray, neg: np.ndarray, n: int, out: np.ndarray):
+    """``out[i] <- +1`` where bit i of the plane ``pos`` is set, -1 where ``neg``'s is, 0 where
+    neither or both (``signbits.ternary``), for the float32 1-D ``out`` of ``n`` elements;
+    returns ``out``, or None where the kernel does not apply."""
+    nb = -(-n // 8)
+    if (_lib is None or not _f32(out, n) or any(
+            p.dtype != np.uint8 or not p.flags.c_contiguous or p.size < nb for p in (pos, neg))):
+        return None
+    _lib.gd_ternary_f32(pos.ctypes.data, neg.ctypes.data, n, out.ctypes.data)
+    return out
 
 
 _CHUNK = 1 << 16   # elements NumPy compares at a time: the mask stays in cache

@@ -84,6 +84,136 @@ static int64_t positions_avx2(const float *x, int64_t n, float t, int mode, int3
 }
 #endif
 
+/* ---------------------------------------------------------------- sign codes
+ * The 1-bit planes of grace_dl/compressors/signbits.py: element i is bit i % 8 of byte i / 8;
+ * bits past n are 0. */
+
+static inline int nonfinite(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (u & 0x7fffffffu) >= 0x7f800000u;
+}
+
+/* elements [lo, n), lo a multiple of 8: the planes' remaining bytes, bit by bit */
+static int sign_code_scalar(const float *x, int64_t lo, int64_t n, uint8_t *neg, uint8_t *zero,
+                            float *err, float *dec) {
+    int bad = 0;
+    for (int64_t b = lo; b < n; b += 8) {
+        uint8_t nb = 0, zb = 0;
+        for (int64_t i = b; i < b + 8 && i < n; i++) {
+            float v = x[i];
+            float d = v > 0 ? 1.0f : (v < 0 ? -1.0f : 0.0f);
+            nb |= (uint8_t)((v < 0) << (i - b));
+            zb |= (uint8_t)((v == 0) << (i - b));
+            bad |= nonfinite(v);
+            if (dec) dec[i] = d;
+            if (err) err[i] = v - d;
+        }
+        neg[b >> 3] = nb;
+        if (zero) zero[b >> 3] = zb;
+    }
+    return bad;
+}
+
+static void ternary_scalar(const uint8_t *pos, const uint8_t *neg, int64_t lo, int64_t n,
+                           float *out) {
+    for (int64_t i = lo; i < n; i++) {
+        int p = (pos[i >> 3] >> (i & 7)) & 1, m = (neg[i >> 3] >> (i & 7)) & 1;
+        out[i] = (float)(p - m);
+    }
+}
+
+#ifdef GD_X86
+__attribute__((target("avx512f")))
+static int sign_code_avx512(const float *x, int64_t n, uint8_t *neg, uint8_t *zero, float *err,
+                            float *dec) {
+    const __m512 z = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 minus = _mm512_set1_ps(-1.0f);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    __mmask16 bad = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __mmask16 mn = _mm512_cmp_ps_mask(v, z, _CMP_LT_OQ);
+        __mmask16 mp = _mm512_cmp_ps_mask(v, z, _CMP_GT_OQ);
+        uint16_t nb = (uint16_t)mn;
+        memcpy(neg + (i >> 3), &nb, 2);
+        if (zero) {
+            uint16_t zb = (uint16_t)_mm512_cmp_ps_mask(v, z, _CMP_EQ_OQ);
+            memcpy(zero + (i >> 3), &zb, 2);
+        }
+        bad |= _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf);
+        if (err || dec) {
+            __m512 d = _mm512_mask_blend_ps(mp, _mm512_mask_blend_ps(mn, z, minus), one);
+            if (dec) _mm512_storeu_ps(dec + i, d);
+            if (err) _mm512_storeu_ps(err + i, _mm512_sub_ps(v, d));
+        }
+    }
+    return (bad != 0) | sign_code_scalar(x, i, n, neg, zero, err, dec);
+}
+
+__attribute__((target("avx512f")))
+static void ternary_avx512(const uint8_t *pos, const uint8_t *neg, int64_t n, float *out) {
+    const __m512 z = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 minus = _mm512_set1_ps(-1.0f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint16_t p, m;
+        memcpy(&p, pos + (i >> 3), 2);
+        memcpy(&m, neg + (i >> 3), 2);
+        __m512 v = _mm512_mask_blend_ps((__mmask16)(m & ~p), z, minus);
+        _mm512_storeu_ps(out + i, _mm512_mask_blend_ps((__mmask16)(p & ~m), v, one));
+    }
+    ternary_scalar(pos, neg, i, n, out);
+}
+
+/* the 8 lanes of an AVX2 vector whose bit is set in `byte` */
+__attribute__((target("avx2")))
+static inline __m256 lanes_of(uint8_t byte) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i b = _mm256_and_si256(_mm256_set1_epi32(byte), bit);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
+}
+
+__attribute__((target("avx2")))
+static int sign_code_avx2(const float *x, int64_t n, uint8_t *neg, uint8_t *zero, float *err,
+                          float *dec) {
+    const __m256 z = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 minus = _mm256_set1_ps(-1.0f);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
+    __m256i bad = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256 ln = _mm256_cmp_ps(v, z, _CMP_LT_OQ), lp = _mm256_cmp_ps(v, z, _CMP_GT_OQ);
+        neg[i >> 3] = (uint8_t)_mm256_movemask_ps(ln);
+        if (zero) zero[i >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, z, _CMP_EQ_OQ));
+        bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(
+            _mm256_and_si256(_mm256_castps_si256(v), abs_mask), max_finite));
+        if (err || dec) {
+            __m256 d = _mm256_blendv_ps(_mm256_blendv_ps(z, minus, ln), one, lp);
+            if (dec) _mm256_storeu_ps(dec + i, d);
+            if (err) _mm256_storeu_ps(err + i, _mm256_sub_ps(v, d));
+        }
+    }
+    return (!_mm256_testz_si256(bad, bad)) | sign_code_scalar(x, i, n, neg, zero, err, dec);
+}
+
+__attribute__((target("avx2")))
+static void ternary_avx2(const uint8_t *pos, const uint8_t *neg, int64_t n, float *out) {
+    const __m256 z = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 minus = _mm256_set1_ps(-1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint8_t p = pos[i >> 3], m = neg[i >> 3];
+        __m256 v = _mm256_blendv_ps(z, minus, lanes_of((uint8_t)(m & ~p)));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(v, one, lanes_of((uint8_t)(p & ~m))));
+    }
+    ternary_scalar(pos, neg, i, n, out);
+}
+#endif
+
 /* The widest SIMD path the kernels may take (tests lower it to run every path on one CPU). */
 static int gd_max_bits = 512;
 
@@ -109,5 +239,32 @@ int64_t gd_positions_f32(const float *x, int64_t n, float t, int mode, int32_t *
     case 256: return positions_avx2(x, n, t, mode, out, cap);
 #endif
     default: return positions_scalar(x, 0, n, t, mode, out, 0, cap);
+    }
+}
+
+/* The pure-sign code of float32 x[0:n] in one pass: the negative plane (x < 0) into
+ * neg[0:ceil(n/8)], the zero plane (x == 0, either sign) into zero (skipped when NULL), and,
+ * when not NULL, dec = sign(x) (+1, -1, or +0 for zeros and NaN) and err = x - dec. Returns 1
+ * if x holds a NaN or an Inf, else 0. */
+int gd_sign_code_f32(const float *x, int64_t n, uint8_t *neg, uint8_t *zero, float *err,
+                     float *dec) {
+    switch (gd_vector_bits()) {
+#ifdef GD_X86
+    case 512: return sign_code_avx512(x, n, neg, zero, err, dec);
+    case 256: return sign_code_avx2(x, n, neg, zero, err, dec);
+#endif
+    default: return sign_code_scalar(x, 0, n, neg, zero, err, dec);
+    }
+}
+
+/* out[i] = +1 where bit i of pos is set, -1 where bit i of neg is, 0 where neither or both
+ * (signbits.ternary's table), for i < n. */
+void gd_ternary_f32(const uint8_t *pos, const uint8_t *neg, int64_t n, float *out) {
+    switch (gd_vector_bits()) {
+#ifdef GD_X86
+    case 512: ternary_avx512(pos, neg, n, out); return;
+    case 256: ternary_avx2(pos, neg, n, out); return;
+#endif
+    default: ternary_scalar(pos, neg, 0, n, out);
     }
 }

@@ -586,6 +586,17 @@ def assign_sub(var, value):
     return var
 
 
+def sign_planes(flat, error=None, decoded=None):
+    """Always None: the compiled sign code writes into buffers, which TF tensors are not
+    (``signbits`` computes the payload with TF ops)."""
+    return None
+
+
+def ternary_signs(pos, neg, n: int, out=None):
+    """Always None: see ``sign_planes`` (``signbits.ternary`` decodes with TF ops)."""
+    return None
+
+
 def flat_view(var):
     """Always None: TF tensors and variables have no writable views."""
     return None

@@ -618,6 +618,31 @@ def pack_mask(mask):
     return (v & 0xFF).to(torch.uint8)
 
 
+def sign_planes(flat, error=None, decoded=None):
+    """signsgd's payload of the 1-D ``flat`` (negative plane, zero plane, status byte: see
+    ``signbits``) in one compiled pass, writing ``decoded <- sign(flat)`` and ``error <- flat -
+    decoded`` into the 1-D tensors given; None where the kernel does not apply (not a CPU
+    float32 tensor and outputs, no compiled library: ``grace_dl.native``)."""
+    tensors = [t for t in (flat, error, decoded) if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    got = native.sign_planes(*(None if t is None else t.detach().numpy()
+                               for t in (flat, error, decoded)))
+    return None if got is None else torch.from_numpy(got)
+
+
+def ternary_signs(pos, neg, n: int, out=None):
+    """float32 +1 / -1 / 0 from the bit planes ``pos`` and ``neg`` (``signbits.ternary``) in one
+    compiled pass, into the 1-D ``out`` when given; None where the kernel does not apply (not
+    CPU tensors, ``out`` not float32, no compiled library)."""
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    if any(t.device.type != "cpu" for t in (pos, neg, out)) or out.dtype != torch.float32:
+        return None
+    got = native.ternary(pos.numpy(), neg.numpy(), n, out.detach().numpy())
+    return None if got is None else out
+
+
 COMPARISONS = {"lt": (torch.lt, np.less), "eq": (torch.eq, np.equal)}
 
 
