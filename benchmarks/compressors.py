@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import kernels  # noqa: E402
 from grace_dl.backend import ops_for  # noqa: E402
 from grace_dl.registry import BUILTIN, lookup  # noqa: E402
 
@@ -209,6 +210,7 @@ def environment(framework):
     except (OSError, subprocess.CalledProcessError):
         pass
     lines.append("- versions: " + ", ".join(versions))
+    lines.append(f"- grace_dl kernels: {kernels()}")
     try:
         load = os.getloadavg()
         lines.append(f"- load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")

@@ -46,10 +46,11 @@ def machine() -> str:
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
             f"{platform.platform()}; {os.cpu_count()} CPU cores; Python "
             f"{platform.python_version()}; " + ", ".join(f"{k} {v}" for k, v in versions.items())
-            + f"; grace_dl kernels: {_kernels()}")
+            + f"; grace_dl kernels: {kernels()}")
 
 
-def _kernels() -> str:
+def kernels() -> str:
+    """Whether grace_dl runs its compiled kernels here, and at what SIMD width."""
     from grace_dl import native
 
     if not native.available():
