@@ -280,6 +280,13 @@ class OpsBackend(Protocol):
     def ternary_signs(self, pos, neg, n, out=None):
         """+1/-1/0 from two bit planes in one compiled pass, or None (TF: always)."""
 
+    def qsgd_levels(self, x, scale, step, k, s, hi, error=None, decoded=None):
+        """qsgd's levels (and error, decoded values) in one compiled pass, or None (TF:
+        always)."""
+
+    def qsgd_values(self, codes, step, s, out, accumulate=False):
+        """qsgd's decoded values into ``out`` in one compiled pass, or None (TF: always)."""
+
     def assign_sub_at(self, var, idx, values): ...
 
     def increment(self, counter_var):

@@ -161,3 +161,76 @@ def test_signsgd_through_torch_takes_the_kernel_and_matches_tensorflow():
     vote_f = c.combine([p_tf, q_tf], ctx_f)
     np.testing.assert_array_equal(vote_t.numpy(), vote_f.numpy())
     assert set(np.unique(vote_t.numpy())) <= {-1.0, 0.0, 1.0}
+
+
+def _qsgd_everything(c, x, monkeypatch=None):
+    """Payload, error and decoded values, decode and 2-rank combine of qsgd on ``x``."""
+    from grace_dl.compressors.base import LOCAL
+
+    n = x.numel()
+    err, dec = torch.empty(n), torch.empty(n)
+    payload, ctx = c.compress(x, "g")
+    got = c.compress_with_error(x, "g", LOCAL, err, dec)
+    other, _ = c.compress(x.flip(0).contiguous(), "h")
+    out = torch.full((n,), 7.0)
+    return ([t.clone() for t in payload] + [t.clone() for t in got[0]] + [err, dec]
+            + [c.decompress_into(payload, ctx, out).clone(), c.combine([payload, other], ctx)])
+
+
+@pytest.mark.parametrize("quantum_num,bucket_size", [(64, 512), (127, 100), (7, 512), (63, 33)])
+def test_qsgd_kernels_give_the_torch_code_bits_on_every_path(every_path, monkeypatch,
+                                                             quantum_num, bucket_size):
+    """Levels (8- and 16-bit dither), error, decoded values, decoding and combining: bit for
+    bit what torch's elementwise ops give, NaN and Inf buckets, rows of any length and the
+    short last bucket included."""
+    from grace_dl.compressors.qsgd import QSGDCompressor
+    from grace_dl.torch import ops
+
+    x = torch.from_numpy(_mixed(5 * bucket_size + 37, quantum_num))   # NaN, +-Inf in bucket 0
+    x[3 * bucket_size + 1] = 1e30                                     # a huge finite value
+    calls = []
+    for name in ("qsgd_levels", "qsgd_values"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **k:
+                            calls.append(_name) or _real(*a, **k))
+    results = {}
+    for bits in every_path:
+        native.limit_vector_bits(bits)
+        results[bits] = _qsgd_everything(QSGDCompressor(quantum_num, bucket_size), x)
+    assert {"qsgd_levels", "qsgd_values"} <= set(calls)     # the kernels did run
+    monkeypatch.setattr(ops, "qsgd_levels", lambda *a, **k: None)
+    monkeypatch.setattr(ops, "qsgd_values", lambda *a, **k: None)
+    want = _qsgd_everything(QSGDCompressor(quantum_num, bucket_size), x)
+    for bits, got in results.items():
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.dtype == w.dtype, (bits, i)
+            np.testing.assert_array_equal(g.numpy().view(np.uint8), w.numpy().view(np.uint8),
+                                          err_msg=f"path {bits}, output {i}")
+
+
+def test_qsgd_error_may_overwrite_its_input(every_path):
+    """``err`` may be ``x``'s own memory (a memory's slot): each element is read first."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 64)).astype(np.float32)
+    k = rng.integers(0, 256, x.shape, dtype=np.uint8)
+    norms = np.linalg.norm(x, axis=1).astype(np.float32)
+    scale, step = (np.float32(64) / norms).astype(np.float32), (norms / np.float32(64))
+    for bits in every_path:
+        native.limit_vector_bits(bits)
+        err = np.empty_like(x)
+        codes = native.qsgd_levels(x, scale, step, k, 64.0, 128, err)
+        inplace = x.copy()
+        np.testing.assert_array_equal(native.qsgd_levels(inplace, scale, step, k, 64.0, 128,
+                                                         inplace), codes)
+        np.testing.assert_array_equal(inplace, err)
+
+
+def test_torch_ops_leave_what_numpy_cannot_hold_to_the_framework():
+    """bfloat16 has no NumPy dtype: the kernels' torch wrappers say None, signsgd still runs."""
+    from grace_dl.compressors.signsgd import SignSGDCompressor
+    from grace_dl.torch import ops
+
+    x = torch.randn(100).to(torch.bfloat16)
+    assert ops.sign_planes(x) is None
+    payload, ctx = SignSGDCompressor().compress(x, "g")
+    assert torch.equal(SignSGDCompressor().decompress(payload, ctx), torch.sign(x))

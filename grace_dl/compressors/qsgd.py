@@ -129,6 +129,12 @@ class QSGDCompressor(Compressor):
         full = n // b
         codes = []
         for i, (xr, sr, kr, st) in enumerate(zip(xs, scales, ks, steps)):
+            if i == 0 and full:     # the whole buckets in one compiled pass, where it runs
+                rows = [ops.reshape(ops.slice(o, 0, full * b), (full, b)) for o in outs]
+                fast = ops.qsgd_levels(xr, sr, st, kr, s, hi, *rows)
+                if fast is not None:
+                    codes.append(ops.flatten(fast))
+                    continue
             if not outs:
                 codes.append(ops.blockwise(levels, xr, sr, kr))
             elif i == 0 and full:   # the whole buckets: views of the outputs row by row
@@ -207,8 +213,9 @@ class QSGDCompressor(Compressor):
         steps = ops.split(step, [ops.shape(r)[0] for r in rows]) if len(rows) > 1 else [step]
         if full:
             into = ops.slice(flat, 0, full * b)
-            acc = (ops.reshape(into, (full, b)),) if accumulate else ()
-            ops.blockwise(values, rows[0], steps[0], *acc, out=into)
+            if ops.qsgd_values(rows[0], steps[0], s, into, accumulate) is None:
+                acc = (ops.reshape(into, (full, b)),) if accumulate else ()
+                ops.blockwise(values, rows[0], steps[0], *acc, out=into)
         if n > full * b:
             into = ops.slice(flat, full * b, n)
             acc = (ops.reshape(ops.pad(into, (full + 1) * b - n), (1, b)),) if accumulate else ()

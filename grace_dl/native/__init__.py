@@ -40,6 +40,15 @@ def _load():
             lib.gd_ternary_f32.restype = None
             lib.gd_ternary_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                            ctypes.c_void_p]
+            lib.gd_qsgd_levels_f32.restype = None
+            lib.gd_qsgd_levels_f32.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            lib.gd_qsgd_values_f32.restype = None
+            lib.gd_qsgd_values_f32.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+                ctypes.c_void_p, ctypes.c_int]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -116,6 +125,48 @@ def ternary(pos: np.ndarray, neg: np.ndarray, n: int, out: np.ndarray):
             p.dtype != np.uint8 or not p.flags.c_contiguous or p.size < nb for p in (pos, neg))):
         return None
     _lib.gd_ternary_f32(pos.ctypes.data, neg.ctypes.data, n, out.ctypes.data)
+    return out
+
+
+def _dense(a, dtype, size) -> bool:
+    return a.dtype == dtype and a.flags.c_contiguous and a.size == size
+
+
+_DITHER_BITS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16}
+
+
+def qsgd_levels(x, scale, step, k, s: float, hi: int, err=None, dec=None):
+    """qsgd's stochastic levels (``QSGDCompressor``) of the rows of the float32 ``x`` (rows x
+    b): uint8 codes ``min(hi, trunc(x * scale[r] + u + s))`` with the dither ``u = (k + 1/2) /
+    2**bits`` of the uint8 (8 bits) or uint16 (16 bits) ``k``; when given, ``dec <- (code - s) *
+    step[r]`` and ``err <- x - dec`` (``err`` may be ``x``'s memory). The same float32 operations
+    as the torch code, so the same bits. None where the kernel does not apply."""
+    if _lib is None or x.ndim != 2 or not _dense(x, np.float32, x.size):
+        return None
+    rows = x.shape[0]
+    if (not _dense(scale, np.float32, rows) or not _dense(step, np.float32, rows)
+            or k.dtype not in _DITHER_BITS or not _dense(k, k.dtype, x.size)
+            or any(o is not None and not _dense(o, np.float32, x.size) for o in (err, dec))):
+        return None
+    codes = np.empty(x.shape, np.uint8)
+    _lib.gd_qsgd_levels_f32(x.ctypes.data, rows, x.shape[1], scale.ctypes.data,
+                            step.ctypes.data, k.ctypes.data, _DITHER_BITS[k.dtype], s, hi,
+                            codes.ctypes.data, None if err is None else err.ctypes.data,
+                            None if dec is None else dec.ctypes.data)
+    return codes
+
+
+def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
+    """qsgd's decoded values of the uint8 ``codes`` (rows x b): ``out <- (code - s) *
+    step[r]``, plus what ``out`` held when ``accumulate``; returns ``out`` (float32, of the codes'
+    size), or None where the kernel does not apply."""
+    if _lib is None or codes.ndim != 2 or not _dense(codes, np.uint8, codes.size):
+        return None
+    rows = codes.shape[0]
+    if not _dense(step, np.float32, rows) or not _dense(out, np.float32, codes.size):
+        return None
+    _lib.gd_qsgd_values_f32(codes.ctypes.data, rows, codes.shape[1], step.ctypes.data, s,
+                            out.ctypes.data, int(accumulate))
     return out
 
 

@@ -214,6 +214,110 @@ static void ternary_avx2(const uint8_t *pos, const uint8_t *neg, int64_t n, floa
 }
 #endif
 
+/* ---------------------------------------------------------------- qsgd levels
+ * grace_dl/compressors/qsgd.py's stochastic levels and decoded values, the same float32
+ * operations in the same order (built with -ffp-contract=off: no fused multiply-adds), so the
+ * results are bit for bit those of torch's elementwise ops. Row r of b elements has its own
+ * scale[r] (s / norm) and step[r] (norm / s). */
+
+/* float32 -> int32 as x86's cvttps2dq: truncation, and INT32_MIN for NaN and out of range */
+static inline int32_t trunc_i32(float t) {
+    if (!(t >= -2147483648.0f && t < 2147483648.0f)) return INT32_MIN;
+    return (int32_t)t;
+}
+
+static inline float dither_of(const void *k, int kbits, int64_t i) {
+    return kbits == 8 ? (float)((const uint8_t *)k)[i] : (float)((const uint16_t *)k)[i];
+}
+
+/* elements [from, to) of one row, whose scale and step are given */
+static void levels_span(const float *x, int64_t from, int64_t to, float scale, float step,
+                        const void *k, int kbits, float s, int hi, uint8_t *codes, float *err,
+                        float *dec) {
+    const float unit = kbits == 8 ? 1.0f / 256 : 1.0f / 65536;
+    const float off = s + unit * 0.5f;
+    for (int64_t i = from; i < to; i++) {
+        float xi = x[i], t = xi * scale;
+        t += dither_of(k, kbits, i) * unit;
+        t += off;
+        uint8_t c = (uint8_t)(uint32_t)trunc_i32(t);
+        if (c > hi) c = (uint8_t)hi;
+        codes[i] = c;
+        if (err || dec) {
+            float v = (float)c - s;
+            v *= step;
+            if (dec) dec[i] = v;
+            if (err) err[i] = xi - v;
+        }
+    }
+}
+
+static void values_span(const uint8_t *codes, int64_t from, int64_t to, float step, float s,
+                        float *out, int accumulate) {
+    for (int64_t i = from; i < to; i++) {
+        float v = (float)codes[i] - s;
+        v *= step;
+        out[i] = accumulate ? v + out[i] : v;
+    }
+}
+
+#ifdef GD_X86
+__attribute__((target("avx512f")))
+static void levels_avx512(const float *x, int64_t rows, int64_t b, const float *scale,
+                          const float *step, const void *k, int kbits, float s, int hi,
+                          uint8_t *codes, float *err, float *dec) {
+    const float unit_f = kbits == 8 ? 1.0f / 256 : 1.0f / 65536;
+    const __m512 unit = _mm512_set1_ps(unit_f), off = _mm512_set1_ps(s + unit_f * 0.5f);
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i hiv = _mm512_set1_epi32(hi), low_byte = _mm512_set1_epi32(0xff);
+    int64_t i = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 sc = _mm512_set1_ps(scale[r]), st = _mm512_set1_ps(step[r]);
+        int64_t end = (r + 1) * b;
+        for (; i + 16 <= end; i += 16) {
+            __m512 xv = _mm512_loadu_ps(x + i);
+            __m512i ki = kbits == 8
+                ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)k + i)))
+                : _mm512_cvtepu16_epi32(
+                      _mm256_loadu_si256((const __m256i *)((const uint16_t *)k + i)));
+            __m512 t = _mm512_mul_ps(xv, sc);
+            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(ki), unit));
+            t = _mm512_add_ps(t, off);
+            __m512i c = _mm512_and_si512(_mm512_cvttps_epi32(t), low_byte);
+            c = _mm512_min_epu32(c, hiv);
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(c));
+            if (err || dec) {
+                __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), sv), st);
+                if (dec) _mm512_storeu_ps(dec + i, v);
+                if (err) _mm512_storeu_ps(err + i, _mm512_sub_ps(xv, v));
+            }
+        }
+        /* a row whose length is not a multiple of 16: its tail */
+        levels_span(x, i, end, scale[r], step[r], k, kbits, s, hi, codes, err, dec);
+        i = end;
+    }
+}
+
+__attribute__((target("avx512f")))
+static void values_avx512(const uint8_t *codes, int64_t rows, int64_t b, const float *step,
+                          float s, float *out, int accumulate) {
+    const __m512 sv = _mm512_set1_ps(s);
+    int64_t i = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 st = _mm512_set1_ps(step[r]);
+        int64_t end = (r + 1) * b;
+        for (; i + 16 <= end; i += 16) {
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
+            __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), sv), st);
+            if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(out + i));
+            _mm512_storeu_ps(out + i, v);
+        }
+        values_span(codes, i, end, step[r], s, out, accumulate);
+        i = end;
+    }
+}
+#endif
+
 /* The widest SIMD path the kernels may take (tests lower it to run every path on one CPU). */
 static int gd_max_bits = 512;
 
@@ -267,4 +371,34 @@ void gd_ternary_f32(const uint8_t *pos, const uint8_t *neg, int64_t n, float *ou
 #endif
     default: ternary_scalar(pos, neg, 0, n, out);
     }
+}
+
+/* qsgd's levels of rows x rows of b float32 (qsgd.py ``levels``): code = min(hi, low byte of
+ * trunc(x * scale[r] + k * 2**-kbits + (s + 2**-(kbits+1)))), k the uint8 (kbits 8) or uint16
+ * (16) dither; and, when not NULL, dec = (code - s) * step[r] and err = x - dec (err may be
+ * x itself). */
+void gd_qsgd_levels_f32(const float *x, int64_t rows, int64_t b, const float *scale,
+                        const float *step, const void *k, int kbits, float s, int hi,
+                        uint8_t *codes, float *err, float *dec) {
+#ifdef GD_X86
+    if (gd_vector_bits() >= 512) {
+        levels_avx512(x, rows, b, scale, step, k, kbits, s, hi, codes, err, dec);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        levels_span(x, r * b, (r + 1) * b, scale[r], step[r], k, kbits, s, hi, codes, err, dec);
+}
+
+/* qsgd's decoded values: out = (code - s) * step[r], plus what out holds when accumulate. */
+void gd_qsgd_values_f32(const uint8_t *codes, int64_t rows, int64_t b, const float *step,
+                        float s, float *out, int accumulate) {
+#ifdef GD_X86
+    if (gd_vector_bits() >= 512) {
+        values_avx512(codes, rows, b, step, s, out, accumulate);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        values_span(codes, r * b, (r + 1) * b, step[r], s, out, accumulate);
 }

@@ -597,6 +597,16 @@ def ternary_signs(pos, neg, n: int, out=None):
     return None
 
 
+def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
+    """Always None: see ``sign_planes`` (qsgd quantizes with TF ops)."""
+    return None
+
+
+def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
+    """Always None: see ``sign_planes`` (qsgd decodes with TF ops)."""
+    return None
+
+
 def flat_view(var):
     """Always None: TF tensors and variables have no writable views."""
     return None

@@ -618,28 +618,56 @@ def pack_mask(mask):
     return (v & 0xFF).to(torch.uint8)
 
 
+def _cpu_numpy(*tensors):
+    """NumPy views of CPU tensors (None stays None); None if any tensor is elsewhere or of a
+    dtype NumPy lacks (bfloat16): the compiled kernels' inputs."""
+    if any(t is not None and t.device.type != "cpu" for t in tensors):
+        return None
+    try:
+        return [None if t is None else t.detach().numpy() for t in tensors]
+    except TypeError:
+        return None
+
+
 def sign_planes(flat, error=None, decoded=None):
     """signsgd's payload of the 1-D ``flat`` (negative plane, zero plane, status byte: see
     ``signbits``) in one compiled pass, writing ``decoded <- sign(flat)`` and ``error <- flat -
-    decoded`` into the 1-D tensors given; None where the kernel does not apply (not a CPU
-    float32 tensor and outputs, no compiled library: ``grace_dl.native``)."""
-    tensors = [t for t in (flat, error, decoded) if t is not None]
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return None
-    got = native.sign_planes(*(None if t is None else t.detach().numpy()
-                               for t in (flat, error, decoded)))
+    decoded`` into the 1-D tensors given; None where the kernel does not apply (not CPU
+    float32 tensors, no compiled library: ``grace_dl.native.sign_planes``)."""
+    arrays = _cpu_numpy(flat, error, decoded)
+    got = None if arrays is None else native.sign_planes(*arrays)
     return None if got is None else torch.from_numpy(got)
 
 
 def ternary_signs(pos, neg, n: int, out=None):
     """float32 +1 / -1 / 0 from the bit planes ``pos`` and ``neg`` (``signbits.ternary``) in one
-    compiled pass, into the 1-D ``out`` when given; None where the kernel does not apply (not
-    CPU tensors, ``out`` not float32, no compiled library)."""
+    compiled pass, into the 1-D ``out`` when given; None where the kernel does not apply."""
     if out is None:
-        out = torch.empty(n, dtype=torch.float32)
-    if any(t.device.type != "cpu" for t in (pos, neg, out)) or out.dtype != torch.float32:
+        out = torch.empty(n, dtype=torch.float32, device=pos.device)
+    arrays = _cpu_numpy(pos, neg, out)
+    got = None if arrays is None else native.ternary(arrays[0], arrays[1], n, arrays[2])
+    return None if got is None else out
+
+
+def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
+    """qsgd's uint8 levels of the rows of ``x`` (and its error and decoded values, when given)
+    in one compiled pass (``grace_dl.native.qsgd_levels``); None where it does not apply."""
+    arrays = _cpu_numpy(x, scale, step, k, error, decoded)
+    if arrays is None:
         return None
-    got = native.ternary(pos.numpy(), neg.numpy(), n, out.detach().numpy())
+    x_, scale_, step_, k_, err_, dec_ = arrays
+    got = native.qsgd_levels(x_, scale_.reshape(-1), step_.reshape(-1), k_, s, hi, err_, dec_)
+    return None if got is None else torch.from_numpy(got)
+
+
+def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
+    """qsgd's decoded rows ``(codes - s) * step`` into ``out`` (added when ``accumulate``) in
+    one compiled pass (``grace_dl.native.qsgd_values``); returns ``out``, or None where that
+    does not apply."""
+    arrays = _cpu_numpy(codes, step, out)
+    if arrays is None:
+        return None
+    got = native.qsgd_values(arrays[0], arrays[1].reshape(-1), s, arrays[2], accumulate)
     return None if got is None else out
 
 
