@@ -50,7 +50,8 @@ import torch
 import torch.nn as nn
 
 import grace_dl.torch.horovod as hvd
-from benchmarks.pipelines import PIPELINES, VARIANTS, make_grace, predict_step
+from benchmarks.pipelines import PIPELINES, VARIANTS, kernels_on, make_grace, predict_step
+from grace_dl import native
 from grace_dl.strategy.dispatcher import StrategyDispatcher
 
 MODELS = ("tiny", "mlp", "cnn", "resnet18", "transformer")
@@ -187,6 +188,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    native.use(kernels_on(args.pipeline))
     hvd.init()
     model, shape = build_model(args.model)
     x = torch.randn(args.batch, *shape)

@@ -35,7 +35,8 @@ import torch.nn as nn
 
 import grace_dl.torch.horovod as hvd
 from benchmarks.e2e_worker import build_model
-from benchmarks.pipelines import GRACE, PIPELINES, VARIANTS, make_grace
+from benchmarks.pipelines import GRACE, PIPELINES, VARIANTS, kernels_on, make_grace
+from grace_dl import native
 from grace_dl.collectives import Collectives
 
 PHASES = ("compensate", "compress", "memory_update", "issue", "wait", "complete")
@@ -164,6 +165,7 @@ def main() -> None:
 
     def one_step(name, record: bool):
         model, opt, _ = runs[name]
+        native.use(kernels_on(name))
         CLOCK.take()
         opt.zero_grad()
         early = getattr(opt, "phases_completed_early", None)

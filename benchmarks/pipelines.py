@@ -47,6 +47,7 @@ PIPELINES: dict[str, dict | str | None] = {
 #: (``pack_parts=False``: the layout before packing, ``grace_dl.communicators.wire``);
 #: ``-early`` lets the gradient hooks complete exchanges whose collectives have finished
 #: (``early_rounds=True``, ``Router.advance``): later rounds start during the backward pass. The
+#: ``-twins`` runs the pipeline with grace_dl's compiled kernels off (``kernels_on``). The
 #: ``"grace"`` option overrides the pipeline's GRACE keys, the others go to the optimizer.
 VARIANTS: dict[str, tuple[str, dict]] = {
     **{f"{k}-whole": (k, {"piece_bytes": None}) for k in ("qsgd-2phase", "signsgd-2phase")},
@@ -58,13 +59,23 @@ VARIANTS: dict[str, tuple[str, dict]] = {
        for k in ("topk", "qsgd-2phase", "signsgd-2phase")},
     **{f"{k}-early": (k, {"early_rounds": True})
        for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase", "powersgd")},
+    **{f"{k}-twins": (k, {"kernels": False})
+       for k in ("topk", "qsgd-2phase", "signsgd-2phase")},
 }
+
+
+def kernels_on(pipeline: str) -> bool:
+    """Whether ``pipeline`` runs grace_dl's compiled kernels (``-twins`` variants run their
+    framework twins: the code before the kernels, to compare in one job; the workers call
+    ``grace_dl.native.use`` with this before each step)."""
+    return VARIANTS.get(pipeline, ("", {}))[1].get("kernels", True)
 
 
 def _variant(pipeline: str) -> tuple[str, dict, dict]:
     """``(base pipeline, GRACE keys it overrides, DistributedOptimizer options)``."""
     base, options = VARIANTS[pipeline]
     options = dict(options)
+    options.pop("kernels", None)    # not an optimizer option: see kernels_on
     return base, options.pop("grace", {}), options
 
 

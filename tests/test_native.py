@@ -234,3 +234,30 @@ def test_torch_ops_leave_what_numpy_cannot_hold_to_the_framework():
     assert ops.sign_planes(x) is None
     payload, ctx = SignSGDCompressor().compress(x, "g")
     assert torch.equal(SignSGDCompressor().decompress(payload, ctx), torch.sign(x))
+
+
+def test_use_false_gives_every_kernel_to_its_twin():
+    """``native.use(False)`` (what the benchmarks' ``-twins`` variants do between steps): the
+    kernels step aside, the results stay the same, and True brings them back."""
+    from benchmarks.pipelines import kernels_on, make_grace
+    from grace_dl.compressors.signsgd import SignSGDCompressor
+
+    a = _mixed(1000, 11)
+    want = native.positions_at_least(a, 1.5)
+    payload = SignSGDCompressor().compress(torch.from_numpy(a), "g")[0][0]
+    try:
+        native.use(False)
+        assert not native.in_use()
+        assert native.sign_planes(a) is None
+        assert native.ternary(np.zeros(125, np.uint8), np.zeros(125, np.uint8), 1000,
+                              np.empty(1000, np.float32)) is None
+        np.testing.assert_array_equal(native.positions_at_least(a, 1.5), want)
+        np.testing.assert_array_equal(
+            SignSGDCompressor().compress(torch.from_numpy(a), "g")[0][0].numpy(),
+            payload.numpy())
+    finally:
+        native.use(True)
+    assert native.in_use() and native.sign_planes(a) is not None
+    assert kernels_on("topk") and kernels_on("topk-bucket") and not kernels_on("topk-twins")
+    grc, options = make_grace("qsgd-2phase-twins", torch.nn.Linear(2, 2))
+    assert options == {} and grc.compressor.quantum_num == 64

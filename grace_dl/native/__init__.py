@@ -56,11 +56,25 @@ def _load():
 
 
 _lib = _load()
+_enabled = _lib is not None
 
 
 def available() -> bool:
     """Whether the compiled library is loaded (False: every kernel runs its NumPy twin)."""
     return _lib is not None
+
+
+def use(enabled: bool) -> None:
+    """Run the compiled kernels (True, the default where the library loaded) or their twins
+    (False) in this process from now on; the benchmarks switch between steps to compare both
+    in one job. True without the library changes nothing."""
+    global _enabled
+    _enabled = bool(enabled) and _lib is not None
+
+
+def in_use() -> bool:
+    """Whether the kernels run now (the library loaded and ``use`` has not turned them off)."""
+    return _enabled
 
 
 def vector_bits() -> int:
@@ -80,7 +94,7 @@ def positions_at_least(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
     (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never. One pass over ``a``
     when compiled (float32, C-contiguous, under 2**31 elements), else NumPy chunk by chunk."""
     mode = _MODE[sign]
-    if _lib is None or a.dtype != np.float32 or not a.flags.c_contiguous or a.size >= 2**31:
+    if not _enabled or a.dtype != np.float32 or not a.flags.c_contiguous or a.size >= 2**31:
         return _positions_numpy(a, thr, sign)
     n = a.size
     t = float(thr)
@@ -104,7 +118,7 @@ def sign_planes(a: np.ndarray, err: np.ndarray | None = None, dec: np.ndarray | 
     status byte, 1 when ``a`` holds a NaN or an Inf. When given, ``dec <- sign(a)`` (+1, -1,
     +0 for zeros and NaN, as ``torch.sign``) and ``err <- a - dec``, float32 of ``a``'s length.
     None where the kernel does not apply."""
-    if _lib is None or not _f32(a) or any(o is not None and not _f32(o, a.size)
+    if not _enabled or not _f32(a) or any(o is not None and not _f32(o, a.size)
                                           for o in (err, dec)):
         return None
     nb = -(-a.size // 8)
@@ -121,7 +135,7 @@ def ternary(pos: np.ndarray, neg: np.ndarray, n: int, out: np.ndarray):
     neither or both (``signbits.ternary``), for the float32 1-D ``out`` of ``n`` elements;
     returns ``out``, or None where the kernel does not apply."""
     nb = -(-n // 8)
-    if (_lib is None or not _f32(out, n) or any(
+    if (not _enabled or not _f32(out, n) or any(
             p.dtype != np.uint8 or not p.flags.c_contiguous or p.size < nb for p in (pos, neg))):
         return None
     _lib.gd_ternary_f32(pos.ctypes.data, neg.ctypes.data, n, out.ctypes.data)
@@ -141,7 +155,7 @@ def qsgd_levels(x, scale, step, k, s: float, hi: int, err=None, dec=None):
     2**bits`` of the uint8 (8 bits) or uint16 (16 bits) ``k``; when given, ``dec <- (code - s) *
     step[r]`` and ``err <- x - dec`` (``err`` may be ``x``'s memory). The same float32 operations
     as the torch code, so the same bits. None where the kernel does not apply."""
-    if _lib is None or x.ndim != 2 or not _dense(x, np.float32, x.size):
+    if not _enabled or x.ndim != 2 or not _dense(x, np.float32, x.size):
         return None
     rows = x.shape[0]
     if (not _dense(scale, np.float32, rows) or not _dense(step, np.float32, rows)
@@ -160,7 +174,7 @@ def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
     """qsgd's decoded values of the uint8 ``codes`` (rows x b): ``out <- (code - s) *
     step[r]``, plus what ``out`` held when ``accumulate``; returns ``out`` (float32, of the codes'
     size), or None where the kernel does not apply."""
-    if _lib is None or codes.ndim != 2 or not _dense(codes, np.uint8, codes.size):
+    if not _enabled or codes.ndim != 2 or not _dense(codes, np.uint8, codes.size):
         return None
     rows = codes.shape[0]
     if not _dense(step, np.float32, rows) or not _dense(out, np.float32, codes.size):
