@@ -261,3 +261,22 @@ def test_use_false_gives_every_kernel_to_its_twin():
     assert kernels_on("topk") and kernels_on("topk-bucket") and not kernels_on("topk-twins")
     grc, options = make_grace("qsgd-2phase-twins", torch.nn.Linear(2, 2))
     assert options == {} and grc.compressor.quantum_num == 64
+
+
+@pytest.mark.parametrize("thr", [1.5, 2.576, 3.0e38, float(np.finfo(np.float32).tiny)])
+def test_threshold_keeps_exactly_the_strict_magnitudes(thr):
+    """threshold's ``|x| > t`` through the one-pass scan (``>=`` the next float32 above t):
+    entries at t, just above it, +-0, +-inf and NaN fall as the plain comparison puts them, in
+    torch (compiled) and TF (its ops). (Subnormal thresholds keep the plain comparison.)"""
+    tf = pytest.importorskip("tensorflow")
+    from grace_dl.compressors.threshold import ThresholdCompressor
+
+    a = _mixed(3000, 12)
+    t32 = np.float32(thr)
+    a[[100, 101, 102]] = [t32, -t32, np.nextafter(t32, np.float32(np.inf))]
+    want = np.flatnonzero((a > t32) | (a < -t32))
+    c = ThresholdCompressor(thr)
+    for x in (torch.from_numpy(a), tf.constant(a)):
+        payload, _ = c.compress(x, "g")
+        np.testing.assert_array_equal(np.asarray(payload[1]), want)
+        np.testing.assert_array_equal(np.asarray(payload[0]), a[want])

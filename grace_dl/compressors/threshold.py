@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
 from grace_dl.compressors.base import LOCAL
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
+
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 @register_compressor("threshold")
@@ -43,4 +47,9 @@ class ThresholdCompressor(SparseCompressor):
             return self.empty(ops, tensor)
         flat = ops.flatten(tensor)
         thr = self.threshold
+        if ops.dtype(flat) == "float32" and thr >= _F32_TINY:
+            # |x| > t is |x| >= the next float32 above t: the sparsifiers' one-pass scan (not
+            # for subnormal t, which a CPU flushing subnormals to zero would compare as 0)
+            above = float(np.nextafter(np.float32(thr), np.float32(np.inf)))
+            return self.pack(ops, tensor, ops.positions_at_least(flat, above))
         return self.pack(ops, tensor, ops.nonzero((flat > thr) | (flat < -thr)))
