@@ -14,6 +14,8 @@ import hashlib
 
 import numpy as np
 
+from grace_dl import native
+
 
 def stable_hash(name: str) -> int:
     """A 64-bit hash of ``name`` that is the same in every process (unlike ``hash()``)."""
@@ -67,7 +69,10 @@ def dither(seed: int, name: str, step: int, n: int, bits: int = 16,
         raise ValueError(f"bits must be one of {list(DITHER_BITS)}, got {bits}")
     n = int(n)
     words = -(-n * bits // 64)
-    raw = generator(seed, name, step, stream).bit_generator.random_raw(words)
+    bits_gen = generator(seed, name, step, stream).bit_generator
+    raw = native.sfc64_raw(bits_gen.state["state"]["state"], words)
+    if raw is None:
+        raw = bits_gen.random_raw(words)
     return raw.view(np.uint8 if bits == 8 else np.uint16)[:n]
 
 

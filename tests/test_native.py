@@ -280,3 +280,26 @@ def test_threshold_keeps_exactly_the_strict_magnitudes(thr):
         payload, _ = c.compress(x, "g")
         np.testing.assert_array_equal(np.asarray(payload[1]), want)
         np.testing.assert_array_equal(np.asarray(payload[0]), a[want])
+
+
+@pytest.mark.parametrize("words", [0, 1, 7, 100_003])
+@pytest.mark.parametrize("key", [(0, "a", 0, 0), (3, "layer.weight/chunk1", 12345, 2),
+                                 (2**31 - 1, "", 2**32 - 1, 0)])
+def test_sfc64_gives_numpys_words_and_the_same_dither(words, key):
+    """The compiled SFC64 continues NumPy's state word for word, so every dither (torch's and
+    TF's alike: both take seeding.dither's array) is unchanged."""
+    from grace_dl import seeding
+
+    want = seeding.generator(*key).bit_generator.random_raw(words)
+    state = seeding.generator(*key).bit_generator.state["state"]["state"]
+    np.testing.assert_array_equal(native.sfc64_raw(state, words), want)
+    for bits in (8, 16):
+        n = words * 64 // bits - 3 if words else 0
+        got = seeding.dither(key[0], key[1], key[2], max(n, 0), bits, key[3])
+        try:
+            native.use(False)
+            twin = seeding.dither(key[0], key[1], key[2], max(n, 0), bits, key[3])
+        finally:
+            native.use(True)
+        np.testing.assert_array_equal(got, twin)
+        assert got.dtype == twin.dtype

@@ -49,6 +49,8 @@ def _load():
             lib.gd_qsgd_values_f32.argtypes = [
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
                 ctypes.c_void_p, ctypes.c_int]
+            lib.gd_sfc64_raw.restype = None
+            lib.gd_sfc64_raw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -181,6 +183,17 @@ def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
         return None
     _lib.gd_qsgd_values_f32(codes.ctypes.data, rows, codes.shape[1], step.ctypes.data, s,
                             out.ctypes.data, int(accumulate))
+    return out
+
+
+def sfc64_raw(state: np.ndarray, words: int):
+    """``words`` uint64 outputs of NumPy's SFC64 from ``state`` (its ``bit_generator.state
+    ["state"]["state"]``: a, b, c, counter), as its ``random_raw(words)`` would give them, in a
+    compiled loop (NumPy's costs ~4 ns a word here); None where the kernel does not apply."""
+    if not _enabled or not _dense(state, np.uint64, 4):
+        return None
+    out = np.empty(int(words), np.uint64)
+    _lib.gd_sfc64_raw(state.ctypes.data, out.size, out.ctypes.data)
     return out
 
 

@@ -402,3 +402,18 @@ void gd_qsgd_values_f32(const uint8_t *codes, int64_t rows, int64_t b, const flo
     for (int64_t r = 0; r < rows; r++)
         values_span(codes, r * b, (r + 1) * b, step[r], s, out, accumulate);
 }
+
+/* ---------------------------------------------------------------- random bits
+ * `words` outputs of Chris Doty-Humphrey's SFC64 from the state s = (a, b, c, counter), the
+ * recurrence of NumPy's SFC64 bit generator: the same words as its random_raw(words) from
+ * that state (grace_dl/seeding.py draws every dither this way). s is not advanced. */
+void gd_sfc64_raw(const uint64_t *state, int64_t words, uint64_t *out) {
+    uint64_t a = state[0], b = state[1], c = state[2], w = state[3];
+    for (int64_t i = 0; i < words; i++) {
+        uint64_t tmp = a + b + w++;
+        a = b ^ (b >> 11);
+        b = c + (c << 3);
+        c = ((c << 24) | (c >> 40)) + tmp;
+        out[i] = tmp;
+    }
+}
