@@ -1,7 +1,8 @@
 """The whole benchmark suite in one command (``make bench``), or a smoke run (``--quick``).
 
-Full: the compressor micro table, the pipelines' overhead on loopback (a "make bench" section
-of overhead.md, beside the committed before/after ones), end-to-end runs at 100 Mbit/s, 1
+Full: the compressor micro table, the compiled kernels against their twins, the pipelines'
+overhead on loopback (a "make bench" section of overhead.md, beside the committed before/after
+ones), end-to-end runs at 100 Mbit/s, 1
 Gbit/s and 10 Gbit/s for the MLP, the CNN, ResNet-18 and the transformer encoder and every
 pipeline, convergence on digits, then the report; results land in benchmarks/results/. Quick: a
 tiny model, 2 hosts, one link speed, two pipelines, one epoch, into a directory of your choice
@@ -16,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import convergence, e2e, overhead, report
+from benchmarks import convergence, e2e, kernels, overhead, report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
         if micro.exists():
             subprocess.run([sys.executable, str(micro), "--threads", "1", "--out",
                             str(results / "compressors.md")], check=True, cwd=str(ROOT))
+        kernels.main(["--out", str(results / "kernels.md")])
         overhead.main(["--label", "make bench", "--out", str(results / "overhead.json")])
         e2e.main(["--out", str(results / "e2e.json"),
                   "--calibration-dir", str(results / "calibration")])

@@ -303,3 +303,15 @@ def test_sfc64_gives_numpys_words_and_the_same_dither(words, key):
             native.use(True)
         np.testing.assert_array_equal(got, twin)
         assert got.dtype == twin.dtype
+
+
+def test_the_kernels_benchmark_compares_every_case(capsys):
+    """``python -m benchmarks.kernels --quick``: every kernel against its twin, one table."""
+    from benchmarks import kernels
+
+    assert kernels.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(kernels.cases(64))
+    assert all(float(r.split("|")[4]) > 0 for r in rows[1:])      # twin / kernel
+    assert native.in_use()                                          # left switched on

@@ -1,0 +1,122 @@
+"""grace_dl's compiled kernels against their twins, one process, one thread: the same call
+with ``grace_dl.native.use(True)`` and ``use(False)`` alternating, medians of the repeats.
+
+    python -m benchmarks.kernels            # 4M fp32, 25 repeats: benchmarks/results/kernels.md
+    python -m benchmarks.kernels --quick    # 64K elements, 3 repeats, printed only
+
+*twin / kernel* is the speed-up; *x memcpy* is the kernel's time over one copy of the input
+into a buffer allocated once (one pass over memory), timed in the same alternation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.report import _table, kernels, machine
+from grace_dl import native, seeding
+from grace_dl.compressors.base import LOCAL
+from grace_dl.compressors.qsgd import QSGDCompressor
+from grace_dl.compressors.signsgd import SignSGDCompressor
+from grace_dl.compressors.threshold import ThresholdCompressor
+from grace_dl.compressors.topk import TopKCompressor
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks/results/kernels.md"
+
+
+def cases(n: int) -> dict:
+    """name -> a call timed with the kernels on and off (each builds what it needs first)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g)
+    err, dec, out = torch.empty(n), torch.empty(n), torch.empty(n)
+    a = x.numpy()
+    thr = float(np.quantile(np.abs(a[: 1 << 16]), 0.986))   # ~1.4% candidates, as topk 1% scans
+    sign, qsgd = SignSGDCompressor(), QSGDCompressor(quantum_num=64)
+    s_payload, s_ctx = sign.compress(x, "s")
+    q_payload, q_ctx = qsgd.compress(x, "q")
+    q_other, _ = qsgd.compress(x.flip(0).contiguous(), "q2")
+    topk, threshold = TopKCompressor(0.01), ThresholdCompressor(2.576)
+    return {
+        "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: native.positions_at_least(a, thr),
+        "topk 1% compress": lambda: topk.compress(x, "t"),
+        "threshold 2.576 compress": lambda: threshold.compress(x, "h"),
+        "signsgd compress with error": lambda: sign.compress_with_error(x, "s", LOCAL, err),
+        "signsgd decompress into": lambda: sign.decompress_into(s_payload, s_ctx, out),
+        "qsgd (s=64) compress with error": lambda: qsgd.compress_with_error(x, "q", LOCAL, err,
+                                                                          dec),
+        "qsgd decompress into": lambda: qsgd.decompress_into(q_payload, q_ctx, out),
+        "qsgd combine, 2 ranks": lambda: qsgd.combine([q_payload, q_other], q_ctx, out),
+        "dither, 8 bits": lambda: seeding.dither(0, "d", 1, n, 8),
+        "dither, 16 bits": lambda: seeding.dither(0, "d", 1, n, 16),
+    }
+
+
+def measure(n: int, repeats: int) -> list[dict]:
+    x = torch.randn(n)
+    buf = torch.empty(n)
+    rows = []
+    for name, call in cases(n).items():
+        times = {True: [], False: [], "copy": []}
+        for on in (True, False):        # warm-up, each way
+            native.use(on)
+            call()
+        for _ in range(repeats):
+            for on in (True, False):
+                native.use(on)
+                t0 = time.perf_counter()
+                call()
+                times[on].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            buf.copy_(x)
+            times["copy"].append(time.perf_counter() - t0)
+        native.use(True)
+        kernel, twin, copy = (statistics.median(times[k]) for k in (True, False, "copy"))
+        rows.append({"case": name, "kernel ms": f"{kernel * 1e3:.2f}",
+                     "twin ms": f"{twin * 1e3:.2f}", "twin / kernel": f"{twin / kernel:.2f}",
+                     "x memcpy": f"{kernel / copy:.2f}"})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="64K elements, 3 repeats, printed only")
+    ap.add_argument("--numel", type=int, default=1 << 22)
+    ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--out", default=None, help=f"markdown file (default {OUT.relative_to(ROOT)}"
+                                                "; --quick prints only)")
+    args = ap.parse_args(argv)
+    if not native.available():
+        raise SystemExit("grace_dl's compiled kernels are not built here "
+                         "(grace_dl.native.available() is False): nothing to compare")
+    n, repeats = (1 << 16, 3) if args.quick else (args.numel, args.repeats)
+    if n < 1 or repeats < 1:
+        raise SystemExit(f"--numel and --repeats must be >= 1, got {n} and {repeats}")
+    torch.set_num_threads(1)
+    rows = measure(n, repeats)
+    text = "\n".join([
+        "# Compiled kernels against their twins", "",
+        f"Machine: {machine()}", "",
+        f"Made with `python -m benchmarks.kernels{' ' + ' '.join(argv or sys.argv[1:])}`".rstrip()
+        + f": {n} fp32 elements ({n * 4 / 2**20:.1f} MB), standard normal, one thread, each "
+        f"call with the kernels ({kernels()}) and with their twins (`native.use(False)`) "
+        f"alternating, {repeats} repeats, medians. x memcpy = the kernel's time over a copy of "
+        f"the input into a buffer allocated once, timed in the same loop.", "",
+        _table(["case", "kernel ms", "twin ms", "twin / kernel", "x memcpy"], rows), ""])
+    print(text)
+    if not args.quick:
+        path = Path(args.out) if args.out else OUT
+        path.write_text(text)
+        print(f"wrote {path}")
+    return 0 if all(math.isfinite(float(r["twin / kernel"])) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
