@@ -104,8 +104,8 @@ def main(argv=None) -> int:
     text = "\n".join([
         "# Compiled kernels against their twins", "",
         f"Machine: {machine()}", "",
-        f"Made with `python -m benchmarks.kernels{' ' + ' '.join(argv or sys.argv[1:])}`".rstrip()
-        + f": {n} fp32 elements ({n * 4 / 2**20:.1f} MB), standard normal, one thread, each "
+        f"Made with `{' '.join(['python -m benchmarks.kernels', *(argv or sys.argv[1:])])}`"
+        f": {n} fp32 elements ({n * 4 / 2**20:.1f} MB), standard normal, one thread, each "
         f"call with the kernels ({kernels()}) and with their twins (`native.use(False)`) "
         f"alternating, {repeats} repeats, medians. x memcpy = the kernel's time over a copy of "
         f"the input into a buffer allocated once, timed in the same loop.", "",
