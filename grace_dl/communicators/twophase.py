@@ -77,6 +77,8 @@ class Gathering(Phase):
     #: feedback already), or None
     own: object = None
     packed: bool = False
+    #: ``own`` is already written in the handle's ``into`` (``_server_step`` fused)
+    own_in_place: bool = False
 
     def waits_on(self) -> list:
         return self.gathers
@@ -191,6 +193,7 @@ class TwoPhase(PackingCommunicator):
         m, n_parts = len(flat), len(flat[0][0])
         ops = ops_for(flat[0][0][0])
         mine = own = None
+        own_in_place = False
         got = [coll.synchronize(h)[0] for h in phase.exchanges]
         if me < m:
             # from each rank, part i of its payload for my chunk: the length of my own
@@ -202,11 +205,16 @@ class TwoPhase(PackingCommunicator):
             lengths = wire.chunk_sizes(ops.numel(handle.encoded.compensated), m)
             start = sum(lengths[:me])
             like = ops.slice(ops.flatten(handle.encoded.compensated), start, start + lengths[me])
-            reduced = self.compressor.combine(
-                [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
-                 for r in range(size)], ctxs[me], self._buffer(f"{handle.name}/reduced", like))
-            mine, own = self._recompress(reduced, f"{handle.name}/chunk{me}",
-                                         handle.encoded.call)
+            payloads = [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
+                        for r in range(size)]
+            fused = self._server_step(payloads, ctxs[me], like, handle, start)
+            if fused is not None:
+                mine, own, own_in_place = fused
+            else:
+                reduced = self.compressor.combine(payloads, ctxs[me],
+                                                  self._buffer(f"{handle.name}/reduced", like))
+                mine, own = self._recompress(reduced, f"{handle.name}/chunk{me}",
+                                             handle.encoded.call)
 
         # A rank that owns no chunk received nothing and contributes that empty piece;
         # using it keeps its alltoall alive in tf.function, which prunes unused ops.
@@ -225,7 +233,7 @@ class TwoPhase(PackingCommunicator):
         sent = wire.nbytes(mine) if mine is not None else 0
         received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Gathering(gathers, flat, own, phase.packed)
+        return Gathering(gathers, flat, own, phase.packed, own_in_place)
 
     def _join(self, phase: Gathering, handle: Handle):
         coll = handle.coll
@@ -244,6 +252,7 @@ class TwoPhase(PackingCommunicator):
         payloads = [[ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)]
                     for j in range(m)]
         known = {} if phase.own is None else {coll.rank(): phase.own}
+        done = {coll.rank()} if phase.own_in_place else set()
         divisor = None
         if handle.into is not None and ops.flat_view(handle.into) is not None:
             # decoded straight into ``into``: the average may be folded into the payloads
@@ -251,13 +260,15 @@ class TwoPhase(PackingCommunicator):
             if handle.finished_in_place:
                 divisor = average_divisor(handle)
         return self._decompress_chunks(payloads, ctxs, handle.into, handle.encoded.compensated,
-                                       known, divisor)
+                                       known, divisor, done)
 
-    def _decompress_chunks(self, payloads, ctxs, out, like=None, known=None, divisor=None):
+    def _decompress_chunks(self, payloads, ctxs, out, like=None, known=None, divisor=None,
+                           done=()):
         """Every chunk's payload decompressed and joined in the tensor's shape: each straight
         into its slice of ``out`` where ``out`` has a flat view (torch), else joined by a
         concatenation shaped like ``like``. ``known``: chunks already decoded, by index
-        (written divided by ``divisor`` when given: the payloads were divided)."""
+        (written divided by ``divisor`` when given: the payloads were divided); ``done``:
+        chunks already in their slice of ``out``."""
         ops = ops_for(payloads[0][0])
         known = known or {}
         flat = None if out is None else ops.flat_view(out)
@@ -271,7 +282,9 @@ class TwoPhase(PackingCommunicator):
                                                   wire.chunk_sizes(ops.numel(out),
                                                                    len(payloads)))):
             piece = ops.slice(flat, start, start + n)
-            if j in known:
+            if j in done:
+                pass
+            elif j in known:
                 ops.assign_div(piece, ops.flatten(known[j]), divisor)
             else:
                 chunk = self.compressor.decompress_into(payload, ctx, piece)
@@ -279,6 +292,26 @@ class TwoPhase(PackingCommunicator):
                     ops.assign(piece, ops.flatten(chunk))
             start += n
         return out
+
+    def _server_step(self, payloads, ctx, like, handle: Handle, start: int):
+        """This rank's chunk combined, fed back and re-compressed in one go where the
+        compressor fuses it (``Compressor.combine_with_feedback``), its decoding written
+        straight into the handle's ``into`` when that is a float32 tensor with a flat view
+        and nothing divides it (else into a buffer). ``(flattened payload, decoded,
+        written in into)``, or None: run ``combine`` and ``_recompress``."""
+        if not self.server_error_feedback or self.compressor.sends_tensor:
+            return None
+        ops = ops_for(like)
+        slot = self.server.zeros(f"{handle.name}/chunk{handle.coll.rank()}", ops, like)
+        into = None if handle.into is None else ops.flat_view(handle.into)
+        in_place = (into is not None and ops.dtype(into) == "float32"
+                    and average_divisor(handle) is None)
+        out = (ops.slice(into, start, start + ops.numel(like)) if in_place
+               else self._buffer(f"{handle.name}/reduced", like))
+        payload = self.compressor.combine_with_feedback(payloads, ctx, slot, out)
+        if payload is None:
+            return None
+        return wire.flatten(payload)[0], out, in_place
 
     def _recompress(self, reduced, key: str, call: Call):
         """Compress this rank's reduced chunk with server-side error feedback; returns its

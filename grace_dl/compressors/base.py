@@ -130,6 +130,14 @@ class Compressor(Stateful, ABC):
         allreduce does with the one reduced payload."""
         return self.decompress(payload, ctx)
 
+    def combine_with_feedback(self, payloads, ctx, slot, out):
+        """Two-phase's server step in one go, where a method can fuse it: ``combine`` of the
+        ranks' payloads added to the server's residual ``slot``, that compressed, its error
+        left in ``slot`` and its decompression written into ``out`` (both tensors of the
+        chunk's length); returns the payload. None (the default): the communicator runs the
+        steps one by one, with the same result."""
+        return None
+
     def compress_with_error(self, tensor, name: str, call: Call, error, decoded=None):
         """``compress``, also writing ``tensor - decompress(payload, ctx)`` into ``error`` (a
         tensor of ``tensor``'s shape, possibly ``tensor`` itself) and, given ``decoded``, the

@@ -110,6 +110,32 @@ class SignSGDCompressor(Compressor):
             status = flag if status is None else status + flag
         return self._signs(ops, pos, neg, status, shape, dtype, out)
 
+    def combine_with_feedback(self, payloads, ctx, slot, out):
+        """The vote (``combine``), added to the server's residual ``slot`` and re-encoded,
+        its error left in ``slot`` and its signs in ``out``, in one compiled pass over the
+        chunk (``ops.sign_vote_feedback``): the same floats as the three steps. None where
+        that does not apply (not float32 CPU tensors with flat views, TF, or a rank's status
+        byte set: the steps then spell out the NaN)."""
+        shape, dtype = ctx
+        ops = ops_for(payloads[0][0])
+        slot_flat, out_flat = ops.flat_view(slot), ops.flat_view(out)
+        if dtype != "float32" or slot_flat is None or out_flat is None:
+            return None
+        status = None
+        for (packed,) in payloads:
+            flag = ops.cast(signbits.flag(ops, packed), "int32")
+            status = flag if status is None else status + flag
+        if bool(signbits.flagged(ops, status)):
+            return None
+        pos, neg = signbits.vote(ops, [p[0] for p in payloads])
+        payload = ops.sign_vote_feedback(pos, neg, math.prod(shape), slot_flat, out_flat)
+        if payload is None:
+            return None
+        if bool(signbits.flagged(ops, signbits.flag(ops, payload))):   # as compress_with_error
+            for o in (slot_flat, out_flat):
+                ops.assign(o, ops.full(ops.shape(o), float("nan"), "float32", like=o))
+        return [payload]
+
     @staticmethod
     def _signs(ops, pos, neg, status, shape, dtype, out):
         """+1/-1/0 from the planes in ``shape`` and ``dtype`` (in ``out`` where it has a flat

@@ -597,6 +597,11 @@ def ternary_signs(pos, neg, n: int, out=None):
     return None
 
 
+def sign_vote_feedback(pos, neg, n: int, slot, decoded):
+    """Always None: see ``sign_planes`` (the two-phase server step runs as separate ops)."""
+    return None
+
+
 def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
     """Always None: see ``sign_planes`` (qsgd quantizes with TF ops)."""
     return None

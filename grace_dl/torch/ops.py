@@ -649,6 +649,16 @@ def ternary_signs(pos, neg, n: int, out=None):
     return None if got is None else out
 
 
+def sign_vote_feedback(pos, neg, n: int, slot, decoded):
+    """signsgd's two-phase server step (vote added to ``slot``, re-encoded, its error left in
+    ``slot`` and its signs in ``decoded``) in one compiled pass; the payload, or None where it
+    does not apply (``grace_dl.native.sign_vote_feedback``)."""
+    arrays = _cpu_numpy(pos, neg, slot, decoded)
+    got = None if arrays is None else native.sign_vote_feedback(arrays[0], arrays[1], n,
+                                                                arrays[2], arrays[3])
+    return None if got is None else torch.from_numpy(got)
+
+
 def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
     """qsgd's uint8 levels of the rows of ``x`` (and its error and decoded values, when given)
     in one compiled pass (``grace_dl.native.qsgd_levels``); None where it does not apply."""
