@@ -44,12 +44,23 @@ def cases(n: int) -> dict:
     q_payload, q_ctx = qsgd.compress(x, "q")
     q_other, _ = qsgd.compress(x.flip(0).contiguous(), "q2")
     topk, threshold = TopKCompressor(0.01), ThresholdCompressor(2.576)
+    s_other, _ = sign.compress(x.flip(0).contiguous(), "s2")
+    slot = torch.zeros(n)
+
+    def server_step():
+        """two-phase signSGD's server step: fused, or (kernels off) the steps one by one"""
+        if sign.combine_with_feedback([s_payload, s_other], s_ctx, slot, out) is None:
+            reduced = sign.combine([s_payload, s_other], s_ctx, dec)
+            slot.add_(reduced)
+            sign.compress_with_error(slot, "s/server", LOCAL, slot, reduced)
+
     return {
         "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: native.positions_at_least(a, thr),
         "topk 1% compress": lambda: topk.compress(x, "t"),
         "threshold 2.576 compress": lambda: threshold.compress(x, "h"),
         "signsgd compress with error": lambda: sign.compress_with_error(x, "s", LOCAL, err),
         "signsgd decompress into": lambda: sign.decompress_into(s_payload, s_ctx, out),
+        "signsgd two-phase server step, 2 ranks": server_step,
         "qsgd (s=64) compress with error": lambda: qsgd.compress_with_error(x, "q", LOCAL, err,
                                                                           dec),
         "qsgd decompress into": lambda: qsgd.decompress_into(q_payload, q_ctx, out),

@@ -280,7 +280,7 @@ class OpsBackend(Protocol):
     def ternary_signs(self, pos, neg, n, out=None):
         """+1/-1/0 from two bit planes in one compiled pass, or None (TF: always)."""
 
-    def sign_vote_feedback(self, pos, neg, n, slot, decoded):
+    def sign_vote_feedback(self, payloads, n, slot, decoded):
         """signsgd's two-phase server step in one compiled pass, or None (TF: always)."""
 
     def qsgd_levels(self, x, scale, step, k, s, hi, error=None, decoded=None):

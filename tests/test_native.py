@@ -315,3 +315,53 @@ def test_the_kernels_benchmark_compares_every_case(capsys):
     assert len(rows) == 1 + len(kernels.cases(64))
     assert all(float(r.split("|")[4]) > 0 for r in rows[1:])      # twin / kernel
     assert native.in_use()                                          # left switched on
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 3 * (1 << 16) + 123])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_the_fused_server_step_equals_the_steps_on_every_path(every_path, n, ranks):
+    """Vote of the ranks' payloads (ties and zeros included), added to the residual,
+    re-encoded: payload, residual and signs bit for bit those of signsgd's combine, an add and
+    compress_with_error run one after the other."""
+    from grace_dl.compressors.base import LOCAL
+    from grace_dl.compressors.signsgd import SignSGDCompressor
+
+    c = SignSGDCompressor()
+    rng = np.random.default_rng(n + ranks)
+    xs = [torch.from_numpy(np.round(rng.standard_normal(n)).astype(np.float32))  # many zeros
+          for _ in range(ranks)]
+    payloads = [c.compress(x, f"r{r}")[0] for r, x in enumerate(xs)]
+    ctx = c.compress(xs[0], "r0")[1]
+    start = torch.from_numpy((rng.standard_normal(n) * 0.7).astype(np.float32))
+    try:
+        native.use(False)
+        slot, dec = start.clone(), torch.empty(n)
+        reduced = c.combine(payloads, ctx, dec)
+        slot += reduced
+        want_payload = c.compress_with_error(slot, "s", LOCAL, slot, dec)[0][0]
+        want_slot, want_dec = slot, dec
+    finally:
+        native.use(True)
+    for bits in every_path:
+        native.limit_vector_bits(bits)
+        slot, dec = start.clone(), torch.full((n,), 7.0)
+        got = c.combine_with_feedback(payloads, ctx, slot, dec)
+        assert got is not None
+        np.testing.assert_array_equal(got[0].numpy(), want_payload.numpy(), err_msg=f"{bits}")
+        np.testing.assert_array_equal(slot.numpy().view(np.uint32),
+                                      want_slot.numpy().view(np.uint32), err_msg=f"{bits}")
+        np.testing.assert_array_equal(dec.numpy().view(np.uint32),
+                                      want_dec.numpy().view(np.uint32), err_msg=f"{bits}")
+
+
+def test_a_flagged_rank_leaves_the_server_step_to_the_plain_path():
+    """A rank's NaN (status byte set): no fused step; the steps then give NaN everywhere."""
+    from grace_dl.compressors.signsgd import SignSGDCompressor
+
+    c = SignSGDCompressor()
+    x = torch.randn(100)
+    bad = x.clone()
+    bad[3] = float("nan")
+    payloads = [c.compress(x, "a")[0], c.compress(bad, "b")[0]]
+    ctx = c.compress(x, "a")[1]
+    assert c.combine_with_feedback(payloads, ctx, torch.zeros(100), torch.empty(100)) is None

@@ -127,8 +127,8 @@ class SignSGDCompressor(Compressor):
             status = flag if status is None else status + flag
         if bool(signbits.flagged(ops, status)):
             return None
-        pos, neg = signbits.vote(ops, [p[0] for p in payloads])
-        payload = ops.sign_vote_feedback(pos, neg, math.prod(shape), slot_flat, out_flat)
+        payload = ops.sign_vote_feedback([p[0] for p in payloads], math.prod(shape), slot_flat,
+                                         out_flat)
         if payload is None:
             return None
         if bool(signbits.flagged(ops, signbits.flag(ops, payload))):   # as compress_with_error

@@ -51,7 +51,7 @@ def _load():
                 ctypes.c_void_p, ctypes.c_int]
             lib.gd_sign_vote_feedback_f32.restype = ctypes.c_int
             lib.gd_sign_vote_feedback_f32.argtypes = [
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             lib.gd_sfc64_raw.restype = None
             lib.gd_sfc64_raw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
@@ -190,21 +190,23 @@ def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
     return out
 
 
-def sign_vote_feedback(pos, neg, n: int, slot, dec):
-    """signsgd's two-phase server step in one pass: ``s = slot + vote`` (the vote +1 where bit
-    i of ``pos`` is set, -1 where ``neg``'s is, 0 otherwise), then ``slot <- s - sign(s)``,
-    ``dec <- sign(s)`` and the payload of ``s`` as ``sign_planes`` builds it (the same float
-    operations as the vote decoded, added and re-encoded one after the other). ``slot`` and
-    ``dec``: float32, 1-D, ``n`` elements. None where the kernel does not apply."""
+def sign_vote_feedback(payloads, n: int, slot, dec):
+    """signsgd's two-phase server step in one pass: ``s = slot + vote``, the vote being the
+    majority of the ranks' signsgd ``payloads`` (uint8, ``sign_planes``' layout, for ``n``
+    elements), then ``slot <- s - sign(s)``, ``dec <- sign(s)`` and the payload of ``s`` as
+    ``sign_planes`` builds it: the same float operations as the vote decoded, added and
+    re-encoded one after the other. ``slot`` and ``dec``: float32, 1-D, ``n`` elements. None
+    where the kernel does not apply."""
     nb = -(-n // 8)
-    if (not _enabled or not _f32(slot, n) or not _f32(dec, n) or any(
-            p.dtype != np.uint8 or not p.flags.c_contiguous or p.size < nb for p in (pos, neg))):
+    if (not _enabled or not payloads or not _f32(slot, n) or not _f32(dec, n) or any(
+            p.dtype != np.uint8 or not p.flags.c_contiguous or p.size < 2 * nb
+            for p in payloads)):
         return None
+    ptrs = (ctypes.c_void_p * len(payloads))(*(p.ctypes.data for p in payloads))
     out = np.empty(2 * nb + 1, np.uint8)
     ptr = out.ctypes.data
-    out[2 * nb] = _lib.gd_sign_vote_feedback_f32(pos.ctypes.data, neg.ctypes.data, n,
-                                                 slot.ctypes.data, ptr, ptr + nb,
-                                                 dec.ctypes.data)
+    out[2 * nb] = _lib.gd_sign_vote_feedback_f32(ptrs, len(payloads), n, slot.ctypes.data, ptr,
+                                                 ptr + nb, dec.ctypes.data)
     return out
 
 

@@ -319,59 +319,78 @@ static void values_avx512(const uint8_t *codes, int64_t rows, int64_t b, const f
 #endif
 
 /* ---------------------------------------------------------------- two-phase signSGD
- * The server's step of signsgd over two phases, fused: the vote v (+1 where bit i of pos is
- * set, -1 where neg's is, 0 otherwise) added to the server's residual, s = slot + v, then the
- * sign code of s as sign_code_* writes it, its error s - sign(s) back into slot and sign(s)
- * into dec. The same float operations as ternary + add + sign code, one pass. */
-static int vote_feedback_scalar(const uint8_t *pos, const uint8_t *neg, int64_t lo, int64_t n,
+ * The server's step of signsgd over two phases, fused: the majority vote of the ranks'
+ * payloads (each one's negative plane at [0, nb), zero plane at [nb, 2 nb)): v = the sign of
+ * the sum of their -1/0/+1, added to the server's residual, s = slot + v, then the sign code of
+ * s as sign_code_* writes it, its error s - sign(s) back into slot and sign(s) into dec. The
+ * same float operations as the vote decoded, added and re-encoded one after the other. */
+static inline float vote_at(const uint8_t *const *payloads, int ranks, int64_t nb, int64_t i) {
+    int sum = 0;
+    for (int r = 0; r < ranks; r++) {
+        int m = (payloads[r][i >> 3] >> (i & 7)) & 1;
+        int z = (payloads[r][nb + (i >> 3)] >> (i & 7)) & 1;
+        sum += m ? -1 : (z ? 0 : 1);
+    }
+    return (float)((sum > 0) - (sum < 0));
+}
+
+static int vote_feedback_scalar(const uint8_t *const *payloads, int ranks, int64_t lo, int64_t n,
                                 float *slot, uint8_t *out_neg, uint8_t *out_zero, float *dec) {
+    const int64_t nb = (n + 7) / 8;
     int bad = 0;
     for (int64_t b = lo; b < n; b += 8) {
-        uint8_t nb = 0, zb = 0;
+        uint8_t nbits = 0, zbits = 0;
         for (int64_t i = b; i < b + 8 && i < n; i++) {
-            int p = (pos[i >> 3] >> (i & 7)) & 1, m = (neg[i >> 3] >> (i & 7)) & 1;
-            float v = slot[i] + (float)(p - m);
+            float v = slot[i] + vote_at(payloads, ranks, nb, i);
             float d = v > 0 ? 1.0f : (v < 0 ? -1.0f : 0.0f);
-            nb |= (uint8_t)((v < 0) << (i - b));
-            zb |= (uint8_t)((v == 0) << (i - b));
+            nbits |= (uint8_t)((v < 0) << (i - b));
+            zbits |= (uint8_t)((v == 0) << (i - b));
             bad |= nonfinite(v);
             dec[i] = d;
             slot[i] = v - d;
         }
-        out_neg[b >> 3] = nb;
-        out_zero[b >> 3] = zb;
+        out_neg[b >> 3] = nbits;
+        out_zero[b >> 3] = zbits;
     }
     return bad;
 }
 
 #ifdef GD_X86
 __attribute__((target("avx512f")))
-static int vote_feedback_avx512(const uint8_t *pos, const uint8_t *neg, int64_t n, float *slot,
-                                uint8_t *out_neg, uint8_t *out_zero, float *dec) {
+static int vote_feedback_avx512(const uint8_t *const *payloads, int ranks, int64_t n,
+                                float *slot, uint8_t *out_neg, uint8_t *out_zero, float *dec) {
+    const int64_t nb = (n + 7) / 8;
     const __m512 z = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     const __m512 minus = _mm512_set1_ps(-1.0f);
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i ione = _mm512_set1_epi32(1), izero = _mm512_setzero_si512();
     __mmask16 bad = 0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        uint16_t p, m;
-        memcpy(&p, pos + (i >> 3), 2);
-        memcpy(&m, neg + (i >> 3), 2);
-        __m512 vote = _mm512_mask_blend_ps((__mmask16)(p & ~m),
-                                           _mm512_mask_blend_ps((__mmask16)(m & ~p), z, minus),
-                                           one);
+        __m512i sum = izero;    /* the ranks' -1/0/+1, summed exactly in int32 */
+        for (int r = 0; r < ranks; r++) {
+            uint16_t m, zr;
+            memcpy(&m, payloads[r] + (i >> 3), 2);
+            memcpy(&zr, payloads[r] + nb + (i >> 3), 2);
+            sum = _mm512_mask_add_epi32(sum, (__mmask16)~(m | zr), sum, ione);
+            sum = _mm512_mask_sub_epi32(sum, (__mmask16)m, sum, ione);
+        }
+        __m512 vote = _mm512_mask_blend_ps(
+            _mm512_cmpgt_epi32_mask(sum, izero),
+            _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(sum, izero), z, minus), one);
         __m512 v = _mm512_add_ps(_mm512_loadu_ps(slot + i), vote);
         __mmask16 mn = _mm512_cmp_ps_mask(v, z, _CMP_LT_OQ);
         __mmask16 mp = _mm512_cmp_ps_mask(v, z, _CMP_GT_OQ);
-        uint16_t nb = (uint16_t)mn, zb = (uint16_t)_mm512_cmp_ps_mask(v, z, _CMP_EQ_OQ);
-        memcpy(out_neg + (i >> 3), &nb, 2);
-        memcpy(out_zero + (i >> 3), &zb, 2);
+        uint16_t nbits = (uint16_t)mn, zbits = (uint16_t)_mm512_cmp_ps_mask(v, z, _CMP_EQ_OQ);
+        memcpy(out_neg + (i >> 3), &nbits, 2);
+        memcpy(out_zero + (i >> 3), &zbits, 2);
         bad |= _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf);
         __m512 d = _mm512_mask_blend_ps(mp, _mm512_mask_blend_ps(mn, z, minus), one);
         _mm512_storeu_ps(dec + i, d);
         _mm512_storeu_ps(slot + i, _mm512_sub_ps(v, d));
     }
-    return (bad != 0) | vote_feedback_scalar(pos, neg, i, n, slot, out_neg, out_zero, dec);
+    return (bad != 0) |
+           vote_feedback_scalar(payloads, ranks, i, n, slot, out_neg, out_zero, dec);
 }
 #endif
 
@@ -475,14 +494,15 @@ void gd_sfc64_raw(const uint64_t *state, int64_t words, uint64_t *out) {
     }
 }
 
-/* signsgd's two-phase server step in one pass (see vote_feedback_scalar): slot <- error of
- * slot + vote, dec <- its sign, the sign code's planes into out_neg and out_zero
- * (ceil(n/8) bytes each); returns 1 if slot + vote holds a NaN or an Inf. */
-int gd_sign_vote_feedback_f32(const uint8_t *pos, const uint8_t *neg, int64_t n, float *slot,
+/* signsgd's two-phase server step in one pass (see vote_feedback_scalar): payloads[r] is rank
+ * r's signsgd payload for this chunk of n elements; slot <- error of slot + vote, dec <- its
+ * sign, the sign code's planes into out_neg and out_zero (ceil(n/8) bytes each); returns 1 if
+ * slot + vote holds a NaN or an Inf. */
+int gd_sign_vote_feedback_f32(const uint8_t *const *payloads, int ranks, int64_t n, float *slot,
                               uint8_t *out_neg, uint8_t *out_zero, float *dec) {
 #ifdef GD_X86
     if (gd_vector_bits() >= 512)
-        return vote_feedback_avx512(pos, neg, n, slot, out_neg, out_zero, dec);
+        return vote_feedback_avx512(payloads, ranks, n, slot, out_neg, out_zero, dec);
 #endif
-    return vote_feedback_scalar(pos, neg, 0, n, slot, out_neg, out_zero, dec);
+    return vote_feedback_scalar(payloads, ranks, 0, n, slot, out_neg, out_zero, dec);
 }

@@ -597,7 +597,7 @@ def ternary_signs(pos, neg, n: int, out=None):
     return None
 
 
-def sign_vote_feedback(pos, neg, n: int, slot, decoded):
+def sign_vote_feedback(payloads, n: int, slot, decoded):
     """Always None: see ``sign_planes`` (the two-phase server step runs as separate ops)."""
     return None
 

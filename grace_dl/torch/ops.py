@@ -649,13 +649,13 @@ def ternary_signs(pos, neg, n: int, out=None):
     return None if got is None else out
 
 
-def sign_vote_feedback(pos, neg, n: int, slot, decoded):
-    """signsgd's two-phase server step (vote added to ``slot``, re-encoded, its error left in
-    ``slot`` and its signs in ``decoded``) in one compiled pass; the payload, or None where it
-    does not apply (``grace_dl.native.sign_vote_feedback``)."""
-    arrays = _cpu_numpy(pos, neg, slot, decoded)
-    got = None if arrays is None else native.sign_vote_feedback(arrays[0], arrays[1], n,
-                                                                arrays[2], arrays[3])
+def sign_vote_feedback(payloads, n: int, slot, decoded):
+    """signsgd's two-phase server step (the ranks' ``payloads`` voted, added to ``slot``,
+    re-encoded, its error left in ``slot`` and its signs in ``decoded``) in one compiled
+    pass; the payload, or None where it does not apply (``grace_dl.native``)."""
+    arrays = _cpu_numpy(slot, decoded, *payloads)
+    got = None if arrays is None else native.sign_vote_feedback(arrays[2:], n, arrays[0],
+                                                                arrays[1])
     return None if got is None else torch.from_numpy(got)
 
 
