@@ -207,14 +207,14 @@ class TwoPhase(PackingCommunicator):
             like = ops.slice(ops.flatten(handle.encoded.compensated), start, start + lengths[me])
             payloads = [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
                         for r in range(size)]
-            fused = self._server_step(payloads, ctxs[me], like, handle, start)
+            key = f"{handle.name}/chunk{me}"
+            fused = self._server_step(payloads, ctxs[me], like, handle, key, start)
             if fused is not None:
                 mine, own, own_in_place = fused
             else:
                 reduced = self.compressor.combine(payloads, ctxs[me],
                                                   self._buffer(f"{handle.name}/reduced", like))
-                mine, own = self._recompress(reduced, f"{handle.name}/chunk{me}",
-                                             handle.encoded.call)
+                mine, own = self._recompress(reduced, key, handle.encoded.call)
 
         # A rank that owns no chunk received nothing and contributes that empty piece;
         # using it keeps its alltoall alive in tf.function, which prunes unused ops.
@@ -282,18 +282,18 @@ class TwoPhase(PackingCommunicator):
                                                   wire.chunk_sizes(ops.numel(out),
                                                                    len(payloads)))):
             piece = ops.slice(flat, start, start + n)
+            start += n
             if j in done:
-                pass
-            elif j in known:
+                continue
+            if j in known:
                 ops.assign_div(piece, ops.flatten(known[j]), divisor)
             else:
                 chunk = self.compressor.decompress_into(payload, ctx, piece)
                 if not ops.aliases(chunk, piece):
                     ops.assign(piece, ops.flatten(chunk))
-            start += n
         return out
 
-    def _server_step(self, payloads, ctx, like, handle: Handle, start: int):
+    def _server_step(self, payloads, ctx, like, handle: Handle, key: str, start: int):
         """This rank's chunk combined, fed back and re-compressed in one go where the
         compressor fuses it (``Compressor.combine_with_feedback``), its decoding written
         straight into the handle's ``into`` when that is a float32 tensor with a flat view
@@ -302,7 +302,7 @@ class TwoPhase(PackingCommunicator):
         if not self.server_error_feedback or self.compressor.sends_tensor:
             return None
         ops = ops_for(like)
-        slot = self.server.zeros(f"{handle.name}/chunk{handle.coll.rank()}", ops, like)
+        slot = self.server.zeros(key, ops, like)   # the slot ``_recompress`` feeds back in
         into = None if handle.into is None else ops.flat_view(handle.into)
         in_place = (into is not None and ops.dtype(into) == "float32"
                     and average_divisor(handle) is None)

@@ -129,16 +129,15 @@ class QSGDCompressor(Compressor):
         full = n // b
         codes = []
         for i, (xr, sr, kr, st) in enumerate(zip(xs, scales, ks, steps)):
-            if i == 0 and full:     # the whole buckets in one compiled pass, where it runs
-                rows = [ops.reshape(ops.slice(o, 0, full * b), (full, b)) for o in outs]
-                fast = ops.qsgd_levels(xr, sr, st, kr, s, hi, *rows)
-                if fast is not None:
-                    codes.append(ops.flatten(fast))
-                    continue
-            if not outs:
+            whole = i == 0 and full     # the whole buckets: views of the outputs row by row
+            rows = [ops.reshape(ops.slice(o, 0, full * b), (full, b)) for o in outs] \
+                if whole else []
+            fast = ops.qsgd_levels(xr, sr, st, kr, s, hi, *rows) if whole else None
+            if fast is not None:        # in one compiled pass
+                codes.append(ops.flatten(fast))
+            elif not outs:
                 codes.append(ops.blockwise(levels, xr, sr, kr))
-            elif i == 0 and full:   # the whole buckets: views of the outputs row by row
-                rows = [ops.reshape(ops.slice(o, 0, full * b), (full, b)) for o in outs]
+            elif whole:
                 codes.append(ops.blockwise(levels_and_error, xr, sr, kr, st, *rows))
             else:                   # the padded last bucket: its real elements only
                 c = levels(xr, sr, kr)

@@ -79,8 +79,7 @@ class SignSGDCompressor(Compressor):
 
             ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
         if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):   # torch only here
-            for o in outs:   # as decoding gives: NaN everywhere
-                ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))
+            _all_nan(ops, outs)     # as decoding gives
         return payload, (ops.shape(tensor), ops.dtype(tensor))
 
     def decompress(self, payload, ctx):
@@ -104,11 +103,7 @@ class SignSGDCompressor(Compressor):
         shape, dtype = ctx
         ops = ops_for(payloads[0][0])
         pos, neg = signbits.vote(ops, [p[0] for p in payloads])
-        status = None
-        for (packed,) in payloads:
-            flag = ops.cast(signbits.flag(ops, packed), "int32")
-            status = flag if status is None else status + flag
-        return self._signs(ops, pos, neg, status, shape, dtype, out)
+        return self._signs(ops, pos, neg, _statuses(ops, payloads), shape, dtype, out)
 
     def combine_with_feedback(self, payloads, ctx, slot, out):
         """The vote (``combine``), added to the server's residual ``slot`` and re-encoded,
@@ -121,19 +116,14 @@ class SignSGDCompressor(Compressor):
         slot_flat, out_flat = ops.flat_view(slot), ops.flat_view(out)
         if dtype != "float32" or slot_flat is None or out_flat is None:
             return None
-        status = None
-        for (packed,) in payloads:
-            flag = ops.cast(signbits.flag(ops, packed), "int32")
-            status = flag if status is None else status + flag
-        if bool(signbits.flagged(ops, status)):
+        if bool(signbits.flagged(ops, _statuses(ops, payloads))):
             return None
         payload = ops.sign_vote_feedback([p[0] for p in payloads], math.prod(shape), slot_flat,
                                          out_flat)
         if payload is None:
             return None
         if bool(signbits.flagged(ops, signbits.flag(ops, payload))):   # as compress_with_error
-            for o in (slot_flat, out_flat):
-                ops.assign(o, ops.full(ops.shape(o), float("nan"), "float32", like=o))
+            _all_nan(ops, (slot_flat, out_flat))
         return [payload]
 
     @staticmethod
@@ -164,3 +154,18 @@ class SignSGDCompressor(Compressor):
         """``ceil(numel / 8)`` sign bytes + as many zero bytes + 1 status byte, whatever the
         input dtype."""
         return 2 * math.ceil(numel / 8) + 1
+
+
+def _statuses(ops, payloads):
+    """The sum of the ranks' status bytes (int32): non-zero when any rank had a NaN or Inf."""
+    status = None
+    for (packed,) in payloads:
+        flag = ops.cast(signbits.flag(ops, packed), "int32")
+        status = flag if status is None else status + flag
+    return status
+
+
+def _all_nan(ops, outs) -> None:
+    """Set every element of the tensors ``outs`` to NaN."""
+    for o in outs:
+        ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))

@@ -113,9 +113,19 @@ def positions_at_least(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
     return out[:count].astype(np.int64)
 
 
+def _dense(a, dtype, size) -> bool:
+    return a.dtype == dtype and a.flags.c_contiguous and a.size == size
+
+
 def _f32(a, n=None) -> bool:
-    return (a.dtype == np.float32 and a.flags.c_contiguous and a.ndim == 1
-            and (n is None or a.size == n))
+    """A 1-D C-contiguous float32 array (of ``n`` elements when given)."""
+    return a.ndim == 1 and _dense(a, np.float32, a.size if n is None else n)
+
+
+def _bytes(planes, nbytes: int) -> bool:
+    """uint8 C-contiguous arrays of at least ``nbytes`` each: bit planes a kernel reads."""
+    return all(p.dtype == np.uint8 and p.flags.c_contiguous and p.size >= nbytes
+               for p in planes)
 
 
 def sign_planes(a: np.ndarray, err: np.ndarray | None = None, dec: np.ndarray | None = None):
@@ -141,15 +151,10 @@ def ternary(pos: np.ndarray, neg: np.ndarray, n: int, out: np.ndarray):
     neither or both (``signbits.ternary``), for the float32 1-D ``out`` of ``n`` elements;
     returns ``out``, or None where the kernel does not apply."""
     nb = -(-n // 8)
-    if (not _enabled or not _f32(out, n) or any(
-            p.dtype != np.uint8 or not p.flags.c_contiguous or p.size < nb for p in (pos, neg))):
+    if not _enabled or not _f32(out, n) or not _bytes((pos, neg), nb):
         return None
     _lib.gd_ternary_f32(pos.ctypes.data, neg.ctypes.data, n, out.ctypes.data)
     return out
-
-
-def _dense(a, dtype, size) -> bool:
-    return a.dtype == dtype and a.flags.c_contiguous and a.size == size
 
 
 _DITHER_BITS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16}
@@ -198,9 +203,8 @@ def sign_vote_feedback(payloads, n: int, slot, dec):
     re-encoded one after the other. ``slot`` and ``dec``: float32, 1-D, ``n`` elements. None
     where the kernel does not apply."""
     nb = -(-n // 8)
-    if (not _enabled or not payloads or not _f32(slot, n) or not _f32(dec, n) or any(
-            p.dtype != np.uint8 or not p.flags.c_contiguous or p.size < 2 * nb
-            for p in payloads)):
+    if (not _enabled or not payloads or not _f32(slot, n) or not _f32(dec, n)
+            or not _bytes(payloads, 2 * nb)):
         return None
     ptrs = (ctypes.c_void_p * len(payloads))(*(p.ctypes.data for p in payloads))
     out = np.empty(2 * nb + 1, np.uint8)

@@ -124,31 +124,38 @@ static void ternary_scalar(const uint8_t *pos, const uint8_t *neg, int64_t lo, i
 }
 
 #ifdef GD_X86
+/* The sign code of the 16 elements v at position i (a multiple of 16): their negative and zero
+ * planes' 2 bytes (zero skipped when NULL), dec = sign(v) and err = v - sign(v) when not NULL
+ * (err may be v's own memory); returns the lanes holding a NaN or an Inf. */
 __attribute__((target("avx512f")))
-static int sign_code_avx512(const float *x, int64_t n, uint8_t *neg, uint8_t *zero, float *err,
-                            float *dec) {
+static inline __mmask16 sign_code_block_avx512(__m512 v, int64_t i, uint8_t *neg, uint8_t *zero,
+                                               float *err, float *dec) {
     const __m512 z = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     const __m512 minus = _mm512_set1_ps(-1.0f);
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    __mmask16 mn = _mm512_cmp_ps_mask(v, z, _CMP_LT_OQ);
+    __mmask16 mp = _mm512_cmp_ps_mask(v, z, _CMP_GT_OQ);
+    uint16_t nb = (uint16_t)mn;
+    memcpy(neg + (i >> 3), &nb, 2);
+    if (zero) {
+        uint16_t zb = (uint16_t)_mm512_cmp_ps_mask(v, z, _CMP_EQ_OQ);
+        memcpy(zero + (i >> 3), &zb, 2);
+    }
+    if (err || dec) {
+        __m512 d = _mm512_mask_blend_ps(mp, _mm512_mask_blend_ps(mn, z, minus), one);
+        if (dec) _mm512_storeu_ps(dec + i, d);
+        if (err) _mm512_storeu_ps(err + i, _mm512_sub_ps(v, d));
+    }
+    return _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf);
+}
+
+__attribute__((target("avx512f")))
+static int sign_code_avx512(const float *x, int64_t n, uint8_t *neg, uint8_t *zero, float *err,
+                            float *dec) {
     __mmask16 bad = 0;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        __mmask16 mn = _mm512_cmp_ps_mask(v, z, _CMP_LT_OQ);
-        __mmask16 mp = _mm512_cmp_ps_mask(v, z, _CMP_GT_OQ);
-        uint16_t nb = (uint16_t)mn;
-        memcpy(neg + (i >> 3), &nb, 2);
-        if (zero) {
-            uint16_t zb = (uint16_t)_mm512_cmp_ps_mask(v, z, _CMP_EQ_OQ);
-            memcpy(zero + (i >> 3), &zb, 2);
-        }
-        bad |= _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf);
-        if (err || dec) {
-            __m512 d = _mm512_mask_blend_ps(mp, _mm512_mask_blend_ps(mn, z, minus), one);
-            if (dec) _mm512_storeu_ps(dec + i, d);
-            if (err) _mm512_storeu_ps(err + i, _mm512_sub_ps(v, d));
-        }
-    }
+    for (; i + 16 <= n; i += 16)
+        bad |= sign_code_block_avx512(_mm512_loadu_ps(x + i), i, neg, zero, err, dec);
     return (bad != 0) | sign_code_scalar(x, i, n, neg, zero, err, dec);
 }
 
@@ -338,19 +345,10 @@ static int vote_feedback_scalar(const uint8_t *const *payloads, int ranks, int64
                                 float *slot, uint8_t *out_neg, uint8_t *out_zero, float *dec) {
     const int64_t nb = (n + 7) / 8;
     int bad = 0;
-    for (int64_t b = lo; b < n; b += 8) {
-        uint8_t nbits = 0, zbits = 0;
-        for (int64_t i = b; i < b + 8 && i < n; i++) {
-            float v = slot[i] + vote_at(payloads, ranks, nb, i);
-            float d = v > 0 ? 1.0f : (v < 0 ? -1.0f : 0.0f);
-            nbits |= (uint8_t)((v < 0) << (i - b));
-            zbits |= (uint8_t)((v == 0) << (i - b));
-            bad |= nonfinite(v);
-            dec[i] = d;
-            slot[i] = v - d;
-        }
-        out_neg[b >> 3] = nbits;
-        out_zero[b >> 3] = zbits;
+    for (int64_t b = lo; b < n; b += 8) {   /* a byte of the planes at a time, in cache */
+        int64_t end = b + 8 < n ? b + 8 : n;
+        for (int64_t i = b; i < end; i++) slot[i] += vote_at(payloads, ranks, nb, i);
+        bad |= sign_code_scalar(slot, b, end, out_neg, out_zero, slot, dec);
     }
     return bad;
 }
@@ -362,7 +360,6 @@ static int vote_feedback_avx512(const uint8_t *const *payloads, int ranks, int64
     const int64_t nb = (n + 7) / 8;
     const __m512 z = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     const __m512 minus = _mm512_set1_ps(-1.0f);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     const __m512i ione = _mm512_set1_epi32(1), izero = _mm512_setzero_si512();
     __mmask16 bad = 0;
     int64_t i = 0;
@@ -379,15 +376,7 @@ static int vote_feedback_avx512(const uint8_t *const *payloads, int ranks, int64
             _mm512_cmpgt_epi32_mask(sum, izero),
             _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(sum, izero), z, minus), one);
         __m512 v = _mm512_add_ps(_mm512_loadu_ps(slot + i), vote);
-        __mmask16 mn = _mm512_cmp_ps_mask(v, z, _CMP_LT_OQ);
-        __mmask16 mp = _mm512_cmp_ps_mask(v, z, _CMP_GT_OQ);
-        uint16_t nbits = (uint16_t)mn, zbits = (uint16_t)_mm512_cmp_ps_mask(v, z, _CMP_EQ_OQ);
-        memcpy(out_neg + (i >> 3), &nbits, 2);
-        memcpy(out_zero + (i >> 3), &zbits, 2);
-        bad |= _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf);
-        __m512 d = _mm512_mask_blend_ps(mp, _mm512_mask_blend_ps(mn, z, minus), one);
-        _mm512_storeu_ps(dec + i, d);
-        _mm512_storeu_ps(slot + i, _mm512_sub_ps(v, d));
+        bad |= sign_code_block_avx512(v, i, out_neg, out_zero, slot, dec);
     }
     return (bad != 0) |
            vote_feedback_scalar(payloads, ranks, i, n, slot, out_neg, out_zero, dec);

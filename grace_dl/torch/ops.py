@@ -642,10 +642,13 @@ def sign_planes(flat, error=None, decoded=None):
 def ternary_signs(pos, neg, n: int, out=None):
     """float32 +1 / -1 / 0 from the bit planes ``pos`` and ``neg`` (``signbits.ternary``) in one
     compiled pass, into the 1-D ``out`` when given; None where the kernel does not apply."""
+    planes = _cpu_numpy(pos, neg)
+    if planes is None:
+        return None
     if out is None:
-        out = torch.empty(n, dtype=torch.float32, device=pos.device)
-    arrays = _cpu_numpy(pos, neg, out)
-    got = None if arrays is None else native.ternary(arrays[0], arrays[1], n, arrays[2])
+        out = torch.empty(n, dtype=torch.float32)
+    target = _cpu_numpy(out)
+    got = None if target is None else native.ternary(planes[0], planes[1], n, target[0])
     return None if got is None else out
 
 
