@@ -1,8 +1,9 @@
 """Compiled kernels (``kernels.c``), loaded with ctypes. Where the library is missing, or
 ``GRACE_DL_NATIVE=0``, or an array is of a dtype or layout a kernel does not take, the same
-result comes from elsewhere: ``positions_at_least`` from its NumPy twin here, the sign-code
-kernels from ``signbits``' framework code (they return None and the caller runs it); the tests
-hold each kernel equal to its twin on every SIMD path.
+result comes from elsewhere: ``positions_at_least`` from its NumPy twin here; every other
+kernel returns None and its caller runs the code it replaces (``signbits``' and signsgd's
+framework ops, qsgd's blockwise ops, NumPy's ``random_raw``); the tests hold each kernel equal
+to its twin on every SIMD path, ``native.use(False)`` switches them off at run time.
 
 The library is built by ``pip install`` (``setup.py``, an optional extension: a machine without
 a C compiler still installs, and runs the NumPy paths). It uses no Python API, so the ctypes
