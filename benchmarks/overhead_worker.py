@@ -206,7 +206,8 @@ def main() -> None:
             grc = runs[name][2]
             if grc is not None and getattr(grc, "bytes", None) is not None:
                 steps = grc.bytes.steps[-args.rounds * args.steps:]
-                rec["sent_bytes"] = statistics.median(s["sent"] for s in steps)
+                if steps:   # a 1-rank job sends nothing
+                    rec["sent_bytes"] = statistics.median(s["sent"] for s in steps)
             rows.append(rec)
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -22,9 +22,16 @@ def framework_of(tensor) -> str:
     )
 
 
+_OPS: dict = {}   # tensor class -> its ops module (ops_for runs dozens of times a step)
+
+
 def ops_for(tensor):
     """The ``ops`` module (``grace_dl.torch.ops`` or ``grace_dl.tensorflow.ops``) for ``tensor``."""
-    return importlib.import_module(f"grace_dl.{framework_of(tensor)}.ops")
+    kind = type(tensor)
+    ops = _OPS.get(kind)
+    if ops is None:
+        ops = _OPS[kind] = importlib.import_module(f"grace_dl.{framework_of(tensor)}.ops")
+    return ops
 
 
 def collectives_for(tensor, process_set=None):
