@@ -65,6 +65,9 @@ def cases(n: int) -> dict:
                                                                           dec),
         "qsgd decompress into": lambda: qsgd.decompress_into(q_payload, q_ctx, out),
         "qsgd combine, 2 ranks": lambda: qsgd.combine([q_payload, q_other], q_ctx, out),
+        "randomk 1% positions (seeding.choice)": lambda: seeding.choice(0, "r", 1, n,
+                                                                        max(1, n // 100)),
+        "seeding one key (SeedSequence + SFC64)": lambda: seeding.dither(0, "d", 1, 1, 8),
         "dither, 8 bits": lambda: seeding.dither(0, "d", 1, n, 8),
         "dither, 16 bits": lambda: seeding.dither(0, "d", 1, n, 16),
     }

@@ -252,6 +252,8 @@ def test_use_false_gives_every_kernel_to_its_twin():
         assert native.ternary(np.zeros(125, np.uint8), np.zeros(125, np.uint8), 1000,
                               np.empty(1000, np.float32)) is None
         np.testing.assert_array_equal(native.positions_at_least(a, 1.5), want)
+        assert native.sfc64_seed([1, 2, 3, 4]) is None
+        assert native.choice_sorted(np.zeros(4, np.uint64), 100, 3, False) is None
         np.testing.assert_array_equal(
             SignSGDCompressor().compress(torch.from_numpy(a), "g")[0][0].numpy(),
             payload.numpy())
@@ -284,15 +286,17 @@ def test_threshold_keeps_exactly_the_strict_magnitudes(thr):
 
 @pytest.mark.parametrize("words", [0, 1, 7, 100_003])
 @pytest.mark.parametrize("key", [(0, "a", 0, 0), (3, "layer.weight/chunk1", 12345, 2),
-                                 (2**31 - 1, "", 2**32 - 1, 0)])
+                                 (2**31 - 1, "", 2**32 - 1, 0), (2**40 + 3, "é", 2**33 + 7, 2**35)])
 def test_sfc64_gives_numpys_words_and_the_same_dither(words, key):
-    """The compiled SFC64 continues NumPy's state word for word, so every dither (torch's and
-    TF's alike: both take seeding.dither's array) is unchanged."""
+    """The compiled SFC64 is seeded as NumPy's SeedSequence seeds it and continues its state
+    word for word, so every dither (torch's and TF's alike: both take seeding.dither's array)
+    is unchanged."""
     from grace_dl import seeding
 
     want = seeding.generator(*key).bit_generator.random_raw(words)
     state = seeding.generator(*key).bit_generator.state["state"]["state"]
     np.testing.assert_array_equal(native.sfc64_raw(state, words), want)
+    np.testing.assert_array_equal(seeding._raw_state(*key), state)   # seeded in C
     for bits in (8, 16):
         n = words * 64 // bits - 3 if words else 0
         got = seeding.dither(key[0], key[1], key[2], max(n, 0), bits, key[3])
@@ -365,3 +369,79 @@ def test_a_flagged_rank_leaves_the_server_step_to_the_plain_path():
     payloads = [c.compress(x, "a")[0], c.compress(bad, "b")[0]]
     ctx = c.compress(x, "a")[1]
     assert c.combine_with_feedback(payloads, ctx, torch.zeros(100), torch.empty(100)) is None
+
+
+def _first_distinct_reference(key, n, j):
+    """The first ``j`` distinct values of ``(w * n) >> 64`` over the key's SFC64 words, one
+    Python integer at a time: what ``seeding.choice`` is defined to keep."""
+    from grace_dl import seeding
+
+    bits = seeding.generator(*key).bit_generator
+    seen, order = set(), []
+    while len(order) < j:
+        for w in bits.random_raw(max(j, 16)).tolist():
+            pos = (w * n) >> 64
+            if pos not in seen and len(order) < j:
+                seen.add(pos)
+                order.append(pos)
+    return seen
+
+
+@pytest.mark.parametrize("n,k", [(0, 0), (1, 0), (1, 1), (10, 0), (10, 3), (10, 5), (10, 6),
+                                 (10, 10), (63, 31), (64, 33), (65, 40), (129, 1), (1000, 999),
+                                 (3 * (1 << 16) + 123, 1967), (4_194_304, 41_943)])
+def test_choice_keeps_the_first_distinct_draws_compiled_and_twin(n, k):
+    """``seeding.choice`` (randomk's positions, the sparsifiers' threshold sample): ascending,
+    distinct, in range; the compiled kernel and its NumPy twin give the same array, and both
+    are the first distinct values of the stream (their complement when k > n / 2)."""
+    from grace_dl import seeding
+
+    key = (7, "layer.weight", 12, 0)
+    got = seeding.choice(*key[:3], n, k)
+    try:
+        native.use(False)
+        twin = seeding.choice(*key[:3], n, k)
+    finally:
+        native.use(True)
+    assert got.dtype == twin.dtype == np.int64
+    np.testing.assert_array_equal(got, twin)
+    assert got.size == k and np.all(np.diff(got) > 0)
+    assert k == 0 or (got[0] >= 0 and got[-1] < n)
+    if n <= 100_000:
+        kept = _first_distinct_reference(key, n, min(k, n - k))
+        want = kept if 2 * k <= n else set(range(n)) - kept
+        assert set(got.tolist()) == want
+
+
+def test_choice_twin_scales_exactly_beyond_32_bits():
+    """The twin's 32-bit-halves product equals ``(w * n) >> 64`` in Python integers, for
+    tensor sizes past 2**32 too (the kernel multiplies in 128 bits)."""
+    from grace_dl import seeding
+
+    w = seeding.generator(1, "big", 0).bit_generator.random_raw(2000)
+    for n in (1, 3, 2**31 - 1, 2**32, 2**32 + 5, 2**40 + 12345, 2**63 - 1):
+        want = [(int(x) * n) >> 64 for x in w]
+        assert seeding._scaled(w, n).tolist() == want
+
+
+def test_choice_is_uniform_over_positions():
+    """Every position is kept about equally often (k/n of the draws): over 400 keys of 100 of
+    1000 positions, each count stays within 6 standard deviations of 40, and the kept counts
+    of the complement path (k > n / 2) too."""
+    from grace_dl import seeding
+
+    for k in (100, 900):
+        counts = np.zeros(1000)
+        for step in range(400):
+            counts[seeding.choice(3, "u", step, 1000, k)] += 1
+        mean = 400 * k / 1000
+        sd = (400 * (k / 1000) * (1 - k / 1000)) ** 0.5
+        assert np.abs(counts - mean).max() < 6 * sd, (k, counts.min(), counts.max())
+
+
+@pytest.mark.parametrize("n,k", [(10, 11), (10, -1), (0, 1)])
+def test_choice_refuses_more_than_there_is(n, k):
+    from grace_dl import seeding
+
+    with pytest.raises(ValueError, match=f"0 <= k <= n, got k={k}, n={n}"):
+        seeding.choice(0, "x", 0, n, k)

@@ -5,8 +5,9 @@ The positions are drawn without replacement from ``(seed, name, step)`` alone, s
 draws the same ones, whatever order its tensors are compressed in, and they are never sent:
 wire = k values in the input dtype, ``k * itemsize`` bytes (for fp32 and ratio r: 32 * r bits
 per element). Payloads of different ranks hold the same positions, so they can be summed on the
-wire: **allreduce-safe**. The draw costs O(k) (Floyd's algorithm, see ``grace_dl.seeding``)
-while k is under n / 50; NumPy switches to an O(n) tail shuffle above that.
+wire: **allreduce-safe**. The positions come ascending, from a stream of seeded draws whose
+first k distinct values are kept (``grace_dl.seeding.choice``): O(k) draws plus one pass over an
+n-bit bitmap, compiled.
 
 Biased as sent by default (it keeps x on k of n coordinates, E = (k/n) x), which is what error
 feedback (``residual``, ``dgc`` memory) wants: the residual is exactly what was not sent.

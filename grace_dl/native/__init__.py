@@ -56,6 +56,11 @@ def _load():
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             lib.gd_sfc64_raw.restype = None
             lib.gd_sfc64_raw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            lib.gd_sfc64_seed.restype = None
+            lib.gd_sfc64_seed.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            lib.gd_choice_sorted.restype = ctypes.c_int64
+            lib.gd_choice_sorted.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -224,6 +229,36 @@ def sfc64_raw(state: np.ndarray, words: int):
     out = np.empty(int(words), np.uint64)
     _lib.gd_sfc64_raw(state.ctypes.data, out.size, out.ctypes.data)
     return out
+
+
+def sfc64_seed(entropy: list[int]):
+    """The state (a, b, c, counter; uint64) of ``np.random.SFC64(np.random.SeedSequence(
+    entropy))`` for a list of 32-bit words, computed in C without building NumPy's objects;
+    None where the kernel does not apply (then build them: ``grace_dl.seeding.generator``)."""
+    if not _enabled or not all(0 <= e <= 0xFFFFFFFF for e in entropy):
+        return None
+    words = (ctypes.c_uint32 * len(entropy))(*entropy)
+    state = np.empty(4, np.uint64)
+    _lib.gd_sfc64_seed(words, len(entropy), state.ctypes.data)
+    return state
+
+
+def choice_sorted(state: np.ndarray, n: int, j: int, complement: bool):
+    """The first ``j`` distinct positions ``(w * n) >> 64`` over the SFC64 words ``w`` that
+    continue ``state`` (as ``sfc64_raw``), ascending (int64); with ``complement``, the ``n - j``
+    positions not among them. One compiled loop over a bitmap of ``n`` bits; None where the
+    kernel does not apply (its twin: ``grace_dl.seeding.choice``'s NumPy path)."""
+    n, j = int(n), int(j)
+    if not _enabled or not _dense(state, np.uint64, 4) or not 0 <= j <= n or n >= 2**63:
+        return None
+    bitmap = np.zeros((n + 63) >> 6, np.uint64)
+    size = n - j if complement else j
+    out = np.empty(size + 2, np.int64)      # the kernel's branch-free writes run 2 ahead
+    wrote = _lib.gd_choice_sorted(state.ctypes.data, n, j, int(bool(complement)),
+                                  bitmap.ctypes.data, out.ctypes.data)
+    if wrote != size:
+        raise RuntimeError(f"gd_choice_sorted wrote {wrote} positions, expected {size}")
+    return out[:size]
 
 
 _CHUNK = 1 << 16   # elements NumPy compares at a time: the mask stays in cache

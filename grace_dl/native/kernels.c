@@ -472,6 +472,55 @@ void gd_qsgd_values_f32(const uint8_t *codes, int64_t rows, int64_t b, const flo
  * `words` outputs of Chris Doty-Humphrey's SFC64 from the state s = (a, b, c, counter), the
  * recurrence of NumPy's SFC64 bit generator: the same words as its random_raw(words) from
  * that state (grace_dl/seeding.py draws every dither this way). s is not advanced. */
+/* NumPy's SeedSequence(entropy) (pool of 4 uint32 words, hashmix/mix of
+ * numpy/random/bit_generator.pyx) -> generate_state(3, uint64) -> SFC64's seeding (counter 1,
+ * 12 rounds discarded): the state SFC64(SeedSequence(entropy)) starts from, without building
+ * NumPy's objects (~10 us a key hot, several times that once a gradient pass has evicted
+ * them from the caches). */
+static uint32_t hashmix(uint32_t value, uint32_t *hash_const) {
+    value ^= *hash_const;
+    *hash_const *= 0x931e8875u;
+    value *= *hash_const;
+    return value ^ (value >> 16);
+}
+
+static uint32_t mix(uint32_t x, uint32_t y) {
+    uint32_t r = 0xca01f9ddu * x - 0x4973f715u * y;
+    return r ^ (r >> 16);
+}
+
+void gd_sfc64_seed(const uint32_t *entropy, int count, uint64_t *state) {
+    uint32_t pool[4], hash_const = 0x43b0d7e5u;
+    for (int i = 0; i < 4; i++)
+        pool[i] = hashmix(i < count ? entropy[i] : 0, &hash_const);
+    for (int src = 0; src < 4; src++)
+        for (int dst = 0; dst < 4; dst++)
+            if (src != dst)
+                pool[dst] = mix(pool[dst], hashmix(pool[src], &hash_const));
+    for (int src = 4; src < count; src++)
+        for (int dst = 0; dst < 4; dst++)
+            pool[dst] = mix(pool[dst], hashmix(entropy[src], &hash_const));
+    uint32_t words[6], out_const = 0x8b51f9ddu;
+    for (int i = 0; i < 6; i++) {
+        uint32_t v = pool[i % 4] ^ out_const;
+        out_const *= 0x58f38dedu;
+        v *= out_const;
+        words[i] = v ^ (v >> 16);
+    }
+    uint64_t a = words[0] | (uint64_t)words[1] << 32, b = words[2] | (uint64_t)words[3] << 32,
+             c = words[4] | (uint64_t)words[5] << 32, w = 1;
+    for (int i = 0; i < 12; i++) {
+        uint64_t tmp = a + b + w++;
+        a = b ^ (b >> 11);
+        b = c + (c << 3);
+        c = ((c << 24) | (c >> 40)) + tmp;
+    }
+    state[0] = a;
+    state[1] = b;
+    state[2] = c;
+    state[3] = w;
+}
+
 void gd_sfc64_raw(const uint64_t *state, int64_t words, uint64_t *out) {
     uint64_t a = state[0], b = state[1], c = state[2], w = state[3];
     for (int64_t i = 0; i < words; i++) {
@@ -481,6 +530,48 @@ void gd_sfc64_raw(const uint64_t *state, int64_t words, uint64_t *out) {
         c = ((c << 24) | (c >> 40)) + tmp;
         out[i] = tmp;
     }
+}
+
+/* The first j distinct positions of the stream (w * n) >> 64 over the SFC64 words w that
+ * continue `state` (see gd_sfc64_raw), marked in `bitmap` (ceil(n / 64) words, zero on entry);
+ * then written ascending into out (room for 2 more than it returns): the marked positions, or
+ * with `complement` the n - j unmarked ones. n < 2**63, j <= n. Returns how many positions
+ * were written. */
+int64_t gd_choice_sorted(const uint64_t *state, int64_t n, int64_t j, int complement,
+                         uint64_t *bitmap, int64_t *out) {
+    uint64_t a = state[0], b = state[1], c = state[2], w = state[3];
+    for (int64_t found = 0; found < j;) {
+        uint64_t tmp = a + b + w++;
+        a = b ^ (b >> 11);
+        b = c + (c << 3);
+        c = ((c << 24) | (c >> 40)) + tmp;
+        uint64_t pos = (uint64_t)(((unsigned __int128)tmp * (uint64_t)n) >> 64);
+        uint64_t bit = (uint64_t)1 << (pos & 63);
+        if (!(bitmap[pos >> 6] & bit)) {
+            bitmap[pos >> 6] |= bit;
+            found++;
+        }
+    }
+    /* the set bits in order; at a sparsifier's density most words hold 0, 1 or 2 of them, so
+     * the first two are written without a branch (out has room for 2 more than it returns) */
+    int64_t words = (n + 63) >> 6, o = 0;
+    for (int64_t i = 0; i < words; i++) {
+        uint64_t bits = complement ? ~bitmap[i] : bitmap[i];
+        if (i == words - 1 && (n & 63))
+            bits &= ((uint64_t)1 << (n & 63)) - 1;
+        int64_t base = i << 6;
+        out[o] = base + __builtin_ctzll(bits | ((uint64_t)1 << 63));
+        o += bits != 0;
+        bits &= bits - 1;
+        out[o] = base + __builtin_ctzll(bits | ((uint64_t)1 << 63));
+        o += bits != 0;
+        bits &= bits - 1;
+        while (bits) {
+            out[o++] = base + __builtin_ctzll(bits);
+            bits &= bits - 1;
+        }
+    }
+    return o;
 }
 
 /* signsgd's two-phase server step in one pass (see vote_feedback_scalar): payloads[r] is rank
