@@ -2,7 +2,8 @@
 ``GRACE_DL_NATIVE=0``, or an array is of a dtype or layout a kernel does not take, the same
 result comes from elsewhere: ``positions_at_least`` from its NumPy twin here; every other
 kernel returns None and its caller runs the code it replaces (``signbits``' and signsgd's
-framework ops, qsgd's blockwise ops, NumPy's ``random_raw``); the tests hold each kernel equal
+framework ops, qsgd's blockwise ops, NumPy's ``random_raw`` and ``SeedSequence``, and
+``seeding.choice``'s NumPy path); the tests hold each kernel equal
 to its twin on every SIMD path, ``native.use(False)`` switches them off at run time.
 
 The library is built by ``pip install`` (``setup.py``, an optional extension: a machine without
