@@ -508,3 +508,38 @@ def test_an_uncompressed_tensor_has_no_local_share_to_subtract(fw):
     residual = torch.ones(7) if fw == "torch" else tf.Variable(tf.ones(7))
     assert comp.subtract_local_share(ctx, residual) is False
     np.testing.assert_array_equal(as_numpy(residual), np.ones(7))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_divided_payload_averages_without_changing_the_warm_start(fw, world):
+    """``divided`` (what the allreduce communicator folds an average into): decompressing it
+    gives the result over ``world`` (bit for bit when ``world`` is a power of two) and stores the
+    same warm start as the undivided payload, so the next steps are unchanged; an uncompressed
+    tensor's values are divided too."""
+    rng = np.random.default_rng(5)
+    for shape in [(40, 30), (7,)]:
+        arrays = [rng.standard_normal(shape) for _ in range(world)]
+        states = []
+        for divide in (False, True):
+            comps, mems = make(world, memory=False, compress_rank=2)
+            grads = [as_tensor(fw, a) for a in arrays]
+            compensated = [m.compensate(g, "w") for m, g in zip(mems, grads)]
+            outs = [c.compress(x, "w") for c, x in zip(comps, compensated)]
+            while True:
+                reduced = [sum(o[0][i] for o in outs) for i in range(len(outs[0][0]))]
+                nxt = [c.next_round(reduced, ctx) for c, (_, ctx) in zip(comps, outs)]
+                if nxt[0] is None:
+                    break
+                outs = nxt
+            payload = comps[0].divided(reduced, world) if divide else reduced
+            got = as_numpy(comps[0].decompress(payload, outs[0][1]))
+            states.append((got if divide else got / world, comps[0].state_dict()))
+        (want, want_state), (got, got_state) = states
+        if world == 2:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert want_state.keys() == got_state.keys()
+        for key in want_state:
+            np.testing.assert_equal(want_state[key], got_state[key])

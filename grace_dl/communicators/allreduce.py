@@ -106,12 +106,18 @@ class Allreduce(Communicator):
             payload, ctx = step
             rnd = phase.round + 1
             return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
+        # the average folded into the reduced payload where the compressor can (sparse values,
+        # qsgd's norms, PowerSGD's Q: not a pass over the dense result); that result must then
+        # end in ``into``, which ``receive`` no longer writes
+        out = self.compressor.decompress_into(divided_payloads(handle, [reduced])[0], phase.ctx,
+                                              handle.into)
+        if handle.finished_in_place:
+            out = ops_for(out).assign_div(handle.into, out)
         if self.compressor.rounds == 1:
-            reduced = divided_payloads(handle, [reduced])[0]
-            return self.compressor.decompress_into(reduced, phase.ctx, handle.into)
-        out = self.compressor.decompress_into(reduced, phase.ctx, handle.into)
-        average = out / coll.size() if self.memory.wants_approximation(self.compressor) \
-            else None
+            return out
+        average = None
+        if self.memory.wants_approximation(self.compressor):
+            average = out if handle.finished_in_place else out / coll.size()
         self.memory.update(handle.encoded.compensated, handle.name, self.compressor, reduced,
                            phase.ctx, average)
         return out

@@ -172,8 +172,7 @@ class PowerSGDCompressor(Compressor):
         ops = ops_for(payload[0])
         if not ctx.low_rank:
             return ops.reshape(payload[0], ctx.shape)
-        q = payload[0]
-        ops.assign(self._q_slot(ops, ctx.name, ops.shape(q), q), q)
+        q = self._keep_warm_start(ops, ctx, payload)
         return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(q)), ctx.shape)
 
     def decompress_into(self, payload, ctx, out=None):
@@ -183,11 +182,24 @@ class PowerSGDCompressor(Compressor):
         if out is None or not ctx.low_rank or ops.NAME != "torch" or not out.is_contiguous() \
                 or tuple(out.shape) != tuple(ctx.shape) or out.dtype != payload[0].dtype:
             return self.decompress(payload, ctx)
-        q = payload[0]
-        ops.assign(self._q_slot(ops, ctx.name, ops.shape(q), q), q)
+        q = self._keep_warm_start(ops, ctx, payload)
         n, r = ops.shape(ctx.p_hat)
         ops.assign_matmul(ops.reshape(out, (n, ops.shape(q)[0])), ctx.p_hat, ops.transpose(q))
         return out
+
+    def divided(self, payload, divisor):
+        """The last round's payload for the average, O((n + m) r) instead of a pass over the
+        n x m result: ``[Q / divisor, Q]`` (the reduced Q divided, the sum itself kept as the
+        next warm start, so the state is the same as after a dense division); an uncompressed
+        tensor's values divided (as many elements as the division it replaces)."""
+        return [payload[0] / divisor, payload[0]]
+
+    def _keep_warm_start(self, ops, ctx, payload):
+        """Store the reduced Q (``payload[-1]``: the sum, also in a ``divided`` payload) as the
+        next step's warm start; return the Q to multiply with (``payload[0]``)."""
+        warm = payload[-1]
+        ops.assign(self._q_slot(ops, ctx.name, ops.shape(warm), warm), warm)
+        return payload[0]
 
     def local_share(self, ctx):
         """This rank's share P_hat Q_w^T of the decompressed sum (its own contribution), shaped
