@@ -44,6 +44,17 @@ def run(model: str, pipelines: list[str], rounds: int, steps: int, ranks: int,
     return rows
 
 
+def paired(rounds, base_rounds) -> str:
+    """The median of a pipeline's per-round step over Horovod's in the same round, with the
+    lowest and highest: ``"0.68 (0.63-0.74)"``; empty without both."""
+    if not rounds or not base_rounds or len(rounds) != len(base_rounds):
+        return ""
+    ratios = sorted(a / b for a, b in zip(rounds, base_rounds))
+    mid = ratios[len(ratios) // 2] if len(ratios) % 2 else \
+        (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    return f"{mid:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def markdown(rows: list[dict]) -> str:
     ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
     lines = []
@@ -51,12 +62,16 @@ def markdown(rows: list[dict]) -> str:
         group = [r for r in rows if r["label"] == label]
         first = group[0]
         base = next((r["total_s"] for r in group if r["pipeline"] == "none"), None)
+        base_rounds = next((r.get("round_s") for r in group if r["pipeline"] == "none"), None)
         table = []
         for r in group:
             timed = "sent_bytes" in r  # a grace pipeline (Horovod's own have no phases)
             table.append({
                 "pipeline": r["pipeline"], "step ms": ms(r["total_s"]),
-                "÷ Horovod": f"{r['total_s'] / base:.2f}" if base else "",
+                "÷ Horovod": f"{r['total_s'] / base:.2f}" if base else ""})
+            if any("round_s" in g for g in group):
+                table[-1]["÷ Horovod per round"] = paired(r.get("round_s"), base_rounds)
+            table[-1].update({
                 "fwd+bwd ms": ms(r["backward_s"]), "step() ms": ms(r["step_s"]),
                 **{f"{p} ms": ms(r.get(p + "_s", 0.0)) if timed or p == "other" else ""
                    for p in PHASES},
@@ -76,6 +91,9 @@ def markdown(rows: list[dict]) -> str:
     return ("# Pipeline overhead on loopback\n\n"
             f"Machine: {machine()}.\n\n"
             "Medians per step, rank 0. `none` is Horovod's own uncompressed allreduce, "
+            "÷ Horovod the ratio of the medians; ÷ Horovod per round (where shown) the median, "
+            "lowest and highest of each round's ratio (a round runs every pipeline's turn, "
+            "seconds apart, so it sees less of the host's drift than the whole job); "
             "`hvd-fp16` Horovod's fp16 compression, `grace-<name>` a grace pipeline from "
             "`benchmarks.pipelines.GRACE`, and `compute` the same model with no communication "
             "(its step is forward + backward + the SGD update). Phases are wall time inside "

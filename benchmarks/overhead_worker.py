@@ -10,7 +10,8 @@ Per step, rank 0 records (medians over the measured steps):
 - ``backward_s``: forward + backward; grace's hooks encode and issue inside it;
 - ``step_s``: ``optimizer.step()``: waiting for the collectives, completing them (decompress and
   aggregate), writing the gradients, the SGD update;
-- ``total_s``: the two together: what a training loop sees.
+- ``total_s``: the two together: what a training loop sees; ``round_s`` its median in each
+  round (the turns of one round are seconds apart, so ``benchmarks.overhead`` pairs them).
 
 For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
 lives in the library): ``compensate`` (``compensate_for``), ``compress`` (with
@@ -199,6 +200,11 @@ def main() -> None:
         for name, row in times.items():
             rec = {"model": args.model, "pipeline": name, "ranks": hvd.size(),
                    **{k: statistics.median(v) for k, v in row.items()}}
+            # each round's median step: the rounds pair every pipeline with Horovod's own
+            # turn seconds apart, so per-round ratios see less of the host's drift
+            totals = row["total_s"]
+            rec["round_s"] = [statistics.median(totals[i:i + args.steps])
+                              for i in range(0, len(totals), args.steps)]
             phases = sum(rec.get(p + "_s", 0.0) for p in PHASES)
             rec["compute_s"] = compute
             rec["other_s"] = max(0.0, rec["total_s"] - compute - phases) if name != "compute" \
