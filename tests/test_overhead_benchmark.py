@@ -27,3 +27,14 @@ def test_overhead_rows_phases_and_labels(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "### one" in table and "### two" in table and "first run" in table
     assert "--label two" in table and "÷ Horovod" in table
+    # each round's median step, paired with Horovod's in the same round
+    assert len(topk["round_s"]) == 2 and min(topk["round_s"]) > 0
+    line = [x for x in table.splitlines() if x.startswith("| topk |")][-1]   # label "two"
+    want = overhead.paired(topk["round_s"], hvd["round_s"])
+    assert "÷ Horovod per round" in table and want in line and "(" in want
+
+
+def test_paired_ratio_is_the_median_of_the_rounds():
+    assert overhead.paired([1.0, 3.0, 2.0], [2.0, 2.0, 2.0]) == "1.00 (0.50-1.50)"
+    assert overhead.paired([1.0, 2.0], [1.0, 1.0]) == "1.50 (1.00-2.00)"
+    assert overhead.paired([1.0], [1.0, 2.0]) == "" and overhead.paired(None, [1.0]) == ""
