@@ -106,7 +106,7 @@ def choice(seed: int, name: str, step: int, n: int, k: int) -> np.ndarray:
     distinct values are collected, so the stream is under ``1.4 j`` words long on average.
 
     Compiled (``native.choice_sorted``: one loop over a bitmap of ``n`` bits, then its set bits
-    in order, ~0.1 ms for 42K of 4.2M) or, without the kernels, the same positions from NumPy
+    in order, ~0.2 ms for 42K of 4.2M) or, without the kernels, the same positions from NumPy
     (sorting the drawn values: several times slower). Ascending positions also make the
     gathers and scatters of a sparsifier walk memory forward.
     """

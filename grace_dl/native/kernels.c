@@ -472,6 +472,17 @@ void gd_qsgd_values_f32(const uint8_t *codes, int64_t rows, int64_t b, const flo
  * `words` outputs of Chris Doty-Humphrey's SFC64 from the state s = (a, b, c, counter), the
  * recurrence of NumPy's SFC64 bit generator: the same words as its random_raw(words) from
  * that state (grace_dl/seeding.py draws every dither this way). s is not advanced. */
+void gd_sfc64_raw(const uint64_t *state, int64_t words, uint64_t *out) {
+    uint64_t a = state[0], b = state[1], c = state[2], w = state[3];
+    for (int64_t i = 0; i < words; i++) {
+        uint64_t tmp = a + b + w++;
+        a = b ^ (b >> 11);
+        b = c + (c << 3);
+        c = ((c << 24) | (c >> 40)) + tmp;
+        out[i] = tmp;
+    }
+}
+
 /* NumPy's SeedSequence(entropy) (pool of 4 uint32 words, hashmix/mix of
  * numpy/random/bit_generator.pyx) -> generate_state(3, uint64) -> SFC64's seeding (counter 1,
  * 12 rounds discarded): the state SFC64(SeedSequence(entropy)) starts from, without building
@@ -519,17 +530,6 @@ void gd_sfc64_seed(const uint32_t *entropy, int count, uint64_t *state) {
     state[1] = b;
     state[2] = c;
     state[3] = w;
-}
-
-void gd_sfc64_raw(const uint64_t *state, int64_t words, uint64_t *out) {
-    uint64_t a = state[0], b = state[1], c = state[2], w = state[3];
-    for (int64_t i = 0; i < words; i++) {
-        uint64_t tmp = a + b + w++;
-        a = b ^ (b >> 11);
-        b = c + (c << 3);
-        c = ((c << 24) | (c >> 40)) + tmp;
-        out[i] = tmp;
-    }
 }
 
 /* The first j distinct positions of the stream (w * n) >> 64 over the SFC64 words w that
