@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,10 +50,8 @@ def paired(rounds, base_rounds) -> str:
     lowest and highest: ``"0.68 (0.63-0.74)"``; empty without both."""
     if not rounds or not base_rounds or len(rounds) != len(base_rounds):
         return ""
-    ratios = sorted(a / b for a, b in zip(rounds, base_rounds))
-    mid = ratios[len(ratios) // 2] if len(ratios) % 2 else \
-        (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
-    return f"{mid:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+    ratios = [a / b for a, b in zip(rounds, base_rounds)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def markdown(rows: list[dict]) -> str:

@@ -107,12 +107,9 @@ class Allreduce(Communicator):
             rnd = phase.round + 1
             return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
         # the average folded into the reduced payload where the compressor can (sparse values,
-        # qsgd's norms, PowerSGD's Q: not a pass over the dense result); that result must then
-        # end in ``into``, which ``receive`` no longer writes
+        # qsgd's norms, PowerSGD's Q: not a pass over the dense result)
         out = self.compressor.decompress_into(divided_payloads(handle, [reduced])[0], phase.ctx,
                                               handle.into)
-        if handle.finished_in_place:
-            out = ops_for(out).assign_div(handle.into, out)
         if self.compressor.rounds == 1:
             return out
         average = None

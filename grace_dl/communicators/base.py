@@ -306,10 +306,8 @@ def _finish(handle: Handle, into=None):
     while isinstance(out, Phase):
         out = out.value if isinstance(out, Ready) else comm.complete(out, handle)
     divisor = average_divisor(handle)
-    if handle.finished_in_place:     # averaged (or summed) in send's ``into`` already
-        out = ops_for(out).assign_div(into, handle.into)
-    elif into is not None:
-        out = ops_for(out).assign_div(into, out, divisor)
+    if into is not None:    # finished in place: averaged (or summed) already, maybe in into
+        out = ops_for(out).assign_div(into, out, None if handle.finished_in_place else divisor)
     elif divisor is not None:
         out = out / divisor
     handle.phase, handle.done, handle.value = None, True, out
