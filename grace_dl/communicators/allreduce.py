@@ -12,10 +12,13 @@ unbiased as the compressor.
 Multi-round compressors (``rounds > 1``, PowerSGD: Vogels et al. 2019): after the round-1
 payload is reduced, ``compressor.next_round(reduced, ctx)`` gives the next payload to reduce
 (named ``grace.<tensor>.r<k>p<i>``) until it returns ``None``; the final reduced payload is
-decompressed. Each later round is a phase of its own, started inside ``receive``. The memory is
-then updated with the **reduced** payload: the approximation it gets is the ranks' *average*
-(M - P Q^T with the reduced, averaged P and Q, as in PyTorch's ``powerSGD_hook``), and the
-``powersgd`` memory takes this rank's own share from ``compressor.local_share``.
+decompressed. Each later round is a phase of its own, started inside ``receive``. A memory that
+wants the approximation (``residual``) is then updated with the ranks' *average* (M - P Q^T with
+the reduced, averaged P and Q, as in PyTorch's ``powerSGD_hook``). One that does not (``powersgd``:
+this rank's own share, from ``compressor.local_share``) needs nothing from the other ranks once
+this rank's last payload is issued, so it is updated then, before that round is waited for: its
+pass over the tensor runs while the last round is on the wire (in ``receive_all``'s lockstep,
+after every tensor's last round has been issued), given the payload this rank sent.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from grace_dl.registry import register_communicator
 @dataclass
 class Reducing(Phase):
     """Round ``round``'s allreduces in flight, with the ctx that decompresses their sum;
-    ``in_place``: the one allreduce sums (and averages) in the handle's ``into``."""
+    ``in_place``: the one allreduce sums (and averages) in the handle's ``into``; ``sent``:
+    this rank's payload of a later round, while its memory update is still to do."""
 
     parts: list
     ctx: Any
     round: int = 1
     in_place: bool = False
+    sent: list | None = None
 
     def waits_on(self) -> list:
         return self.parts
@@ -97,6 +102,12 @@ class Allreduce(Communicator):
 
     def complete(self, phase: Reducing, handle: Handle):
         coll = handle.coll
+        if phase.sent is not None and phase.round == self.compressor.rounds and \
+                not self.memory.wants_approximation(self.compressor):
+            # this rank's share is known: update while the last round is on the wire
+            self.memory.update(handle.encoded.compensated, handle.name, self.compressor,
+                               phase.sent, phase.ctx)
+            phase.sent = None
         reduced = [coll.synchronize(h) for h in phase.parts]
         if phase.in_place:
             handle.finished_in_place = True
@@ -105,13 +116,14 @@ class Allreduce(Communicator):
         if step is not None:
             payload, ctx = step
             rnd = phase.round + 1
-            return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd)
+            return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd, sent=payload)
         # the average folded into the reduced payload where the compressor can (sparse values,
         # qsgd's norms, PowerSGD's Q: not a pass over the dense result)
         out = self.compressor.decompress_into(divided_payloads(handle, [reduced])[0], phase.ctx,
                                               handle.into)
-        if self.compressor.rounds == 1:
-            return out
+        if self.compressor.rounds == 1 or phase.round == self.compressor.rounds and \
+                not self.memory.wants_approximation(self.compressor):
+            return out      # updated before the last round was waited for
         average = None
         if self.memory.wants_approximation(self.compressor):
             average = out if handle.finished_in_place else out / coll.size()

@@ -51,7 +51,8 @@ class Compressor(Stateful, ABC):
         compresses any 1-D chunk of a tensor independently (quantizers, signs).
     ``rounds``
         Collective rounds a compression takes (1, or 2 for PowerSGD). A multi-round compressor
-        implements ``next_round``; its communicator calls ``memory.update`` after the last round.
+        implements ``next_round``; its communicator calls ``memory.update`` once this rank's
+        last payload is issued (a memory that wants the ranks' average: after the last round).
     ``unbiased``
         E[decompress(compress(x))] == x over the method's randomness (tests check it).
     ``needs_shape``
