@@ -11,11 +11,12 @@ import torch
 from workers import powersgd_check as job
 
 import mp
-from grace_dl import seeding
+from grace_dl import grace_from_params, seeding
 from grace_dl.backend import ops_for
 from grace_dl.compressors.powersgd import PowerSGDCompressor
 from grace_dl.memory.none import NoneMemory
 from grace_dl.memory.powersgd import PowerSGDMemory
+from support import OneRank
 
 FRAMEWORKS = ["torch", "tensorflow"]
 
@@ -543,3 +544,38 @@ def test_the_divided_payload_averages_without_changing_the_warm_start(fw, world)
         assert want_state.keys() == got_state.keys()
         for key in want_state:
             np.testing.assert_equal(want_state[key], got_state[key])
+
+
+class _Logged(OneRank):
+    """One rank whose waits are written into ``log``."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self, handle):
+        self.log.append("wait")
+        return handle
+
+
+@pytest.mark.parametrize("memory, early", [("powersgd", True), ("residual", False)])
+def test_own_share_memory_updates_before_the_last_round_is_waited_for(memory, early):
+    """``powersgd`` memory needs only this rank's Q: its update runs while round 2 is in flight
+    (before that wait), and leaves the same residual as M - P_hat Q^T; ``residual`` needs the
+    ranks' average: after every wait."""
+    log = []
+    grc = grace_from_params({"compressor": "powersgd", "compress_rank": 1, "memory": memory})
+    inner = type(grc.memory).update
+
+    def update(self, *args, **kwargs):
+        log.append("update")
+        return inner(self, *args, **kwargs)
+
+    rng = np.random.default_rng(3)
+    g = torch.tensor(rng.standard_normal((12, 9)), dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(type(grc.memory), "update", update)
+        out = grc.receive(grc.send(g.clone(), "w", collectives=_Logged(log)))
+    assert log == (["wait", "update", "wait"] if early else ["wait", "wait", "update"])
+    # one rank: its own share is the average, so both leave M - P_hat Q^T
+    residual = grc.memory.state.variables()["w"].numpy()
+    np.testing.assert_allclose(residual, g.numpy() - out.numpy(), atol=1e-6)
