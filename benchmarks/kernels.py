@@ -22,11 +22,13 @@ import torch
 
 from benchmarks.report import _table, kernels, machine
 from grace_dl import native, seeding
+from grace_dl.compressors import sparse
 from grace_dl.compressors.base import LOCAL
 from grace_dl.compressors.qsgd import QSGDCompressor
 from grace_dl.compressors.signsgd import SignSGDCompressor
 from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
+from grace_dl.torch import ops
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks/results/kernels.md"
@@ -46,6 +48,8 @@ def cases(n: int) -> dict:
     topk, threshold = TopKCompressor(0.01), ThresholdCompressor(2.576)
     s_other, _ = sign.compress(x.flip(0).contiguous(), "s2")
     slot = torch.zeros(n)
+    small = x[: min(n, 20480)]                 # the size of the MLP's output layer
+    cand = ops.positions_at_least(x, thr)
 
     def server_step():
         """two-phase signSGD's server step: fused, or (kernels off) the steps one by one"""
@@ -58,6 +62,10 @@ def cases(n: int) -> dict:
         "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: native.positions_at_least(a, thr),
         "topk 1% compress": lambda: topk.compress(x, "t"),
         "threshold 2.576 compress": lambda: threshold.compress(x, "h"),
+        "exact top 1% of 20K (topk below its sampling size)":
+            lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100)),
+        "top 1% of x among the scan's candidates (topk's last step)":
+            lambda: sparse.top_among(ops, x, cand, max(1, n // 100)),
         "signsgd compress with error": lambda: sign.compress_with_error(x, "s", LOCAL, err),
         "signsgd decompress into": lambda: sign.decompress_into(s_payload, s_ctx, out),
         "signsgd two-phase server step, 2 ranks": server_step,

@@ -254,6 +254,7 @@ def test_use_false_gives_every_kernel_to_its_twin():
         np.testing.assert_array_equal(native.positions_at_least(a, 1.5), want)
         assert native.sfc64_seed([1, 2, 3, 4]) is None
         assert native.choice_sorted(np.zeros(4, np.uint64), 100, 3, False) is None
+        assert native.top_positions(a, 3) is None
         np.testing.assert_array_equal(
             SignSGDCompressor().compress(torch.from_numpy(a), "g")[0][0].numpy(),
             payload.numpy())
@@ -445,3 +446,69 @@ def test_choice_refuses_more_than_there_is(n, k):
 
     with pytest.raises(ValueError, match=f"0 <= k <= n, got k={k}, n={n}"):
         seeding.choice(0, "x", 0, n, k)
+
+
+def _top_twin(a, k, sign):
+    """``sparse.top_of`` of ``magnitudes`` through torch's ops, the kernel switched off."""
+    from grace_dl.compressors import sparse
+    from grace_dl.torch import ops
+
+    try:
+        native.use(False)
+        flat = torch.from_numpy(a)
+        return sparse.top_of(ops, sparse.magnitudes(ops, flat, sign), k).numpy()
+    finally:
+        native.use(True)
+
+
+def _tied(n, seed):
+    """Few distinct values (many ties at every rank), zeros of both signs and NaNs."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-3, 4, n).astype(np.float32)
+    a[rng.integers(0, n, max(1, n // 10))] = -0.0
+    a[rng.integers(0, n, max(1, n // 20))] = np.nan
+    return a
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (17, 5), (100, 1), (100, 37), (100, 100),
+                                 (20480, 205), (200_003, 2001)])
+@pytest.mark.parametrize("sign", [None, 1, -1])
+@pytest.mark.parametrize("make", [_mixed, _tied])
+def test_top_positions_equal_the_framework_top_k(n, k, sign, make):
+    """The set and the order (above the k-th ascending, then the first ties ascending) of the
+    framework-op path, with NaNs, infinities, zeros of both signs and heavy ties."""
+    a = make(n, n + k)
+    got = native.top_positions(a, k, sign)
+    np.testing.assert_array_equal(got, _top_twin(a, k, sign))
+
+
+def test_top_positions_of_equal_or_sorted_values_take_no_quadratic_path():
+    """All equal (one three-way round) and sorted inputs (where a first-element pivot would go
+    quadratic): the same positions as the framework path, at once."""
+    for a in (np.zeros(300_000, np.float32), np.arange(300_000, dtype=np.float32),
+              np.arange(300_000, 0, -1).astype(np.float32)):
+        np.testing.assert_array_equal(native.top_positions(a, 3000), _top_twin(a, 3000, None))
+
+
+def test_top_positions_refuse_what_they_do_not_take():
+    a = _mixed(100, 1)
+    assert native.top_positions(a, 0) is None and native.top_positions(a, 101) is None
+    assert native.top_positions(a.astype(np.float64), 3) is None
+    assert native.top_positions(a[::2], 3) is None
+
+
+def test_topk_compressor_takes_the_kernel_and_keeps_its_positions():
+    """topk through torch on CPU: the same payload with and without the kernel, exact (small
+    tensor) and sampled (large) paths."""
+    from grace_dl.compressors.topk import TopKCompressor
+
+    for n in (2048, 300_000):
+        x = torch.from_numpy(_mixed(n, 5))
+        want = TopKCompressor(0.01).compress(x, "w")[0]
+        try:
+            native.use(False)
+            twin = TopKCompressor(0.01).compress(x, "w")[0]
+        finally:
+            native.use(True)
+        for got, ref in zip(want, twin):
+            np.testing.assert_array_equal(got.numpy(), ref.numpy())

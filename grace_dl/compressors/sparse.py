@@ -82,9 +82,21 @@ def top_of(ops, mag, k):
     return keep_top(ops, cand, ops.gather(mag, cand), k)
 
 
-def exact_top(ops, flat, k):
-    """Positions of the ``k`` largest magnitudes of ``flat`` (``0 < k <= numel``)."""
-    return top_of(ops, magnitudes(ops, flat), k)
+def exact_top(ops, flat, k, sign=None):
+    """Positions of the ``k`` largest ``magnitudes(flat, sign)`` (``0 < k <= numel``): the
+    compiled selection where it applies (``ops.top_positions``), else ``top_of``."""
+    fast = ops.top_positions(flat, k, sign)
+    return top_of(ops, magnitudes(ops, flat, sign), k) if fast is None else fast
+
+
+def top_among(ops, flat, cand, k, sign=None):
+    """``keep_top`` of the candidate positions ``cand`` (ascending) of ``flat``: the ``k``
+    largest magnitudes among them, in ``exact_top``'s order."""
+    values = ops.gather(flat, cand)
+    fast = ops.top_positions(values, k, sign)
+    if fast is None:
+        return keep_top(ops, cand, magnitudes(ops, values, sign), k)
+    return ops.gather(cand, fast)
 
 
 def sampled_threshold(ops, flat, seed, name, step, above, sign=None):
@@ -117,9 +129,8 @@ def approx_top(ops, flat, k, seed, name, step, sign=None):
         above = min(s, math.ceil(mean_above + 4 * math.sqrt(mean_above) + 2))
     thr = sampled_threshold(ops, flat, seed, name, step, above, sign)
     cand = ops.positions_at_least(flat, thr, sign)
-    return ops.cond(ops.numel(cand) >= k,
-                    lambda: keep_top(ops, cand, magnitudes(ops, ops.gather(flat, cand), sign), k),
-                    lambda: top_of(ops, magnitudes(ops, flat, sign), k))
+    return ops.cond(ops.numel(cand) >= k, lambda: top_among(ops, flat, cand, k, sign),
+                    lambda: exact_top(ops, flat, k, sign))
 
 
 class SparseCompressor(Compressor):

@@ -62,6 +62,12 @@ def _load():
             lib.gd_choice_sorted.restype = ctypes.c_int64
             lib.gd_choice_sorted.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                              ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.gd_top_magnitudes_f32.restype = None
+            lib.gd_top_magnitudes_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                  ctypes.c_void_p]
+            lib.gd_top_collect_f32.restype = None
+            lib.gd_top_collect_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                               ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -218,6 +224,24 @@ def sign_vote_feedback(payloads, n: int, slot, dec):
     ptr = out.ctypes.data
     out[2 * nb] = _lib.gd_sign_vote_feedback_f32(ptrs, len(payloads), n, slot.ctypes.data, ptr,
                                                  ptr + nb, dec.ctypes.data)
+    return out
+
+
+def top_positions(a: np.ndarray, k: int, sign=None):
+    """int64 positions of the ``k`` largest magnitudes of the 1-D float32 ``a`` (``|x|``, or
+    with ``sign`` 1 / -1 the positive / negative part; NaN and the other sign rank lowest):
+    those above the k-th largest ascending, then the first tied ones ascending, the set and
+    order of ``grace_dl.compressors.sparse.top_of`` (its twin): one compiled pass for the
+    magnitudes, NumPy's partition for the k-th, one pass for the positions, instead of the
+    twin's dozen framework ops. None where the kernels do not apply."""
+    n = a.size
+    if not _enabled or a.ndim != 1 or not _dense(a, np.float32, n) or not 0 < k <= n:
+        return None
+    mag = np.empty(n, np.float32)
+    _lib.gd_top_magnitudes_f32(a.ctypes.data, n, _MODE[sign], mag.ctypes.data)
+    kth = float(np.partition(mag, n - k)[n - k])
+    out, ties = np.empty(k, np.int64), np.empty(k, np.int64)
+    _lib.gd_top_collect_f32(mag.ctypes.data, n, k, kth, out.ctypes.data, ties.ctypes.data)
     return out
 
 

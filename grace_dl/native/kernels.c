@@ -5,6 +5,7 @@
  * has a portable scalar loop and, on x86-64, wider versions picked at run time from the CPU's
  * features (GCC/Clang target attributes), so one build runs on any x86-64 host.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -466,6 +467,32 @@ void gd_qsgd_values_f32(const uint8_t *codes, int64_t rows, int64_t b, const flo
 #endif
     for (int64_t r = 0; r < rows; r++)
         values_span(codes, r * b, (r + 1) * b, step[r], s, out, accumulate);
+}
+
+/* ---------------------------------------------------------------- exact top-k
+ * The sparsifiers' exact top-k (grace_dl/compressors/sparse.py `top_of` of `magnitudes`) in
+ * two passes around a selection the caller makes (NumPy's partition): the magnitudes of
+ * float32 x[0:n] (mode 0: |x|; 1: x where x > 0; -1: -x where x < 0; -1 for NaN and the
+ * other sign), then, given the k-th largest of them, the positions above it ascending
+ * followed by the first tied ones ascending. */
+void gd_top_magnitudes_f32(const float *x, int64_t n, int mode, float *mag) {
+    if (mode == 0)
+        for (int64_t i = 0; i < n; i++) mag[i] = x[i] == x[i] ? fabsf(x[i]) : -1.0f;
+    else if (mode > 0)
+        for (int64_t i = 0; i < n; i++) mag[i] = x[i] > 0 ? x[i] : -1.0f;
+    else
+        for (int64_t i = 0; i < n; i++) mag[i] = x[i] < 0 ? -x[i] : -1.0f;
+}
+
+/* The k positions (0 < k <= n, kth the k-th largest of mag) into out[0:k]; ties: k int64. */
+void gd_top_collect_f32(const float *mag, int64_t n, int64_t k, float kth, int64_t *out,
+                        int64_t *ties) {
+    int64_t above = 0, tied = 0;
+    for (int64_t i = 0; i < n && above < k; i++) {
+        if (mag[i] > kth) out[above++] = i;
+        else if (mag[i] == kth && tied < k) ties[tied++] = i;
+    }
+    memcpy(out + above, ties, (size_t)(k - above) * sizeof(int64_t));
 }
 
 /* ---------------------------------------------------------------- random bits

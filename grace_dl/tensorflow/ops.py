@@ -339,6 +339,11 @@ def positions_at_least(flat, thr, sign=None):
     return nonzero(flat >= thr if sign > 0 else flat <= -thr)
 
 
+def top_positions(flat, k, sign=None):
+    """Always None: the sparsifiers' exact top-k runs as TF ops (``sparse.top_of``)."""
+    return None
+
+
 def sort(x):
     """The elements of a 1-D tensor in ascending order."""
     return tf.sort(x)

@@ -379,6 +379,16 @@ def positions_at_least(flat, thr, sign=None):
     return torch.from_numpy(native.positions_at_least(flat.detach().numpy(), t, sign))
 
 
+def top_positions(flat, k, sign=None):
+    """int64 positions of the ``k`` (an int) largest magnitudes of the 1-D ``flat``, the set and
+    order of ``sparse.top_of(magnitudes(flat, sign), k)``, by one compiled selection and pass
+    (``grace_dl.native.top_positions``; fp32 on CPU); None where it does not apply."""
+    if flat.device.type != "cpu" or flat.dtype != torch.float32 or torch.is_tensor(k):
+        return None
+    got = native.top_positions(flat.detach().numpy(), int(k), sign)
+    return None if got is None else torch.from_numpy(got)
+
+
 def sort(x):
     """The elements of a 1-D tensor in ascending order."""
     return torch.sort(x).values
