@@ -484,11 +484,12 @@ void gd_top_magnitudes_f32(const float *x, int64_t n, int mode, float *mag) {
         for (int64_t i = 0; i < n; i++) mag[i] = x[i] < 0 ? -x[i] : -1.0f;
 }
 
-/* The k positions (0 < k <= n, kth the k-th largest of mag) into out[0:k]; ties: k int64. */
+/* The k positions (0 < k <= n, kth the k-th largest of mag) into out[0:k]; ties: k int64.
+ * Fewer than k entries lie above the k-th largest, so out never overflows. */
 void gd_top_collect_f32(const float *mag, int64_t n, int64_t k, float kth, int64_t *out,
                         int64_t *ties) {
     int64_t above = 0, tied = 0;
-    for (int64_t i = 0; i < n && above < k; i++) {
+    for (int64_t i = 0; i < n; i++) {
         if (mag[i] > kth) out[above++] = i;
         else if (mag[i] == kth && tied < k) ties[tied++] = i;
     }

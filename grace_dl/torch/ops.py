@@ -381,8 +381,9 @@ def positions_at_least(flat, thr, sign=None):
 
 def top_positions(flat, k, sign=None):
     """int64 positions of the ``k`` (an int) largest magnitudes of the 1-D ``flat``, the set and
-    order of ``sparse.top_of(magnitudes(flat, sign), k)``, by one compiled selection and pass
-    (``grace_dl.native.top_positions``; fp32 on CPU); None where it does not apply."""
+    order of ``sparse.top_of(magnitudes(flat, sign), k)``, by two compiled passes around
+    NumPy's partition (``grace_dl.native.top_positions``; fp32 on CPU); None where it does not
+    apply."""
     if flat.device.type != "cpu" or flat.dtype != torch.float32 or torch.is_tensor(k):
         return None
     got = native.top_positions(flat.detach().numpy(), int(k), sign)
