@@ -212,6 +212,10 @@ class OpsBackend(Protocol):
 
     def positions_at_least(self, flat, thr, sign=None): ...
 
+    def top_positions(self, flat, k, sign=None):
+        """``sparse.top_of(magnitudes(flat, sign), k)``'s positions by a faster path, or None
+        where there is none (the caller then runs ``top_of``)."""
+
     def nonzero(self, mask):
         """int64 indices where a 1-D bool tensor is true."""
 
