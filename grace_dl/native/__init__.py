@@ -240,7 +240,7 @@ def top_positions(a: np.ndarray, k: int, sign=None):
     mag = np.empty(n, np.float32)
     _lib.gd_top_magnitudes_f32(a.ctypes.data, n, _MODE[sign], mag.ctypes.data)
     kth = float(np.partition(mag, n - k)[n - k])
-    out, ties = np.empty(k, np.int64), np.empty(k, np.int64)
+    out, ties = np.empty(k, np.int64), np.empty(k + 1, np.int64)
     _lib.gd_top_collect_f32(mag.ctypes.data, n, k, kth, out.ctypes.data, ties.ctypes.data)
     return out
 

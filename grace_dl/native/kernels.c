@@ -484,14 +484,20 @@ void gd_top_magnitudes_f32(const float *x, int64_t n, int mode, float *mag) {
         for (int64_t i = 0; i < n; i++) mag[i] = x[i] < 0 ? -x[i] : -1.0f;
 }
 
-/* The k positions (0 < k <= n, kth the k-th largest of mag) into out[0:k]; ties: k int64.
- * Fewer than k entries lie above the k-th largest, so out never overflows. */
+/* The k positions (0 < k <= n, kth the k-th largest of mag) into out[0:k]; ties: k + 1
+ * int64. Branch-free (each position is written, and kept by advancing the count): which
+ * entries lie above is data, not a pattern a branch predictor learns. Fewer than k entries
+ * lie above the k-th largest, so out[above] stays inside out; ties[k] takes the writes past
+ * the k ties that can be needed. */
 void gd_top_collect_f32(const float *mag, int64_t n, int64_t k, float kth, int64_t *out,
                         int64_t *ties) {
     int64_t above = 0, tied = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (mag[i] > kth) out[above++] = i;
-        else if (mag[i] == kth && tied < k) ties[tied++] = i;
+        float v = mag[i];
+        out[above] = i;
+        above += v > kth;
+        ties[tied] = i;
+        tied += (v == kth) & (tied < k);
     }
     memcpy(out + above, ties, (size_t)(k - above) * sizeof(int64_t));
 }
