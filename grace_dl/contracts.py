@@ -212,6 +212,10 @@ class OpsBackend(Protocol):
 
     def positions_at_least(self, flat, thr, sign=None): ...
 
+    def assign_sparse_sum(self, var, positions: list, values: list):
+        """``assign_scatter`` of the sparse tensors (``values[r]`` at ``positions[r]``)
+        joined, by a faster path; None where there is none."""
+
     def top_positions(self, flat, k, sign=None):
         """``sparse.top_of(magnitudes(flat, sign), k)``'s positions by a faster path, or None
         where there is none (the caller then runs ``top_of``)."""

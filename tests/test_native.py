@@ -255,6 +255,8 @@ def test_use_false_gives_every_kernel_to_its_twin():
         assert native.sfc64_seed([1, 2, 3, 4]) is None
         assert native.choice_sorted(np.zeros(4, np.uint64), 100, 3, False) is None
         assert native.top_positions(a, 3) is None
+        assert native.sparse_sum(np.zeros(4, np.float32), [np.arange(2, dtype=np.int32)],
+                                 [np.ones(2, np.float32)]) is None
         np.testing.assert_array_equal(
             SignSGDCompressor().compress(torch.from_numpy(a), "g")[0][0].numpy(),
             payload.numpy())
@@ -512,3 +514,77 @@ def test_topk_compressor_takes_the_kernel_and_keeps_its_positions():
             native.use(True)
         for got, ref in zip(want, twin):
             np.testing.assert_array_equal(got.numpy(), ref.numpy())
+
+
+def _sparse_twin(n, positions, values):
+    """Zeros, then ``index_add_`` of the joined payloads: what ``assign_scatter`` does."""
+    out = torch.full((n,), 7.0)
+    out.zero_()
+    out.index_add_(0, torch.cat([torch.from_numpy(p) for p in positions]).long(),
+                   torch.cat([torch.from_numpy(v) for v in values]))
+    return out.numpy()
+
+
+@pytest.mark.parametrize("n", [1, 100, 8191, 8192, 8193, 3 * 8192 + 17, 300_000])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_sparse_sum_equals_zeroing_and_index_add(n, ranks, dtype):
+    """Every block border, overlapping positions across ranks (added in rank order), signed
+    zeros and both index dtypes."""
+    rng = np.random.default_rng(n + ranks)
+    positions, values = [], []
+    for r in range(ranks):
+        k = int(rng.integers(0, n + 1)) if r else n // 2
+        positions.append(np.sort(rng.choice(n, k, replace=False)).astype(dtype))
+        v = rng.standard_normal(k).astype(np.float32)
+        v[: k // 7] = -0.0
+        values.append(v)
+    out = np.full(n, 7.0, np.float32)
+    assert native.sparse_sum(out, positions, values) is out
+    want = _sparse_twin(n, positions, values)
+    np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))
+
+
+def test_sparse_sum_leaves_what_it_cannot_take_untouched():
+    """Unsorted or repeated positions, out of range, mixed dtypes: None, nothing written."""
+    out = np.full(10, 7.0, np.float32)
+    v = np.ones(3, np.float32)
+    for p in ([3, 1, 5], [1, 1, 5], [1, 5, 10], [-1, 2, 3]):
+        assert native.sparse_sum(out, [np.array(p, np.int32)], [v]) is None
+    assert native.sparse_sum(out, [np.array([1, 2, 3], np.int32), np.array([1, 2, 3])],
+                             [v, v]) is None
+    assert native.sparse_sum(out, [np.array([1, 2, 3], np.int32)], [v[:2]]) is None
+    assert (out == 7.0).all()
+
+
+def test_a_bad_received_position_still_raises_through_the_framework_path():
+    """A position outside the tensor (a corrupt payload) reaches torch's scatter, which
+    raises, instead of a write outside the gradient."""
+    from grace_dl.compressors import sparse
+    from grace_dl.torch import ops
+
+    out = torch.empty(10)
+    with pytest.raises((IndexError, RuntimeError)):
+        sparse.scatter_sum(ops, [torch.tensor([1, 12], dtype=torch.int32)],
+                           [torch.ones(2)], ((10,), 10), out)
+
+
+def test_topk_combine_takes_the_kernel_with_the_same_bits():
+    from grace_dl.compressors.topk import TopKCompressor
+
+    _sparse_sum = native.sparse_sum
+
+    c = TopKCompressor(0.01)
+    a, b = (torch.from_numpy(_mixed(300_000, s)).nan_to_num(0.0) for s in (1, 2))
+    (pa, ctx), (pb, _) = c.compress(a, "w"), c.compress(b, "w")
+    calls = []
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(native, "sparse_sum", lambda *a: calls.append(_sparse_sum(*a)) or calls[-1])
+        got = c.combine([pa, pb], ctx, torch.empty(300_000))
+    assert len(calls) == 1 and calls[0] is not None    # applied: both rank's positions sorted
+    try:
+        native.use(False)
+        want = c.combine([pa, pb], ctx, torch.empty(300_000))
+    finally:
+        native.use(True)
+    np.testing.assert_array_equal(got.numpy().view(np.int32), want.numpy().view(np.int32))

@@ -66,12 +66,14 @@ def magnitudes(ops, flat, sign=None):
 def keep_top(ops, cand, cmag, k):
     """Exactly ``k`` of the candidate positions ``cand`` (with magnitudes ``cmag``, at least
     ``k`` of them): the largest magnitudes, ties at the k-th going to the lowest positions
-    (``cand`` is ascending). Returns int64 positions: those above the k-th magnitude, then the
-    tied ones, each group ascending."""
+    (``cand`` is ascending). Returns int64 positions, ascending (every sparsifier's are, so
+    a sum of payloads is written in one pass: ``ops.assign_sparse_sum``)."""
     kth = ops.kth_largest(cmag, k)
-    above = ops.gather(cand, ops.nonzero(cmag > kth))
-    ties = ops.gather(cand, ops.nonzero(cmag == kth))
-    chosen = ops.cat([above, ops.slice(ties, 0, k - ops.numel(above))])
+    above, tied = cmag > kth, cmag == kth
+    # the k-th itself is tied, so at least one tie is kept; the last one kept bounds the rest
+    need = k - ops.numel(ops.nonzero(above))
+    last = ops.slice(ops.gather(cand, ops.nonzero(tied)), need - 1, need)
+    chosen = ops.gather(cand, ops.nonzero(above | (tied & (cand <= last))))
     return ops.reshape(chosen, [k]) if isinstance(k, int) else chosen
 
 
@@ -91,7 +93,7 @@ def exact_top(ops, flat, k, sign=None):
 
 def top_among(ops, flat, cand, k, sign=None):
     """``keep_top`` of the candidate positions ``cand`` (ascending) of ``flat``: the ``k``
-    largest magnitudes among them, in ``exact_top``'s order."""
+    largest magnitudes among them, ascending."""
     values = ops.gather(flat, cand)
     fast = ops.top_positions(values, k, sign)
     if fast is None:
@@ -182,8 +184,13 @@ class SparseCompressor(Compressor):
 def scatter_sum(ops, positions: list, values: list, ctx, out=None):
     """The sum of N sparse tensors (rank r: ``values[r]`` at distinct ``positions[r]``) of
     the dense shape in ``ctx`` = ``(shape, numel, ...)``: one buffer (``out`` when given),
-    one scatter-add."""
+    one scatter-add (into ``out``: one compiled pass where ``ops.assign_sparse_sum``
+    applies)."""
     shape, n = ctx[0], ctx[1]
+    if out is not None:
+        fast = ops.assign_sparse_sum(out, positions, values)
+        if fast is not None:
+            return fast
     idx, vals = (positions[0], values[0]) if len(values) == 1 else (ops.cat(positions),
                                                                     ops.cat(values))
     if out is not None:

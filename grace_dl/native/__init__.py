@@ -67,7 +67,12 @@ def _load():
                                                   ctypes.c_void_p]
             lib.gd_top_collect_f32.restype = None
             lib.gd_top_collect_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                               ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+                                               ctypes.c_float, ctypes.c_void_p]
+            lib.gd_sparse_sum_f32.restype = ctypes.c_int
+            lib.gd_sparse_sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                              ctypes.POINTER(ctypes.c_void_p),
+                                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                              ctypes.c_int]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -228,11 +233,11 @@ def sign_vote_feedback(payloads, n: int, slot, dec):
 
 
 def top_positions(a: np.ndarray, k: int, sign=None):
-    """int64 positions of the ``k`` largest magnitudes of the 1-D float32 ``a`` (``|x|``, or
-    with ``sign`` 1 / -1 the positive / negative part; NaN and the other sign rank lowest):
-    those above the k-th largest ascending, then the first tied ones ascending, the set and
-    order of ``grace_dl.compressors.sparse.top_of`` (its twin): one compiled pass for the
-    magnitudes, NumPy's partition for the k-th, one pass for the positions, instead of the
+    """int64 positions, ascending, of the ``k`` largest magnitudes of the 1-D float32 ``a``
+    (``|x|``, or with ``sign`` 1 / -1 the positive / negative part; NaN and the other sign
+    rank lowest; of the ties at the k-th largest the lowest positions): the positions of
+    ``grace_dl.compressors.sparse.top_of`` (its twin), by a compiled pass for the magnitudes,
+    NumPy's partition for the k-th and compiled passes for the positions, instead of the
     twin's dozen framework ops. None where the kernels do not apply."""
     n = a.size
     if not _enabled or a.ndim != 1 or not _dense(a, np.float32, n) or not 0 < k <= n:
@@ -240,8 +245,32 @@ def top_positions(a: np.ndarray, k: int, sign=None):
     mag = np.empty(n, np.float32)
     _lib.gd_top_magnitudes_f32(a.ctypes.data, n, _MODE[sign], mag.ctypes.data)
     kth = float(np.partition(mag, n - k)[n - k])
-    out, ties = np.empty(k, np.int64), np.empty(k + 1, np.int64)
-    _lib.gd_top_collect_f32(mag.ctypes.data, n, k, kth, out.ctypes.data, ties.ctypes.data)
+    out = np.empty(k, np.int64)
+    _lib.gd_top_collect_f32(mag.ctypes.data, n, k, kth, out.ctypes.data)
+    return out
+
+
+def sparse_sum(out: np.ndarray, positions: list, values: list):
+    """``out`` (1-D float32) set to the sum of sparse vectors: ``values[r]`` (float32) at
+    ``positions[r]`` (int32 or int64, one dtype for all; each strictly ascending, inside
+    ``out``), zeroed and summed block by block in one pass: the bits of zeroing ``out`` and
+    ``index_add_`` of the joined payloads (the twin, ``grace_dl.torch.ops.assign_scatter``).
+    Returns ``out``, or None where the kernel does not apply (unsorted or out-of-range
+    positions among them: the caller's scatter then handles, or reports, them)."""
+    ranks = len(positions)
+    if not _enabled or not _f32(out) or ranks == 0 or ranks != len(values) or ranks > 256:
+        return None
+    dtype = positions[0].dtype
+    if dtype not in (np.int32, np.int64) or not all(
+            p.ndim == 1 and _dense(p, dtype, p.size) and _f32(v, p.size)
+            for p, v in zip(positions, values)):
+        return None
+    idx = (ctypes.c_void_p * ranks)(*(p.ctypes.data for p in positions))
+    vals = (ctypes.c_void_p * ranks)(*(v.ctypes.data for v in values))
+    count = np.array([p.size for p in positions], np.int64)
+    if _lib.gd_sparse_sum_f32(out.ctypes.data, out.size, ranks, idx, vals, count.ctypes.data,
+                              int(dtype == np.int64)) != 0:
+        return None
     return out
 
 

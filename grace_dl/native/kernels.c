@@ -471,10 +471,10 @@ void gd_qsgd_values_f32(const uint8_t *codes, int64_t rows, int64_t b, const flo
 
 /* ---------------------------------------------------------------- exact top-k
  * The sparsifiers' exact top-k (grace_dl/compressors/sparse.py `top_of` of `magnitudes`) in
- * two passes around a selection the caller makes (NumPy's partition): the magnitudes of
- * float32 x[0:n] (mode 0: |x|; 1: x where x > 0; -1: -x where x < 0; -1 for NaN and the
- * other sign), then, given the k-th largest of them, the positions above it ascending
- * followed by the first tied ones ascending. */
+ * passes around a selection the caller makes (NumPy's partition): the magnitudes of float32
+ * x[0:n] (mode 0: |x|; 1: x where x > 0; -1: -x where x < 0; -1 for NaN and the other sign),
+ * then, given the k-th largest of them, the positions above it and the first tied ones, all
+ * ascending. */
 void gd_top_magnitudes_f32(const float *x, int64_t n, int mode, float *mag) {
     if (mode == 0)
         for (int64_t i = 0; i < n; i++) mag[i] = x[i] == x[i] ? fabsf(x[i]) : -1.0f;
@@ -484,22 +484,64 @@ void gd_top_magnitudes_f32(const float *x, int64_t n, int mode, float *mag) {
         for (int64_t i = 0; i < n; i++) mag[i] = x[i] < 0 ? -x[i] : -1.0f;
 }
 
-/* The k positions (0 < k <= n, kth the k-th largest of mag) into out[0:k]; ties: k + 1
- * int64. Branch-free (each position is written, and kept by advancing the count): which
- * entries lie above is data, not a pattern a branch predictor learns. Fewer than k entries
- * lie above the k-th largest, so out[above] stays inside out; ties[k] takes the writes past
- * the k ties that can be needed. */
-void gd_top_collect_f32(const float *mag, int64_t n, int64_t k, float kth, int64_t *out,
-                        int64_t *ties) {
-    int64_t above = 0, tied = 0;
-    for (int64_t i = 0; i < n; i++) {
+/* The k positions (0 < k <= n, kth the k-th largest of mag) ascending into out[0:k]: a count
+ * of those above the k-th, then one branch-free pass (each position is written, and kept by
+ * advancing the count: which entries lie above is data, not a pattern a branch predictor
+ * learns) that stops at the k-th kept. */
+void gd_top_collect_f32(const float *mag, int64_t n, int64_t k, float kth, int64_t *out) {
+    int64_t above = 0;
+    for (int64_t i = 0; i < n; i++) above += mag[i] > kth;
+    int64_t need = k - above, tied = 0, kept = 0;
+    for (int64_t i = 0; i < n && kept < k; i++) {
         float v = mag[i];
-        out[above] = i;
-        above += v > kth;
-        ties[tied] = i;
-        tied += (v == kth) & (tied < k);
+        int tie = v == kth;
+        out[kept] = i;
+        kept += (v > kth) | (tie & (tied < need));
+        tied += tie;
     }
-    memcpy(out + above, ties, (size_t)(k - above) * sizeof(int64_t));
+}
+
+/* ---------------------------------------------------------------- sparse sums
+ * out[0:n] = the sum of `ranks` sparse vectors (grace_dl/compressors/sparse.py `scatter_sum`):
+ * rank r's vals[r][0:count[r]] at its positions idx[r] (int32, or int64 when wide), each
+ * rank's strictly ascending and inside [0, n). Written block by block: a block is zeroed and
+ * then every rank's values that fall in it are added while it is in cache, one pass over out
+ * where zeroing it and then scattering into it missed the cache once per value. Values at one
+ * position are added in rank order onto +0.0, the operations of index_add_ over the ranks'
+ * payloads joined. Returns 0, or 1 with nothing written where a rank's positions are not
+ * ascending or leave [0, n) (the caller then runs the framework's scatter, which reports
+ * a bad position). */
+#define GD_SPARSE_BLOCK 8192
+#define GD_SPARSE_RANKS 256
+
+static inline int64_t position_at(const void *idx, int wide, int64_t j) {
+    return wide ? ((const int64_t *)idx)[j] : (int64_t)((const int32_t *)idx)[j];
+}
+
+int gd_sparse_sum_f32(float *out, int64_t n, int ranks, const void *const *idx,
+                      const float *const *vals, const int64_t *count, int wide) {
+    int64_t at[GD_SPARSE_RANKS];
+    if (ranks < 1 || ranks > GD_SPARSE_RANKS) return 1;
+    for (int r = 0; r < ranks; r++) {
+        int64_t prev = -1;
+        for (int64_t j = 0; j < count[r]; j++) {
+            int64_t p = position_at(idx[r], wide, j);
+            if (p <= prev || p >= n) return 1;
+            prev = p;
+        }
+        at[r] = 0;
+    }
+    for (int64_t b = 0; b < n; b += GD_SPARSE_BLOCK) {
+        int64_t e = n - b < GD_SPARSE_BLOCK ? n : b + GD_SPARSE_BLOCK;
+        memset(out + b, 0, (size_t)(e - b) * sizeof(float));
+        for (int r = 0; r < ranks; r++) {
+            const float *v = vals[r];
+            int64_t j = at[r], c = count[r];
+            for (int64_t p; j < c && (p = position_at(idx[r], wide, j)) < e; j++) out[p] += v[j];
+            at[r] = j;
+        }
+    }
+    return 0;
 }
 
 /* ---------------------------------------------------------------- random bits

@@ -339,6 +339,11 @@ def positions_at_least(flat, thr, sign=None):
     return nonzero(flat >= thr if sign > 0 else flat <= -thr)
 
 
+def assign_sparse_sum(var, positions: list, values: list):
+    """Always None: TF scatters the joined payloads (``assign_scatter``)."""
+    return None
+
+
 def top_positions(flat, k, sign=None):
     """Always None: the sparsifiers' exact top-k runs as TF ops (``sparse.top_of``)."""
     return None

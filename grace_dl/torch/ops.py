@@ -380,8 +380,8 @@ def positions_at_least(flat, thr, sign=None):
 
 
 def top_positions(flat, k, sign=None):
-    """int64 positions of the ``k`` (an int) largest magnitudes of the 1-D ``flat``, the set and
-    order of ``sparse.top_of(magnitudes(flat, sign), k)``, by two compiled passes around
+    """int64 positions of the ``k`` (an int) largest magnitudes of the 1-D ``flat``, those of
+    ``sparse.top_of(magnitudes(flat, sign), k)`` (ascending), by compiled passes around
     NumPy's partition (``grace_dl.native.top_positions``; fp32 on CPU); None where it does not
     apply."""
     if flat.device.type != "cpu" or flat.dtype != torch.float32 or torch.is_tensor(k):
@@ -800,6 +800,19 @@ def assign_scatter(var, idx, values):
     var.zero_()
     var.view(-1).index_add_(0, idx, values)
     return var
+
+
+def assign_sparse_sum(var, positions: list, values: list):
+    """In place: ``var`` = the sum of the sparse tensors ``values[r]`` at ``positions[r]``
+    (flat, each ascending), zeroed and summed block by block in one compiled pass
+    (``grace_dl.native.sparse_sum``; the bits of ``assign_scatter`` of them joined); returns
+    var, or None where it does not apply (the caller then joins them and scatters)."""
+    if var.device.type != "cpu" or var.dtype != torch.float32 or not var.is_contiguous() \
+            or any(t.device.type != "cpu" for t in (*positions, *values)):
+        return None
+    got = native.sparse_sum(var.detach().view(-1).numpy(), [p.detach().numpy() for p in positions],
+                            [v.detach().numpy() for v in values])
+    return None if got is None else var
 
 
 def assign_add(var, value):
