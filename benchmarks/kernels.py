@@ -50,6 +50,8 @@ def cases(n: int) -> dict:
     slot = torch.zeros(n)
     small = x[: min(n, 20480)]                 # the size of the MLP's output layer
     cand = ops.positions_at_least(x, thr)
+    t_payload, t_ctx = topk.compress(x, "t")
+    t_other, _ = topk.compress(x.flip(0).contiguous(), "t2")
 
     def server_step():
         """two-phase signSGD's server step: fused, or (kernels off) the steps one by one"""
@@ -62,6 +64,8 @@ def cases(n: int) -> dict:
         "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: native.positions_at_least(a, thr),
         "topk 1% compress": lambda: topk.compress(x, "t"),
         "threshold 2.576 compress": lambda: threshold.compress(x, "h"),
+        "topk combine into the gradient, 2 ranks (sparse sum)":
+            lambda: topk.combine([t_payload, t_other], t_ctx, out),
         "exact top 1% of 20K (topk below its sampling size)":
             lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100)),
         "top 1% of x among the scan's candidates (topk's last step)":
