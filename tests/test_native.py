@@ -588,3 +588,17 @@ def test_topk_combine_takes_the_kernel_with_the_same_bits():
     finally:
         native.use(True)
     np.testing.assert_array_equal(got.numpy().view(np.int32), want.numpy().view(np.int32))
+
+
+def test_torch_sparse_sum_falls_back_for_what_numpy_cannot_view():
+    """bfloat16 values (no NumPy dtype) and float64 gradients go to the framework scatter."""
+    from grace_dl.torch import ops
+
+    pos = [torch.tensor([1, 2], dtype=torch.int32)]
+    assert ops.assign_sparse_sum(torch.empty(10), pos, [torch.ones(2, dtype=torch.bfloat16)]) \
+        is None
+    assert ops.assign_sparse_sum(torch.empty(10, dtype=torch.float64), pos,
+                                 [torch.ones(2, dtype=torch.float64)]) is None
+    out = torch.full((10,), 7.0)
+    assert ops.assign_sparse_sum(out, pos, [torch.ones(2)]) is out
+    assert out.tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
