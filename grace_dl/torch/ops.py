@@ -807,13 +807,11 @@ def assign_sparse_sum(var, positions: list, values: list):
     (flat, each ascending), zeroed and summed block by block in one compiled pass
     (``grace_dl.native.sparse_sum``; the bits of ``assign_scatter`` of them joined); returns
     var, or None where it does not apply (the caller then joins them and scatters)."""
-    if var.device.type != "cpu" or var.dtype != torch.float32 or not var.is_contiguous() \
-            or any(t.device.type != "cpu" for t in (*positions, *values)) \
-            or any(v.dtype != torch.float32 for v in values) \
-            or any(p.dtype not in (torch.int32, torch.int64) for p in positions):
-        return None     # (bfloat16 has no NumPy view)
-    got = native.sparse_sum(var.detach().view(-1).numpy(), [p.detach().numpy() for p in positions],
-                            [v.detach().numpy() for v in values])
+    arrays = _cpu_numpy(var.view(-1), *positions, *values) if var.is_contiguous() else None
+    if arrays is None:
+        return None
+    ranks = len(positions)
+    got = native.sparse_sum(arrays[0], arrays[1:1 + ranks], arrays[1 + ranks:])
     return None if got is None else var
 
 
