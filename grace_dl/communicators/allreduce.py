@@ -43,7 +43,7 @@ from grace_dl.registry import register_communicator
 class Reducing(Phase):
     """Round ``round``'s allreduces in flight, with the ctx that decompresses their sum;
     ``in_place``: the one allreduce sums (and averages) in the handle's ``into``; ``sent``:
-    this rank's payload of a later round, while its memory update is still to do."""
+    this rank's payload of a later round (what its memory update is given)."""
 
     parts: list
     ctx: Any
@@ -102,12 +102,13 @@ class Allreduce(Communicator):
 
     def complete(self, phase: Reducing, handle: Handle):
         coll = handle.coll
-        if phase.sent is not None and phase.round == self.compressor.rounds and \
-                not self.memory.wants_approximation(self.compressor):
-            # this rank's share is known: update while the last round is on the wire
+        # a later, last round whose memory keeps this rank's own share, known now: update while
+        # the round is on the wire
+        own_share_first = phase.round > 1 and phase.round == self.compressor.rounds and \
+            not self.memory.wants_approximation(self.compressor)
+        if own_share_first:
             self.memory.update(handle.encoded.compensated, handle.name, self.compressor,
                                phase.sent, phase.ctx)
-            phase.sent = None
         reduced = [coll.synchronize(h) for h in phase.parts]
         if phase.in_place:
             handle.finished_in_place = True
@@ -121,9 +122,8 @@ class Allreduce(Communicator):
         # qsgd's norms, PowerSGD's Q: not a pass over the dense result)
         out = self.compressor.decompress_into(divided_payloads(handle, [reduced])[0], phase.ctx,
                                               handle.into)
-        if self.compressor.rounds == 1 or phase.round == self.compressor.rounds and \
-                not self.memory.wants_approximation(self.compressor):
-            return out      # updated before the last round was waited for
+        if self.compressor.rounds == 1 or own_share_first:
+            return out
         average = None
         if self.memory.wants_approximation(self.compressor):
             average = out if handle.finished_in_place else out / coll.size()
