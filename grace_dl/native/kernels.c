@@ -40,7 +40,11 @@ static int64_t positions_avx512(const float *x, int64_t n, float t, int mode, in
     const __m512i sixteen = _mm512_set1_epi32(16);
     __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t c = 0, i = 0;
-    /* branch-free: every block stores its hits' positions with one compress-store */
+    /* branch-free: every block's hits' positions are packed to the front of a register and
+     * the whole register is stored (c + 16 <= cap: the lanes past the hits land in the buffer
+     * and are overwritten by the next block). Not a compress-store to memory: AMD's Zen 4
+     * runs vpcompressd with a memory operand in microcode, ~7x slower than this loop there
+     * (4.2M fp32: 6.6 ms against 1.2), while the register form is fast on every AVX-512 CPU. */
     for (; i + 16 <= n && c + 16 <= cap; i += 16) {
         __m512 v = _mm512_loadu_ps(x + i);
         __mmask16 m;
@@ -52,7 +56,7 @@ static int64_t positions_avx512(const float *x, int64_t n, float t, int mode, in
             m = _mm512_cmp_ps_mask(v, tv, _CMP_GE_OQ);
         else
             m = _mm512_cmp_ps_mask(v, tv, _CMP_LE_OQ);
-        _mm512_mask_compressstoreu_epi32(out + c, m, idx);
+        _mm512_storeu_si512((void *)(out + c), _mm512_maskz_compress_epi32(m, idx));
         c += __builtin_popcount((unsigned)m);
         idx = _mm512_add_epi32(idx, sixteen);
     }
