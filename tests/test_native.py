@@ -326,10 +326,12 @@ def test_the_kernels_benchmark_compares_every_case(capsys):
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 3 * (1 << 16) + 123])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_the_fused_server_step_equals_the_steps_on_every_path(every_path, n, ranks):
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_the_fused_server_step_equals_the_steps_on_every_path(every_path, n, ranks, nonfinite):
     """Vote of the ranks' payloads (ties and zeros included), added to the residual,
-    re-encoded: payload, residual and signs bit for bit those of signsgd's combine, an add and
-    compress_with_error run one after the other."""
+    re-encoded: payload (its status byte too: ``nonfinite`` puts an Inf and a NaN in the
+    residual, in the vector part and in the tail), residual and signs bit for bit those of
+    signsgd's combine, an add and compress_with_error run one after the other."""
     from grace_dl.compressors.base import LOCAL
     from grace_dl.compressors.signsgd import SignSGDCompressor
 
@@ -340,6 +342,9 @@ def test_the_fused_server_step_equals_the_steps_on_every_path(every_path, n, ran
     payloads = [c.compress(x, f"r{r}")[0] for r, x in enumerate(xs)]
     ctx = c.compress(xs[0], "r0")[1]
     start = torch.from_numpy((rng.standard_normal(n) * 0.7).astype(np.float32))
+    if nonfinite:
+        start[0] = float("inf")
+        start[n - 1] = float("nan")
     try:
         native.use(False)
         slot, dec = start.clone(), torch.empty(n)

@@ -187,28 +187,34 @@ static inline __m256 lanes_of(uint8_t byte) {
     return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
 }
 
+/* The AVX2 twin of sign_code_block_avx512 for the 8 elements v at position i (a multiple of
+ * 8): their planes' byte, dec and err; returns the lanes holding a NaN or an Inf. */
 __attribute__((target("avx2")))
-static int sign_code_avx2(const float *x, int64_t n, uint8_t *neg, uint8_t *zero, float *err,
-                          float *dec) {
+static inline __m256i sign_code_block_avx2(__m256 v, int64_t i, uint8_t *neg, uint8_t *zero,
+                                           float *err, float *dec) {
     const __m256 z = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
     const __m256 minus = _mm256_set1_ps(-1.0f);
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
+    __m256 ln = _mm256_cmp_ps(v, z, _CMP_LT_OQ), lp = _mm256_cmp_ps(v, z, _CMP_GT_OQ);
+    neg[i >> 3] = (uint8_t)_mm256_movemask_ps(ln);
+    if (zero) zero[i >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, z, _CMP_EQ_OQ));
+    if (err || dec) {
+        __m256 d = _mm256_blendv_ps(_mm256_blendv_ps(z, minus, ln), one, lp);
+        if (dec) _mm256_storeu_ps(dec + i, d);
+        if (err) _mm256_storeu_ps(err + i, _mm256_sub_ps(v, d));
+    }
+    return _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), max_finite);
+}
+
+__attribute__((target("avx2")))
+static int sign_code_avx2(const float *x, int64_t n, uint8_t *neg, uint8_t *zero, float *err,
+                          float *dec) {
     __m256i bad = _mm256_setzero_si256();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256 ln = _mm256_cmp_ps(v, z, _CMP_LT_OQ), lp = _mm256_cmp_ps(v, z, _CMP_GT_OQ);
-        neg[i >> 3] = (uint8_t)_mm256_movemask_ps(ln);
-        if (zero) zero[i >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, z, _CMP_EQ_OQ));
-        bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(
-            _mm256_and_si256(_mm256_castps_si256(v), abs_mask), max_finite));
-        if (err || dec) {
-            __m256 d = _mm256_blendv_ps(_mm256_blendv_ps(z, minus, ln), one, lp);
-            if (dec) _mm256_storeu_ps(dec + i, d);
-            if (err) _mm256_storeu_ps(err + i, _mm256_sub_ps(v, d));
-        }
-    }
+    for (; i + 8 <= n; i += 8)
+        bad = _mm256_or_si256(bad, sign_code_block_avx2(_mm256_loadu_ps(x + i), i, neg, zero,
+                                                        err, dec));
     return (!_mm256_testz_si256(bad, bad)) | sign_code_scalar(x, i, n, neg, zero, err, dec);
 }
 
@@ -384,6 +390,36 @@ static int vote_feedback_avx512(const uint8_t *const *payloads, int ranks, int64
         bad |= sign_code_block_avx512(v, i, out_neg, out_zero, slot, dec);
     }
     return (bad != 0) |
+           vote_feedback_scalar(payloads, ranks, i, n, slot, out_neg, out_zero, dec);
+}
+
+/* The AVX2 path, a byte of every rank's planes (8 elements) at a time. Without it AVX2-only
+ * CPUs ran the scalar loop: 63 ms for 4M elements and 2 ranks on this project's Zen 4 host
+ * held to 256 bits, against 2.4 at 512 and 16.5 for the framework ops it replaced. */
+__attribute__((target("avx2")))
+static int vote_feedback_avx2(const uint8_t *const *payloads, int ranks, int64_t n,
+                              float *slot, uint8_t *out_neg, uint8_t *out_zero, float *dec) {
+    const int64_t nb = (n + 7) / 8;
+    const __m256 z = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 minus = _mm256_set1_ps(-1.0f);
+    const __m256i izero = _mm256_setzero_si256();
+    __m256i bad = izero;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i sum = izero;    /* the ranks' -1/0/+1, summed exactly in int32 */
+        for (int r = 0; r < ranks; r++) {
+            uint8_t m = payloads[r][i >> 3], zr = payloads[r][nb + (i >> 3)];
+            /* a lane of lanes_of is all ones (-1): subtracting it adds 1 */
+            sum = _mm256_sub_epi32(sum, _mm256_castps_si256(lanes_of((uint8_t)~(m | zr))));
+            sum = _mm256_add_epi32(sum, _mm256_castps_si256(lanes_of(m)));
+        }
+        __m256 vote = _mm256_blendv_ps(
+            _mm256_blendv_ps(z, minus, _mm256_castsi256_ps(_mm256_cmpgt_epi32(izero, sum))), one,
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(sum, izero)));
+        __m256 v = _mm256_add_ps(_mm256_loadu_ps(slot + i), vote);
+        bad = _mm256_or_si256(bad, sign_code_block_avx2(v, i, out_neg, out_zero, slot, dec));
+    }
+    return (!_mm256_testz_si256(bad, bad)) |
            vote_feedback_scalar(payloads, ranks, i, n, slot, out_neg, out_zero, dec);
 }
 #endif
@@ -660,9 +696,11 @@ int64_t gd_choice_sorted(const uint64_t *state, int64_t n, int64_t j, int comple
  * slot + vote holds a NaN or an Inf. */
 int gd_sign_vote_feedback_f32(const uint8_t *const *payloads, int ranks, int64_t n, float *slot,
                               uint8_t *out_neg, uint8_t *out_zero, float *dec) {
+    switch (gd_vector_bits()) {
 #ifdef GD_X86
-    if (gd_vector_bits() >= 512)
-        return vote_feedback_avx512(payloads, ranks, n, slot, out_neg, out_zero, dec);
+    case 512: return vote_feedback_avx512(payloads, ranks, n, slot, out_neg, out_zero, dec);
+    case 256: return vote_feedback_avx2(payloads, ranks, n, slot, out_neg, out_zero, dec);
 #endif
-    return vote_feedback_scalar(payloads, ranks, 0, n, slot, out_neg, out_zero, dec);
+    default: return vote_feedback_scalar(payloads, ranks, 0, n, slot, out_neg, out_zero, dec);
+    }
 }
