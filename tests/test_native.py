@@ -607,3 +607,25 @@ def test_torch_sparse_sum_falls_back_for_what_numpy_cannot_view():
     out = torch.full((10,), 7.0)
     assert ops.assign_sparse_sum(out, pos, [torch.ones(2)]) is out
     assert out.tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_cpu_without_simd_leaves_the_scan_sign_code_and_vote_to_the_framework(monkeypatch):
+    """Their scalar loops are slower than the framework ops (``native._vectorized``): on a CPU
+    with no SIMD path the scan gives NumPy's positions and the sign code and the server step
+    decline, while the kernels whose scalar loops win (the ternary decode here) still run."""
+    monkeypatch.setattr(native, "_CPU_BITS", 0)
+    a = _mixed(1000, 3)
+    calls = []
+    monkeypatch.setattr(native, "_positions_numpy",
+                        lambda *args: calls.append(args) or np.flatnonzero(np.abs(a) >= 1.5))
+    np.testing.assert_array_equal(native.positions_at_least(a, 1.5),
+                                  np.flatnonzero(np.abs(a) >= np.float32(1.5)))
+    assert len(calls) == 1
+    assert native.sign_planes(a) is None
+    planes = np.zeros(2 * 125, np.uint8)
+    assert native.sign_vote_feedback([planes, planes], 1000, np.zeros(1000, np.float32),
+                                     np.zeros(1000, np.float32)) is None
+    out = np.empty(1000, np.float32)
+    assert native.ternary(planes[:125], planes[125:], 1000, out) is out
+    monkeypatch.setattr(native, "_CPU_BITS", 256)
+    assert native.sign_planes(a) is not None

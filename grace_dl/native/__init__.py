@@ -4,7 +4,8 @@ result comes from elsewhere: ``positions_at_least`` from its NumPy twin here; ev
 kernel returns None and its caller runs the code it replaces (``signbits``' and signsgd's
 framework ops, qsgd's blockwise ops, NumPy's ``random_raw`` and ``SeedSequence``, and
 ``seeding.choice``'s NumPy path); the tests hold each kernel equal
-to its twin on every SIMD path, ``native.use(False)`` switches them off at run time.
+to its twin on every SIMD path, ``native.use(False)`` switches them off at run time. On a CPU
+with no SIMD path the scan, the sign code and the server step do the same (``_vectorized``).
 
 The library is built by ``pip install`` (``setup.py``, an optional extension: a machine without
 a C compiler still installs, and runs the NumPy paths). It uses no Python API, so the ctypes
@@ -81,6 +82,9 @@ def _load():
 
 _lib = _load()
 _enabled = _lib is not None
+#: this CPU's SIMD width (before any ``limit_vector_bits``, which tests use to run the scalar
+#: loops here too)
+_CPU_BITS = _lib.gd_vector_bits() if _lib is not None else 0
 
 
 def available() -> bool:
@@ -113,12 +117,24 @@ def limit_vector_bits(bits: int) -> None:
         _lib.gd_limit_vector_bits(int(bits))
 
 
+def _vectorized() -> bool:
+    """Whether this CPU has a SIMD path (whatever ``limit_vector_bits`` says). The scan, the
+    sign code and the server step need one to beat the framework ops they replace: their
+    scalar loops (4M fp32, this project's x86 host with the vector paths off) took 22.7, 27.8
+    and 62.9 ms against NumPy's and torch's 3.4, 9.8 and 23.1, so without one (a CPU that is
+    not x86-64, or one without AVX2) those three leave the work to the framework ops, which
+    have SIMD of their own. The other kernels' scalar loops beat their twins and stay."""
+    return _CPU_BITS > 0
+
+
 def positions_at_least(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
     """int64 positions of the 1-D array ``a``'s entries that reach ``thr``: ``|x| >= thr``
     (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never. One pass over ``a``
-    when compiled (float32, C-contiguous, under 2**31 elements), else NumPy chunk by chunk."""
+    when compiled (float32, C-contiguous, under 2**31 elements, a CPU with a SIMD path), else
+    NumPy chunk by chunk."""
     mode = _MODE[sign]
-    if not _enabled or a.dtype != np.float32 or not a.flags.c_contiguous or a.size >= 2**31:
+    if not _enabled or a.dtype != np.float32 or not a.flags.c_contiguous or a.size >= 2**31 \
+            or not _vectorized():
         return _positions_numpy(a, thr, sign)
     n = a.size
     t = float(thr)
@@ -153,7 +169,7 @@ def sign_planes(a: np.ndarray, err: np.ndarray | None = None, dec: np.ndarray | 
     +0 for zeros and NaN, as ``torch.sign``) and ``err <- a - dec``, float32 of ``a``'s length.
     None where the kernel does not apply."""
     if not _enabled or not _f32(a) or any(o is not None and not _f32(o, a.size)
-                                          for o in (err, dec)):
+                                          for o in (err, dec)) or not _vectorized():
         return None
     nb = -(-a.size // 8)
     out = np.empty(2 * nb + 1, np.uint8)
@@ -222,7 +238,7 @@ def sign_vote_feedback(payloads, n: int, slot, dec):
     where the kernel does not apply."""
     nb = -(-n // 8)
     if (not _enabled or not payloads or not _f32(slot, n) or not _f32(dec, n)
-            or not _bytes(payloads, 2 * nb)):
+            or not _bytes(payloads, 2 * nb) or not _vectorized()):
         return None
     ptrs = (ctypes.c_void_p * len(payloads))(*(p.ctypes.data for p in payloads))
     out = np.empty(2 * nb + 1, np.uint8)
