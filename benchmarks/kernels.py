@@ -5,7 +5,8 @@ with ``grace_dl.native.use(True)`` and ``use(False)`` alternating, medians of th
     python -m benchmarks.kernels --quick    # 64K elements, 3 repeats, printed only
 
 *twin / kernel* is the speed-up; *x memcpy* is the kernel's time over one copy of the input
-into a buffer allocated once (one pass over memory), timed in the same alternation.
+into a buffer allocated once (one pass over memory), timed in the same alternation; then the
+same kernels held to each narrower SIMD path this CPU can run (AVX2, scalar).
 """
 
 from __future__ import annotations
@@ -85,29 +86,50 @@ def cases(n: int) -> dict:
     }
 
 
+def narrower_paths() -> list[int]:
+    """The SIMD widths below this CPU's own that the kernels also have (256, then 0 = the
+    scalar loops): what the same build runs on an AVX2-only CPU and on one with no SIMD path."""
+    return [b for b in (256, 0) if b < native.vector_bits()]
+
+
+def path_column(bits: int) -> str:
+    return "scalar ms" if bits == 0 else f"{bits}-bit ms"
+
+
+def _timed(call, way) -> float:
+    """Seconds of one ``call`` with the kernels at this CPU's width (``way`` "kernel"), the
+    twins ("twin") or the kernels held to ``way`` bits (an int)."""
+    native.use(way != "twin")
+    native.limit_vector_bits(way if isinstance(way, int) else 512)
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
 def measure(n: int, repeats: int) -> list[dict]:
     x = torch.randn(n)
     buf = torch.empty(n)
+    paths = narrower_paths()
+    ways = ["kernel", "twin", *paths]   # the kernels at this CPU's width, the twins, narrower
     rows = []
     for name, call in cases(n).items():
-        times = {True: [], False: [], "copy": []}
-        for on in (True, False):        # warm-up, each way
-            native.use(on)
-            call()
+        times = {**{way: [] for way in ways}, "copy": []}
+        for way in ways:                # warm-up, each way
+            _timed(call, way)
         for _ in range(repeats):
-            for on in (True, False):
-                native.use(on)
-                t0 = time.perf_counter()
-                call()
-                times[on].append(time.perf_counter() - t0)
+            for way in ways:
+                times[way].append(_timed(call, way))
             t0 = time.perf_counter()
             buf.copy_(x)
             times["copy"].append(time.perf_counter() - t0)
         native.use(True)
-        kernel, twin, copy = (statistics.median(times[k]) for k in (True, False, "copy"))
+        native.limit_vector_bits(512)
+        kernel, twin, copy = (statistics.median(times[k]) for k in ("kernel", "twin", "copy"))
         rows.append({"case": name, "kernel ms": f"{kernel * 1e3:.2f}",
                      "twin ms": f"{twin * 1e3:.2f}", "twin / kernel": f"{twin / kernel:.2f}",
-                     "x memcpy": f"{kernel / copy:.2f}"})
+                     "x memcpy": f"{kernel / copy:.2f}",
+                     **{path_column(b): f"{statistics.median(times[b]) * 1e3:.2f}"
+                        for b in paths}})
     return rows
 
 
@@ -134,8 +156,14 @@ def main(argv=None) -> int:
         f": {n} fp32 elements ({n * 4 / 2**20:.1f} MB), standard normal, one thread, each "
         f"call with the kernels ({kernels()}) and with their twins (`native.use(False)`) "
         f"alternating, {repeats} repeats, medians. x memcpy = the kernel's time over a copy of "
-        f"the input into a buffer allocated once, timed in the same loop.", "",
-        _table(["case", "kernel ms", "twin ms", "twin / kernel", "x memcpy"], rows), ""])
+        f"the input into a buffer allocated once, timed in the same loop."
+        + (" The last columns time the same kernels held to narrower SIMD paths "
+           "(`native.limit_vector_bits`), in the same alternation: what an AVX2-only CPU and "
+           "one with no SIMD path would run (on the latter the scan, the sign code and the "
+           "server step hand the work to their twins instead: `native._vectorized`)."
+           if narrower_paths() else ""), "",
+        _table(["case", "kernel ms", "twin ms", "twin / kernel", "x memcpy",
+                *map(path_column, narrower_paths())], rows), ""])
     print(text)
     if not args.quick:
         path = Path(args.out) if args.out else OUT

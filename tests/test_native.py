@@ -322,6 +322,12 @@ def test_the_kernels_benchmark_compares_every_case(capsys):
     assert len(rows) == 1 + len(kernels.cases(64))
     assert all(float(r.split("|")[4]) > 0 for r in rows[1:])      # twin / kernel
     assert native.in_use()                                          # left switched on
+    # and each narrower SIMD path this CPU can run, timed as its own column
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    narrower = [b for b in (256, 0) if b < native.vector_bits()]
+    assert header[5:] == [kernels.path_column(b) for b in narrower]
+    assert all(float(v) > 0 for r in rows[1:] for v in r.strip("|").split("|")[5:])
+    assert native.vector_bits() == native._CPU_BITS                 # the width restored
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 3 * (1 << 16) + 123])
