@@ -116,8 +116,8 @@ def measure(n: int, repeats: int) -> list[dict]:
         times = {**{way: [] for way in ways}, "copy": []}
         for way in ways:                # warm-up, each way
             _timed(call, way)
-        for _ in range(repeats):
-            for way in ways:
+        for r in range(repeats):
+            for way in ways[r % len(ways):] + ways[:r % len(ways)]:   # each way first in turn
                 times[way].append(_timed(call, way))
             t0 = time.perf_counter()
             buf.copy_(x)
@@ -155,8 +155,9 @@ def main(argv=None) -> int:
         f"Made with `{' '.join(['python -m benchmarks.kernels', *(argv or sys.argv[1:])])}`"
         f": {n} fp32 elements ({n * 4 / 2**20:.1f} MB), standard normal, one thread, each "
         f"call with the kernels ({kernels()}) and with their twins (`native.use(False)`) "
-        f"alternating, {repeats} repeats, medians. x memcpy = the kernel's time over a copy of "
-        f"the input into a buffer allocated once, timed in the same loop."
+        f"alternating (each one first in turn), {repeats} repeats, medians. x memcpy = the "
+        f"kernel's time over a copy of the input into a buffer allocated once, timed in the "
+        f"same loop."
         + (" The last columns time the same kernels held to narrower SIMD paths "
            "(`native.limit_vector_bits`), in the same alternation: what an AVX2-only CPU and "
            "one with no SIMD path would run (on the latter the scan, the sign code and the "
