@@ -44,7 +44,7 @@ static int64_t positions_avx512(const float *x, int64_t n, float t, int mode, in
      * the whole register is stored (c + 16 <= cap: the lanes past the hits land in the buffer
      * and are overwritten by the next block). Not a compress-store to memory: AMD's Zen 4
      * runs vpcompressd with a memory operand in microcode, ~7x slower than this loop there
-     * (4.2M fp32: 6.6 ms against 1.2), while the register form is fast on every AVX-512 CPU. */
+     * (4.2M fp32: 6.6 ms against 1.0), while the register form is fast on every AVX-512 CPU. */
     for (; i + 16 <= n && c + 16 <= cap; i += 16) {
         __m512 v = _mm512_loadu_ps(x + i);
         __mmask16 m;
@@ -394,8 +394,9 @@ static int vote_feedback_avx512(const uint8_t *const *payloads, int ranks, int64
 }
 
 /* The AVX2 path, a byte of every rank's planes (8 elements) at a time. Without it AVX2-only
- * CPUs ran the scalar loop: 63 ms for 4M elements and 2 ranks on this project's Zen 4 host
- * held to 256 bits, against 2.4 at 512 and 16.5 for the framework ops it replaced. */
+ * CPUs ran the scalar loop: 60 ms for 4M elements and 2 ranks on this project's Zen 4 host
+ * (benchmarks/results/kernels.md), against 2.6 on this path, 2.0 at 512 bits and 13.8 for
+ * the framework ops it replaced. */
 __attribute__((target("avx2")))
 static int vote_feedback_avx2(const uint8_t *const *payloads, int ranks, int64_t n,
                               float *slot, uint8_t *out_neg, uint8_t *out_zero, float *dec) {
