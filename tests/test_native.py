@@ -635,3 +635,42 @@ def test_a_cpu_without_simd_leaves_the_scan_sign_code_and_vote_to_the_framework(
     assert native.ternary(planes[:125], planes[125:], 1000, out) is out
     monkeypatch.setattr(native, "_CPU_BITS", 256)
     assert native.sign_planes(a) is not None
+
+
+def _kth_cases():
+    rng = np.random.default_rng(7)
+    normal = rng.standard_normal(59_000).astype(np.float32)
+    mag = np.abs(normal)
+    mag[::7] = -1.0                                             # NaN / other sign, as ranked
+    ties = np.repeat(np.float32([3.0, 1.0, 0.5, 0.0]), 5000)    # one value fills a whole bin
+    close = (np.float32(1.0) + np.arange(5000, dtype=np.float32) * np.float32(2 ** -23))
+    special = np.float32([np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0])
+    return {"normal": normal, "magnitudes": mag, "ties": ties, "last bits": close,
+            "special": special, "one": np.float32([2.5])}
+
+
+@pytest.mark.parametrize("case", sorted(_kth_cases()))
+def test_kth_largest_is_numpys_partition(case):
+    """The radix select gives the value NumPy's partition puts at n - k, for every k tried
+    (first, last, middle, bin edges), on magnitudes, signed values, ties filling a bin, values
+    that differ in the last bits only, and infinities, subnormals and signed zeros."""
+    a = _kth_cases()[case]
+    n = a.size
+    ks = sorted(k for k in {1, 2, n // 100 + 1, n // 3 + 1, n // 2 + 1, n - 1, n} if 0 < k <= n)
+    for k in ks:
+        got = native.kth_largest(a, k)
+        want = np.partition(a, n - k)[n - k]
+        assert got == want, (case, k, got, want)    # equal as floats (+0.0 == -0.0)
+        assert (a >= got).sum() >= k and (a > got).sum() < k
+    assert native.kth_largest(a, 0) is None and native.kth_largest(a, n + 1) is None
+    assert native.kth_largest(a.astype(np.float64), 1) is None
+
+
+def test_torch_kth_largest_takes_the_radix_select_and_matches_topk():
+    from grace_dl.torch import ops as tops
+
+    x = torch.from_numpy(_kth_cases()["magnitudes"])
+    for k in (1, 590, 42_000, x.numel()):
+        want = torch.topk(x, k).values.min()
+        assert tops.kth_largest(x, k) == want
+        assert tops.kth_largest(x.double(), k) == want.double()     # NumPy's partition

@@ -66,6 +66,9 @@ def _load():
             lib.gd_top_magnitudes_f32.restype = None
             lib.gd_top_magnitudes_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                                   ctypes.c_void_p]
+            lib.gd_kth_largest_f32.restype = ctypes.c_float
+            lib.gd_kth_largest_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                               ctypes.c_void_p]
             lib.gd_top_collect_f32.restype = None
             lib.gd_top_collect_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                                ctypes.c_float, ctypes.c_void_p]
@@ -254,17 +257,29 @@ def top_positions(a: np.ndarray, k: int, sign=None):
     (``|x|``, or with ``sign`` 1 / -1 the positive / negative part; NaN and the other sign
     rank lowest; of the ties at the k-th largest the lowest positions): the positions of
     ``grace_dl.compressors.sparse.top_of`` (its twin), by a compiled pass for the magnitudes,
-    NumPy's partition for the k-th and compiled passes for the positions, instead of the
-    twin's dozen framework ops. None where the kernels do not apply."""
+    a compiled radix select for the k-th (``kth_largest``) and compiled passes for the
+    positions, instead of the twin's dozen framework ops. None where the kernels do not
+    apply."""
     n = a.size
     if not _enabled or a.ndim != 1 or not _dense(a, np.float32, n) or not 0 < k <= n:
         return None
     mag = np.empty(n, np.float32)
     _lib.gd_top_magnitudes_f32(a.ctypes.data, n, _MODE[sign], mag.ctypes.data)
-    kth = float(np.partition(mag, n - k)[n - k])
+    kth = kth_largest(mag, k)
     out = np.empty(k, np.int64)
     _lib.gd_top_collect_f32(mag.ctypes.data, n, k, kth, out.ctypes.data)
     return out
+
+
+def kth_largest(a: np.ndarray, k: int):
+    """The ``k``-th largest (``0 < k <= a.size``) of the 1-D float32 ``a``, which holds no NaN,
+    as a Python float: NumPy's ``partition(a, n - k)[n - k]`` by a compiled radix select that
+    reads ``a`` and does not move it. None where the kernel does not apply."""
+    n = a.size
+    if not _enabled or not _f32(a) or not 0 < k <= n:
+        return None
+    keep = np.empty(n, np.uint32)      # held here: the kernel writes into it
+    return float(_lib.gd_kth_largest_f32(a.ctypes.data, n, k, keep.ctypes.data))
 
 
 def sparse_sum(out: np.ndarray, positions: list, values: list):

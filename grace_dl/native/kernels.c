@@ -512,7 +512,7 @@ void gd_qsgd_values_f32(const uint8_t *codes, int64_t rows, int64_t b, const flo
 
 /* ---------------------------------------------------------------- exact top-k
  * The sparsifiers' exact top-k (grace_dl/compressors/sparse.py `top_of` of `magnitudes`) in
- * passes around a selection the caller makes (NumPy's partition): the magnitudes of float32
+ * passes around a selection (gd_kth_largest_f32 below): the magnitudes of float32
  * x[0:n] (mode 0: |x|; 1: x where x > 0; -1: -x where x < 0; -1 for NaN and the other sign),
  * then, given the k-th largest of them, the positions above it and the first tied ones, all
  * ascending. */
@@ -523,6 +523,52 @@ void gd_top_magnitudes_f32(const float *x, int64_t n, int mode, float *mag) {
         for (int64_t i = 0; i < n; i++) mag[i] = x[i] > 0 ? x[i] : -1.0f;
     else
         for (int64_t i = 0; i < n; i++) mag[i] = x[i] < 0 ? -x[i] : -1.0f;
+}
+
+/* An unsigned key of a float's bits in the float's order (-0.0 just below +0.0; NaN outside
+ * the order, which callers exclude), and back. */
+static inline uint32_t order_key(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
+}
+
+static inline float from_order_key(uint32_t key) {
+    uint32_t u = (key & 0x80000000u) ? key & 0x7fffffffu : ~key;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* The k-th largest of x[0:n] (1 <= k <= n, no NaN): a radix select over the order keys, 11, 11
+ * and 10 bits at a time (the bin holding the k-th, counted from the top), where NumPy's
+ * partition moved the array about. After the first pass the keys that share the chosen top
+ * bits are copied into keep (room for n), branch-free, and the later passes read only those.
+ * The value NumPy finds (of -0.0 and +0.0 tied at the k-th it may return either; here +0.0
+ * ranks higher). */
+float gd_kth_largest_f32(const float *x, int64_t n, int64_t k, uint32_t *keep) {
+    int64_t hist[2048], need = k, m = 0;
+    memset(hist, 0, sizeof hist);
+    for (int64_t i = 0; i < n; i++) hist[order_key(x[i]) >> 21]++;
+    int b = 2047;
+    while (hist[b] < need) need -= hist[b--];
+    const uint32_t top = (uint32_t)b;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t key = order_key(x[i]);
+        keep[m] = key;
+        m += (key >> 21) == top;
+    }
+    memset(hist, 0, sizeof hist);
+    for (int64_t i = 0; i < m; i++) hist[(keep[i] >> 10) & 2047]++;
+    b = 2047;
+    while (hist[b] < need) need -= hist[b--];
+    const uint32_t high = top << 11 | (uint32_t)b;      /* the key's top 22 bits */
+    memset(hist, 0, 1024 * sizeof *hist);
+    for (int64_t i = 0; i < m; i++)
+        if ((keep[i] >> 10) == high) hist[keep[i] & 1023]++;
+    b = 1023;
+    while (hist[b] < need) need -= hist[b--];
+    return from_order_key(high << 10 | (uint32_t)b);
 }
 
 /* The k positions (0 < k <= n, kth the k-th largest of mag) ascending into out[0:k]: a count

@@ -323,13 +323,16 @@ def topk(x, k: int):
 
 def kth_largest(x, k):
     """The ``k``-th largest entry of a 1-D tensor with no NaN (``0 < k <= numel``): the value
-    ``min(topk(x, k)[0])`` is, by a selection instead of a partial sort (on CPU NumPy's
-    introselect: 0.1 ms for 74K floats where ``torch.topk`` of 58K of them takes 4 ms)."""
+    ``min(topk(x, k)[0])`` is, by a selection instead of a partial sort (on CPU a compiled
+    radix select for float32, ``grace_dl.native.kth_largest``, else NumPy's introselect: 0.1
+    ms for 74K floats where ``torch.topk`` of 58K of them takes 4 ms)."""
     k = int(k)
     n = x.numel()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         a = x.detach().numpy()
-        return torch.tensor(np.partition(a, n - k)[n - k], dtype=x.dtype)
+        got = native.kth_largest(a, k) if x.dtype == torch.float32 else None
+        return torch.tensor(np.partition(a, n - k)[n - k] if got is None else got,
+                            dtype=x.dtype)
     return torch.kthvalue(x, n - k + 1).values
 
 
@@ -381,9 +384,9 @@ def positions_at_least(flat, thr, sign=None):
 
 def top_positions(flat, k, sign=None):
     """int64 positions of the ``k`` (an int) largest magnitudes of the 1-D ``flat``, those of
-    ``sparse.top_of(magnitudes(flat, sign), k)`` (ascending), by compiled passes around
-    NumPy's partition (``grace_dl.native.top_positions``; fp32 on CPU); None where it does not
-    apply."""
+    ``sparse.top_of(magnitudes(flat, sign), k)`` (ascending), by compiled passes and a
+    compiled radix select (``grace_dl.native.top_positions``; fp32 on CPU); None where it does
+    not apply."""
     if flat.device.type != "cpu" or flat.dtype != torch.float32 or torch.is_tensor(k):
         return None
     got = native.top_positions(flat.detach().numpy(), int(k), sign)
