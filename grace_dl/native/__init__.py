@@ -123,11 +123,11 @@ def limit_vector_bits(bits: int) -> None:
 def _vectorized() -> bool:
     """Whether this CPU has a SIMD path (whatever ``limit_vector_bits`` says). The scan, the
     sign code and the server step need one to beat the framework ops they replace: their
-    scalar loops (4M fp32, this project's x86 host held to them, ``benchmarks/results/
-    kernels.md``) took 23.1, 29.2 and 59.7 ms against NumPy's and torch's 4.1, 7.3 and 13.8,
-    so without one (a CPU that is not x86-64, or one without AVX2) those three leave the work
-    to the framework ops, which have SIMD of their own. The other kernels' scalar loops beat
-    their twins and stay."""
+    scalar loops take 5-7x the time of NumPy's and torch's (4M fp32, this project's x86 host
+    held to them: the scalar column of ``benchmarks/results/kernels.md``), so without one (a
+    CPU that is not x86-64, or one without AVX2) those three leave the work to the framework
+    ops, which have SIMD of their own. The other kernels' scalar loops beat their twins and
+    stay."""
     return _CPU_BITS > 0
 
 
