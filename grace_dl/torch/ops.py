@@ -330,7 +330,7 @@ def kth_largest(x, k):
     n = x.numel()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         a = x.detach().numpy()
-        got = native.kth_largest(a, k) if x.dtype == torch.float32 else None
+        got = native.kth_largest(a, k)     # None unless 1-D contiguous float32
         return torch.tensor(np.partition(a, n - k)[n - k] if got is None else got,
                             dtype=x.dtype)
     return torch.kthvalue(x, n - k + 1).values
