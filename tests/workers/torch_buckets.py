@@ -42,6 +42,7 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, reco
     calls = []
     if isinstance(grace_params, dict):   # a strategy dispatcher routes its own collectives
         grc.collectives = counting_hook(grc, calls)
+    seen = C.watch_local_grads(model)   # before the optimizer's hooks
     wrap = real_hvd.DistributedOptimizer if horovod else hvd.DistributedOptimizer
     extra_kw = {} if horovod else {"grace": grc}
     opt = wrap(base, named_parameters=model.named_parameters(), backward_passes_per_step=bpps,
@@ -52,7 +53,7 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, reco
         for micro in range(bpps):
             C.loss_of(model, rank, step, micro).backward()
         if record:
-            local = C.grads(model)
+            local = dict(seen)
             opt.synchronize()
             records.append({"local": local, "synced": C.grads(model)})
             with opt.skip_synchronize():
