@@ -93,8 +93,7 @@ class Compressor(Stateful, ABC):
     #: ``combine`` and ``decompress_into`` take ``zeroed=True`` (``out`` holds zeros already)
     #: and then write only the result's nonzero entries: the gradient a sparse result goes
     #: into may be cleared while error feedback reads it (``Memory.compensate_clearing``)
-    #: instead of zeroed by the result's own pass (a subclass that overrides either method
-    #: takes ``zeroed`` too, or sets this False)
+    #: instead of zeroed by the result's own pass
     fills_zeroed: bool = False
 
     def __init__(self, seed: int = 0):
