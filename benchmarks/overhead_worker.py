@@ -14,8 +14,7 @@ Per step, rank 0 records (medians over the measured steps):
   round (the turns of one round are seconds apart, so ``benchmarks.overhead`` pairs them).
 
 For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
-lives in the library): ``compensate`` (``compensate_for``, or ``compensate_clearing``, which
-also zeroes the gradient the result will be written into), ``compress`` (with
+lives in the library): ``compensate`` (``compensate_for``), ``compress`` (with
 ``compress_with_error``, which writes the error feedback while compressing: ``memory_update``
 is then ~0), ``memory_update`` (with the local approximation), ``issue``, ``wait``
 (``Collectives.synchronize``), ``complete`` (without its waits). ``other`` is
@@ -92,7 +91,6 @@ def instrument(grc) -> None:
     if grc is None or not hasattr(grc, "compressor"):
         return
     CLOCK.wrap(grc.memory, "compensate_for", "compensate")
-    CLOCK.wrap(grc.memory, "compensate_clearing", "compensate")  # clearing the gradient too
     CLOCK.wrap(grc, "compress", "compress")
     CLOCK.wrap(grc, "compress_with_error", "compress")   # the error feedback fused in
     CLOCK.wrap(grc.memory, "update", "memory_update")

@@ -212,10 +212,9 @@ class OpsBackend(Protocol):
 
     def positions_at_least(self, flat, thr, sign=None): ...
 
-    def assign_sparse_sum(self, var, positions: list, values: list, zeroed: bool = False):
+    def assign_sparse_sum(self, var, positions: list, values: list):
         """``assign_scatter`` of the sparse tensors (``values[r]`` at ``positions[r]``)
-        joined, by a faster path; None where there is none. ``zeroed``: ``var`` holds zeros
-        already (``assign_add_clear`` cleared it), so only the values need writing."""
+        joined, by a faster path; None where there is none."""
 
     def top_positions(self, flat, k, sign=None):
         """``sparse.top_of(magnitudes(flat, sign), k)``'s positions by a faster path, or None
@@ -273,10 +272,6 @@ class OpsBackend(Protocol):
     def assign_scatter(self, var, idx, values): ...
 
     def assign_add(self, var, value): ...
-
-    def assign_add_clear(self, var, value):
-        """``var += value``, then ``value`` zeroed, in one pass; returns var, or None (having
-        done nothing) where there is no such pass (the caller then leaves ``value`` alone)."""
 
     def assign_sub(self, var, value): ...
 

@@ -35,7 +35,6 @@ from grace_dl.communicators.base import (
     Handle,
     Phase,
     divided_payloads,
-    zeroed,
 )
 from grace_dl.registry import register_communicator
 
@@ -122,7 +121,7 @@ class Allreduce(Communicator):
         # the average folded into the reduced payload where the compressor can (sparse values,
         # qsgd's norms, PowerSGD's Q: not a pass over the dense result)
         out = self.compressor.decompress_into(divided_payloads(handle, [reduced])[0], phase.ctx,
-                                              handle.into, **zeroed(handle))
+                                              handle.into)
         if self.compressor.rounds == 1 or own_share_first:
             return out
         average = None

@@ -66,9 +66,6 @@ class Encoded:
     call: Call
     #: what this rank counts as sent (None until known: multi-round methods, no memory)
     approximation: Any = None
-    #: the memory zeroed the input while compensating it (``encode``'s ``clear``): the
-    #: result's ``into``, which it was, holds zeros until the result is written
-    cleared: bool = False
 
 
 class Phase:
@@ -140,10 +137,8 @@ class Router:
         own optimizer does with ``p.grad``; ``tensor`` may then be overwritten."""
         op = self.check_op(op)
         comm, coll = self.route(tensor, name, collectives)
-        clear = into is not None and ops_for(tensor).aliases(tensor, into)
         handle = Handle(name=name, op=op, comm=comm, coll=coll, into=into,
-                        encoded=comm.encode(tensor, name, Call(coll.rank(), coll.size()),
-                                            clear))
+                        encoded=comm.encode(tensor, name, Call(coll.rank(), coll.size())))
         if comm.fusion is not None and comm.fusion.holds(name):
             comm.fusion.hold(comm, handle)
         else:
@@ -294,12 +289,6 @@ def divided_payloads(handle: Handle, payloads: list) -> list:
     return divided
 
 
-def zeroed(handle: Handle) -> dict:
-    """``{"zeroed": True}`` for a ``combine`` / ``decompress_into`` into ``handle.into`` when
-    the encode cleared it (``Encoded.cleared``), else ``{}``."""
-    return {"zeroed": True} if handle.encoded.cleared else {}
-
-
 def _finish(handle: Handle, into=None):
     """Run ``handle``'s phases to the end (once) and return its averaged or summed result
     (written into ``into`` when given, else into the ``into`` given to ``send``)."""
@@ -414,25 +403,18 @@ class Communicator(Router, ABC):
         return collectives_for(tensor, self.process_set)
 
     # ------------------------------------------------------------------ phase 1: encode
-    def encode(self, tensor, name: str, call: Call, clear: bool = False) -> Encoded:
-        """Compensate, compress, and (single-round methods) update the memory once.
-        ``clear``: ``tensor`` is where the result will be written, so it may be zeroed once
-        read; it is (``Memory.compensate_clearing``) when the compressor then writes just its
-        result's entries there (``fills_zeroed``) and the memory can do it in its pass."""
-        compensated = self.memory.compensate_clearing(tensor, name, self.compressor) \
-            if clear and self.compressor.fills_zeroed else None
-        cleared = compensated is not None
-        if not cleared:
-            compensated = self.memory.compensate_for(tensor, name, self.compressor)
+    def encode(self, tensor, name: str, call: Call) -> Encoded:
+        """Compensate, compress, and (single-round methods) update the memory once."""
+        compensated = self.memory.compensate_for(tensor, name, self.compressor)
         if self.compressor.rounds == 1:
             slot = self.memory.error_slot(name, self.compressor)
             got = None if slot is None else self.compress_with_error(compensated, name, call,
                                                                     slot)
             if got is not None:
                 self.memory.error_written(name)
-                return Encoded(name, *got, compensated, call, cleared=cleared)
+                return Encoded(name, *got, compensated, call)
         payload, ctx = self.compress(compensated, name, call)
-        encoded = Encoded(name, payload, ctx, compensated, call, cleared=cleared)
+        encoded = Encoded(name, payload, ctx, compensated, call)
         if self.compressor.rounds == 1:
             if self.memory.wants_approximation(self.compressor):
                 encoded.approximation = self.approximate(encoded)

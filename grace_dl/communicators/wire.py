@@ -84,14 +84,14 @@ def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
     collective's result unused, and ``tf.function`` prunes an op whose result is unused (a
     root's broadcast never starts). ``average``: the result is this rank's final one, so an
     average may be folded into the payloads' values (``base.divided_payloads``)."""
-    from grace_dl.communicators.base import divided_payloads, zeroed
+    from grace_dl.communicators.base import divided_payloads
 
     equal = comm.compressor.equal_sizes
     payloads = [[unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)]
                 for r in range(ranks)]
     if average:
         payloads = divided_payloads(handle, payloads)
-    return comm.compressor.combine(payloads, handle.encoded.ctx, handle.into, **zeroed(handle))
+    return comm.compressor.combine(payloads, handle.encoded.ctx, handle.into)
 
 
 def nbytes(tensors):

@@ -90,11 +90,6 @@ class Compressor(Stateful, ABC):
     #: the payload is the tensor itself, flattened (``decompress`` is a reshape): an
     #: allreduce may sum it in place when it is the caller's ``into``
     sends_tensor: bool = False
-    #: ``combine`` and ``decompress_into`` take ``zeroed=True`` (``out`` holds zeros already)
-    #: and then write only the result's nonzero entries: the gradient a sparse result goes
-    #: into may be cleared while error feedback reads it (``Memory.compensate_clearing``)
-    #: instead of zeroed by the result's own pass
-    fills_zeroed: bool = False
 
     def __init__(self, seed: int = 0):
         super().__init__()

@@ -36,7 +36,6 @@ class RandomKCompressor(Compressor):
     two_phase_safe = False
     unbiased = False
     sparse = True
-    fills_zeroed = True
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
         super().__init__(seed)
@@ -72,19 +71,18 @@ class RandomKCompressor(Compressor):
     def divided(self, payload, divisor):
         return [payload[0] / divisor]
 
-    def combine(self, payloads, ctx, out=None, zeroed=False):
+    def combine(self, payloads, ctx, out=None):
         """The ranks' values (same positions on every rank) summed in rank order, then
         scattered once."""
         total = payloads[0][0]
         for p in payloads[1:]:
             total = total + p[0]
-        return self.decompress_into([total], ctx, out, zeroed)
+        return self.decompress_into([total], ctx, out)
 
-    def decompress_into(self, payload, ctx, out=None, zeroed=False):
+    def decompress_into(self, payload, ctx, out=None):
         if ctx[1] == 0:
             return self.decompress(payload, ctx)
-        return sparse.scatter_sum(ops_for(payload[0]), [ctx[2]], [payload[0]], ctx, out,
-                                  zeroed)
+        return sparse.scatter_sum(ops_for(payload[0]), [ctx[2]], [payload[0]], ctx, out)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * sparse.itemsize(dtype)

@@ -141,7 +141,6 @@ class SparseCompressor(Compressor):
 
     two_phase_safe = False
     sparse = True
-    fills_zeroed = True
 
     def pack(self, ops, tensor, positions):
         """Payload and ctx for sending ``tensor``'s flat entries at ``positions``."""
@@ -170,26 +169,26 @@ class SparseCompressor(Compressor):
     def divided(self, payload, divisor):
         return [payload[0] / divisor, payload[1]]
 
-    def decompress_into(self, payload, ctx, out=None, zeroed=False):
-        return scatter_sum(ops_for(payload[0]), [payload[1]], [payload[0]], ctx, out, zeroed)
+    def decompress_into(self, payload, ctx, out=None):
+        return scatter_sum(ops_for(payload[0]), [payload[1]], [payload[0]], ctx, out)
 
-    def combine(self, payloads, ctx, out=None, zeroed=False):
+    def combine(self, payloads, ctx, out=None):
         """Every rank's values added into one dense buffer at their positions, in rank order
         (the same sums as adding the ranks' decompressed tensors in rank order)."""
         if type(self).aggregate is not Compressor.aggregate:
             return super().combine(payloads, ctx)
         return scatter_sum(ops_for(payloads[0][0]), [p[1] for p in payloads],
-                           [p[0] for p in payloads], ctx, out, zeroed)
+                           [p[0] for p in payloads], ctx, out)
 
 
-def scatter_sum(ops, positions: list, values: list, ctx, out=None, zeroed=False):
+def scatter_sum(ops, positions: list, values: list, ctx, out=None):
     """The sum of N sparse tensors (rank r: ``values[r]`` at distinct ``positions[r]``) of
     the dense shape in ``ctx`` = ``(shape, numel, ...)``: one buffer (``out`` when given),
     one scatter-add (into ``out``: one compiled pass where ``ops.assign_sparse_sum``
-    applies; with ``zeroed``, ``out`` holding zeros, only the values are written)."""
+    applies)."""
     shape, n = ctx[0], ctx[1]
     if out is not None:
-        fast = ops.assign_sparse_sum(out, positions, values, zeroed)
+        fast = ops.assign_sparse_sum(out, positions, values)
         if fast is not None:
             return fast
     idx, vals = (positions[0], values[0]) if len(values) == 1 else (ops.cat(positions),

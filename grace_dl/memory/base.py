@@ -26,13 +26,6 @@ class Memory(Stateful, ABC):
         then compensate in place: the result is only read until ``update``)."""
         return self.compensate(tensor, name)
 
-    def compensate_clearing(self, tensor, name: str, compressor):
-        """``compensate_for`` that also zeroes ``tensor`` in the same pass, where that costs
-        no pass of its own; None, having done nothing, where this memory cannot (the default).
-        A communicator asks only when ``tensor`` is where the result will be written and a
-        sparse result can then write just its values there (``Router.send``)."""
-        return None
-
     @abstractmethod
     def update(self, tensor, name: str, compressor, payload, ctx, approximation=None) -> None:
         """Record what compressing ``tensor`` (the compensated one) into ``payload`` lost.

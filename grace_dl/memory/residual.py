@@ -50,19 +50,6 @@ class ResidualMemory(Memory):
         slot = self._in_slot[name] = self.state.zeros(name, ops, tensor)
         return ops.read(ops.assign_add(slot, tensor))
 
-    def compensate_clearing(self, tensor, name, compressor):
-        """``compensate_for`` in the residual's slot, zeroing ``tensor`` in the same compiled
-        pass (``ops.assign_add_clear``); None where that slot path or the pass does not
-        apply."""
-        if not (self.beta == 1.0 and self.gamma == 1.0) or compressor.sends_tensor:
-            return None
-        ops = ops_for(tensor)
-        slot = self.state.zeros(name, ops, tensor)
-        if ops.assign_add_clear(slot, tensor) is None:
-            return None
-        self._in_slot[name] = slot
-        return ops.read(slot)
-
     def error_slot(self, name, compressor):
         """The residual's slot while it holds the compensated tensor (beta = gamma = 1), for
         dense compressors (sparse ones update O(k) entries, cheaper than any dense pass)."""

@@ -339,7 +339,7 @@ def positions_at_least(flat, thr, sign=None):
     return nonzero(flat >= thr if sign > 0 else flat <= -thr)
 
 
-def assign_sparse_sum(var, positions: list, values: list, zeroed: bool = False):
+def assign_sparse_sum(var, positions: list, values: list):
     """Always None: TF scatters the joined payloads (``assign_scatter``)."""
     return None
 
@@ -588,11 +588,6 @@ def assign_add(var, value):
     """In place: ``var += value``; returns var."""
     var.assign_add(value)
     return var
-
-
-def assign_add_clear(var, value):
-    """Always None: TF's gradients are not written back into (nothing to clear for)."""
-    return None
 
 
 def assign_sub(var, value):

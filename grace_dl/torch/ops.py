@@ -805,28 +805,16 @@ def assign_scatter(var, idx, values):
     return var
 
 
-def assign_sparse_sum(var, positions: list, values: list, zeroed: bool = False):
+def assign_sparse_sum(var, positions: list, values: list):
     """In place: ``var`` = the sum of the sparse tensors ``values[r]`` at ``positions[r]``
     (flat, each ascending), zeroed and summed block by block in one compiled pass
-    (``grace_dl.native.sparse_sum``; the bits of ``assign_scatter`` of them joined), or with
-    ``zeroed`` (``var`` holds zeros already) only the values written; returns var, or None
-    where it does not apply (the caller then joins them and scatters)."""
+    (``grace_dl.native.sparse_sum``; the bits of ``assign_scatter`` of them joined); returns
+    var, or None where it does not apply (the caller then joins them and scatters)."""
     arrays = _cpu_numpy(var.view(-1), *positions, *values) if var.is_contiguous() else None
     if arrays is None:
         return None
     ranks = len(positions)
-    got = native.sparse_sum(arrays[0], arrays[1:1 + ranks], arrays[1 + ranks:], zeroed)
-    return None if got is None else var
-
-
-def assign_add_clear(var, value):
-    """In place: ``var += value``, then ``value`` zeroed, in one compiled pass
-    (``grace_dl.native.add_clear``); returns var, or None, having done nothing, where it does
-    not apply (not contiguous CPU float32 tensors of one size, or no compiled library)."""
-    if not (var.is_contiguous() and value.is_contiguous()) or var.numel() != value.numel():
-        return None
-    arrays = _cpu_numpy(var.view(-1), value.view(-1))
-    got = None if arrays is None else native.add_clear(*arrays)
+    got = native.sparse_sum(arrays[0], arrays[1:1 + ranks], arrays[1 + ranks:])
     return None if got is None else var
 
 

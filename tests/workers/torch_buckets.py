@@ -42,7 +42,6 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, reco
     calls = []
     if isinstance(grace_params, dict):   # a strategy dispatcher routes its own collectives
         grc.collectives = counting_hook(grc, calls)
-    seen = C.watch_local_grads(model)   # before the optimizer's hooks
     wrap = real_hvd.DistributedOptimizer if horovod else hvd.DistributedOptimizer
     extra_kw = {} if horovod else {"grace": grc}
     opt = wrap(base, named_parameters=model.named_parameters(), backward_passes_per_step=bpps,
@@ -53,7 +52,7 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, reco
         for micro in range(bpps):
             C.loss_of(model, rank, step, micro).backward()
         if record:
-            local = dict(seen)
+            local = C.grads(model)
             opt.synchronize()
             records.append({"local": local, "synced": C.grads(model)})
             with opt.skip_synchronize():

@@ -51,16 +51,3 @@ def params(model) -> dict:
 def grads(model) -> dict:
     return {k: v.grad.detach().clone().numpy() for k, v in model.named_parameters()
             if v.grad is not None}
-
-
-def watch_local_grads(model) -> dict:
-    """A dict that holds each parameter's gradient as this rank accumulated it, copied by a
-    hook registered before the optimizer's (hooks run in registration order): once the
-    optimizer's hook has sent it, ``p.grad`` is the exchange's (a sparse pipeline zeroes it
-    while compensating), so it is not read back before ``synchronize``."""
-    seen = {}
-    for k, v in model.named_parameters():
-        if v.requires_grad:
-            v.register_post_accumulate_grad_hook(
-                lambda p, k=k: seen.__setitem__(k, p.grad.detach().clone().numpy()))
-    return seen

@@ -35,7 +35,6 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, clip
     model = C.make_model(extra)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     grc = None if grace_params is None else grace_from_params(dict(grace_params))
-    seen = C.watch_local_grads(model)   # before the optimizer's hooks
     wrap = real_hvd.DistributedOptimizer if horovod else hvd.DistributedOptimizer
     extra_kw = {} if horovod else {"grace": grc}
     opt = wrap(base, named_parameters=model.named_parameters(), backward_passes_per_step=bpps,
@@ -46,7 +45,7 @@ def run(grace_params=None, horovod=False, steps=STEPS, bpps=1, extra=False, clip
         for micro in range(bpps):
             C.loss_of(model, rank, step, micro).backward()
         if record or clip:
-            local = dict(seen)
+            local = C.grads(model)
             opt.synchronize()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
