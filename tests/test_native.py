@@ -556,60 +556,6 @@ def test_sparse_sum_equals_zeroing_and_index_add(n, ranks, dtype):
     np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_sparse_sum_into_zeros_writes_only_the_values_with_the_same_bits(ranks):
-    """``zeroed``: the caller vouches that ``out`` holds +0.0; the sums are those of the pass
-    that zeroes it (signed zeros included), and nothing else is written."""
-    n = 3 * 8192 + 5
-    rng = np.random.default_rng(ranks)
-    positions = [np.sort(rng.choice(n, 900, replace=False)).astype(np.int32)
-                 for _ in range(ranks)]
-    values = [rng.standard_normal(900).astype(np.float32) for _ in range(ranks)]
-    values[0][:50] = -0.0
-    want = _sparse_twin(n, positions, values)
-    out = np.zeros(n, np.float32)
-    assert native.sparse_sum(out, positions, values, zeroed=True) is out
-    np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))
-    marked = np.full(n, 7.0, np.float32)      # not zeros: only the positions are written
-    native.sparse_sum(marked, positions, values, zeroed=True)
-    hit = np.zeros(n, bool)
-    for pos in positions:
-        hit[pos] = True
-    assert (marked[~hit] == 7.0).all()
-
-
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 4099, 100_003])
-def test_add_clear_is_an_add_then_zeros_on_every_path(n, every_path):
-    """``acc += src; src = +0.0`` in one pass: the float32 adds of NumPy (and torch's
-    ``add_``) on every SIMD path and every tail length, NaN / Inf / signed zeros included."""
-    a, b = _mixed(n, 3), _mixed(n, 4)
-    if n > 8:
-        a[:4] = [np.inf, -0.0, np.nan, 1.0]
-        b[:4] = [-np.inf, -0.0, 1.0, np.nan]
-    want = a + b
-    for bits in every_path:
-        native.limit_vector_bits(bits)
-        acc, src = a.copy(), b.copy()
-        assert native.add_clear(acc, src) is acc
-        np.testing.assert_array_equal(acc.view(np.int32), want.view(np.int32),
-                                      err_msg=f"path {bits}")
-        assert (src.view(np.int32) == 0).all(), f"path {bits}: src not +0.0"
-
-
-def test_add_clear_declines_what_it_cannot_take_and_writes_nothing():
-    """Overlapping buffers, other dtypes, other lengths, strided views: None, untouched."""
-    a = np.arange(10, dtype=np.float32)
-    for acc, src in ((a[:6], a[4:]), (a, a),
-                     (a.copy(), np.ones(9, np.float32)),
-                     (a.astype(np.float64), np.ones(10)),
-                     (a.copy()[::2], np.ones(5, np.float32))):
-        before = (acc.copy(), src.copy())
-        assert native.add_clear(acc, src) is None
-        np.testing.assert_array_equal(acc, before[0])
-        np.testing.assert_array_equal(src, before[1])
-    assert native.add_clear(a[:5], a[5:]) is not None     # neighbours do not overlap
-
-
 def test_sparse_sum_leaves_what_it_cannot_take_untouched():
     """Unsorted or repeated positions, out of range, mixed dtypes: None, nothing written."""
     out = np.full(10, 7.0, np.float32)

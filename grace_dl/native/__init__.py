@@ -76,9 +76,7 @@ def _load():
             lib.gd_sparse_sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                               ctypes.POINTER(ctypes.c_void_p),
                                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                              ctypes.c_int, ctypes.c_int]
-            lib.gd_add_clear_f32.restype = None
-            lib.gd_add_clear_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                                              ctypes.c_int]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -284,14 +282,13 @@ def kth_largest(a: np.ndarray, k: int):
     return float(_lib.gd_kth_largest_f32(a.ctypes.data, n, k, keep.ctypes.data))
 
 
-def sparse_sum(out: np.ndarray, positions: list, values: list, zeroed: bool = False):
+def sparse_sum(out: np.ndarray, positions: list, values: list):
     """``out`` (1-D float32) set to the sum of sparse vectors: ``values[r]`` (float32) at
     ``positions[r]`` (int32 or int64, one dtype for all; each strictly ascending, inside
     ``out``), zeroed and summed block by block in one pass: the bits of zeroing ``out`` and
     ``index_add_`` of the joined payloads (the twin, ``grace_dl.torch.ops.assign_scatter``).
-    ``zeroed``: ``out`` holds +0.0 already (``add_clear`` cleared it), so only the values
-    are written. Returns ``out``, or None where the kernel does not apply (unsorted or
-    out-of-range positions among them: the caller's scatter then handles, or reports, them)."""
+    Returns ``out``, or None where the kernel does not apply (unsorted or out-of-range
+    positions among them: the caller's scatter then handles, or reports, them)."""
     ranks = len(positions)
     if not _enabled or not _f32(out) or ranks == 0 or ranks != len(values) or ranks > 256:
         return None
@@ -304,21 +301,9 @@ def sparse_sum(out: np.ndarray, positions: list, values: list, zeroed: bool = Fa
     vals = (ctypes.c_void_p * ranks)(*(v.ctypes.data for v in values))
     count = np.array([p.size for p in positions], np.int64)
     if _lib.gd_sparse_sum_f32(out.ctypes.data, out.size, ranks, idx, vals, count.ctypes.data,
-                              int(dtype == np.int64), int(zeroed)) != 0:
+                              int(dtype == np.int64)) != 0:
         return None
     return out
-
-
-def add_clear(acc: np.ndarray, src: np.ndarray):
-    """``acc += src``, then ``src`` set to +0.0, in one pass (1-D float32 arrays of one
-    length that do not overlap): error feedback's compensation clearing the gradient it read,
-    so a sparse result written there later writes only its values (``sparse_sum``'s
-    ``zeroed``). Returns ``acc``, or None, having done nothing, where the kernel does not
-    apply."""
-    if not _enabled or not _f32(acc) or not _f32(src, acc.size) or np.may_share_memory(acc, src):
-        return None
-    _lib.gd_add_clear_f32(acc.ctypes.data, src.ctypes.data, acc.size)
-    return acc
 
 
 def sfc64_raw(state: np.ndarray, words: int):

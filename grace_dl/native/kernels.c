@@ -594,10 +594,7 @@ void gd_top_collect_f32(const float *mag, int64_t n, int64_t k, float kth, int64
  * then every rank's values that fall in it are added while it is in cache, one pass over out
  * where zeroing it and then scattering into it missed the cache once per value. Values at one
  * position are added in rank order onto +0.0, the operations of index_add_ over the ranks'
- * payloads joined. With `zeroed` the caller vouches that out holds +0.0 already (the
- * gradient it is was cleared while it was read: gd_add_clear_f32), and only the values are
- * written: O(k) instead of a pass over out, the same bits.
- * Returns 0, or 1 with nothing written where a rank's positions are not
+ * payloads joined. Returns 0, or 1 with nothing written where a rank's positions are not
  * ascending or leave [0, n) (the caller then runs the framework's scatter, which reports
  * a bad position). */
 #define GD_SPARSE_BLOCK 8192
@@ -608,7 +605,7 @@ static inline int64_t position_at(const void *idx, int wide, int64_t j) {
 }
 
 int gd_sparse_sum_f32(float *out, int64_t n, int ranks, const void *const *idx,
-                      const float *const *vals, const int64_t *count, int wide, int zeroed) {
+                      const float *const *vals, const int64_t *count, int wide) {
     int64_t at[GD_SPARSE_RANKS];
     if (ranks < 1 || ranks > GD_SPARSE_RANKS) return 1;
     for (int r = 0; r < ranks; r++) {
@@ -622,7 +619,7 @@ int gd_sparse_sum_f32(float *out, int64_t n, int ranks, const void *const *idx,
     }
     for (int64_t b = 0; b < n; b += GD_SPARSE_BLOCK) {
         int64_t e = n - b < GD_SPARSE_BLOCK ? n : b + GD_SPARSE_BLOCK;
-        if (!zeroed) memset(out + b, 0, (size_t)(e - b) * sizeof(float));
+        memset(out + b, 0, (size_t)(e - b) * sizeof(float));
         for (int r = 0; r < ranks; r++) {
             const float *v = vals[r];
             int64_t j = at[r], c = count[r];
@@ -631,44 +628,6 @@ int gd_sparse_sum_f32(float *out, int64_t n, int ranks, const void *const *idx,
         }
     }
     return 0;
-}
-
-/* ---------------------------------------------------------------- compensate and clear
- * acc[i] += src[i], then src[i] = +0.0: error feedback's compensation (the residual plus the
- * gradient, in the residual's slot) that also clears the gradient it read, in the same pass,
- * while its lines are in cache. A sparse result written into that gradient afterwards then
- * only writes its k values (gd_sparse_sum_f32's `zeroed`) instead of zeroing it in another
- * pass. The add is one float32 add per element, as torch's add_ and NumPy's +=. The loop is
- * memory-bound; each path is the compiler's vectorization of it at that width. */
-#define GD_ADD_CLEAR_LOOP                                                                     \
-    for (int64_t i = 0; i < n; i++) {                                                        \
-        acc[i] += src[i];                                                                    \
-        src[i] = 0.0f;                                                                       \
-    }
-
-static void add_clear_scalar(float *restrict acc, float *restrict src, int64_t n) {
-    GD_ADD_CLEAR_LOOP
-}
-
-#ifdef GD_X86
-__attribute__((target("avx2")))
-static void add_clear_avx2(float *restrict acc, float *restrict src, int64_t n) {
-    GD_ADD_CLEAR_LOOP
-}
-
-__attribute__((target("avx512f")))
-static void add_clear_avx512(float *restrict acc, float *restrict src, int64_t n) {
-    GD_ADD_CLEAR_LOOP
-}
-#endif
-
-void gd_add_clear_f32(float *acc, float *src, int64_t n) {
-#ifdef GD_X86
-    int bits = gd_vector_bits();
-    if (bits >= 512) { add_clear_avx512(acc, src, n); return; }
-    if (bits >= 256) { add_clear_avx2(acc, src, n); return; }
-#endif
-    add_clear_scalar(acc, src, n);
 }
 
 /* ---------------------------------------------------------------- random bits
