@@ -273,11 +273,6 @@ class OpsBackend(Protocol):
 
     def assign_add(self, var, value): ...
 
-    def assign_add_take(self, var, value, idx):
-        """In one pass where there is one: ``var += value``, then ``values = var.flat[idx]``
-        and ``var.flat[idx] -= values`` (``idx`` int64, ascending, distinct); returns
-        ``values``, or None, having done nothing, where there is none."""
-
     def assign_sub(self, var, value): ...
 
     def assign_matmul(self, var, a, b): ...

@@ -405,10 +405,6 @@ class Communicator(Router, ABC):
     # ------------------------------------------------------------------ phase 1: encode
     def encode(self, tensor, name: str, call: Call) -> Encoded:
         """Compensate, compress, and (single-round methods) update the memory once."""
-        if self.compressor.rounds == 1:
-            got = self.compress_compensating(tensor, name, call)
-            if got is not None:
-                return got
         compensated = self.memory.compensate_for(tensor, name, self.compressor)
         if self.compressor.rounds == 1:
             slot = self.memory.error_slot(name, self.compressor)
@@ -429,19 +425,6 @@ class Communicator(Router, ABC):
     def compress(self, compensated, name: str, call: Call):
         """``(payload, ctx)`` for one tensor; two-phase compresses chunk by chunk."""
         return self.compressor.compress(compensated, name, call)
-
-    def compress_compensating(self, tensor, name: str, call: Call) -> Encoded | None:
-        """``tensor`` compensated, compressed and the memory updated in one go
-        (``Compressor.compress_compensating`` on ``Memory.compensation_slot``); None where
-        the memory or the compressor cannot, or a subclass changed what one payload is. The
-        encoded ``compensated`` is then the slot, which holds the new residual: what the
-        single-round communicators read of it is its shape and dtype."""
-        if type(self).compress is not Communicator.compress:
-            return None
-        slot = self.memory.compensation_slot(tensor, name, self.compressor)
-        got = None if slot is None else self.compressor.compress_compensating(tensor, slot,
-                                                                              name, call)
-        return None if got is None else Encoded(name, *got, slot, call)
 
     def compress_with_error(self, compensated, name: str, call: Call, error):
         """``compress``, also writing what it loses (``compensated`` minus its

@@ -74,7 +74,6 @@ class Compressor(Stateful, ABC):
     ``combine`` / ``decompress_into`` (every rank's payload decompressed and aggregated, or
     the reduced one decompressed, built in a given buffer where possible),
     ``compress_with_error`` (the error feedback's subtraction done while compressing),
-    ``compress_compensating`` (the compensation, the compression and the error feedback in one),
     ``local_share`` (this rank's part of a multi-round result), ``payload_nbytes`` /
     ``payload_nbytes_for_shape`` (bytes on the wire).
     """
@@ -138,14 +137,6 @@ class Compressor(Stateful, ABC):
         left in ``slot`` and its decompression written into ``out`` (both tensors of the
         chunk's length); returns the payload. None (the default): the communicator runs the
         steps one by one, with the same result."""
-        return None
-
-    def compress_compensating(self, tensor, residual, name: str, call: Call):
-        """Error feedback's three steps in one go, where a method can fuse them: compress
-        ``residual + tensor`` and leave ``residual + tensor - decompress(payload, ctx)`` in
-        ``residual`` (the memory's slot, ``Memory.compensation_slot``). Returns ``(payload,
-        ctx)``, or ``None`` (having done nothing) where the method cannot; the communicator
-        then compensates, compresses and updates one after the other."""
         return None
 
     def compress_with_error(self, tensor, name: str, call: Call, error, decoded=None):

@@ -57,26 +57,6 @@ class RandomKCompressor(Compressor):
             values = values * (n / k)
         return [values], (ops.shape(tensor), n, positions)
 
-    def compress_compensating(self, tensor, residual, name, call=LOCAL):
-        """The positions drawn first, then one pass that adds ``tensor`` into ``residual``
-        and takes the sent values out of it as it goes (``ops.assign_add_take``), else the
-        add, the gather and the update one after the other: the same bits as
-        ``compress(residual + tensor)`` and the residual's update. Not for ``unbiased``
-        (what stays is not what was sent)."""
-        ops = ops_for(tensor)
-        n = ops.numel(tensor)
-        if self.unbiased or n == 0:
-            return None
-        k = sparse.count_for(self.compress_ratio, n)
-        step = self.next_step(name, tensor)
-        positions = ops.choice(self.seed, name, step, n, k, like=ops.flatten(tensor))
-        values = ops.assign_add_take(residual, tensor, positions)
-        if values is None:
-            ops.assign_add(residual, tensor)
-            values = ops.gather(ops.flatten(ops.read(residual)), positions)
-            ops.assign_sub_at(residual, positions, values)
-        return [values], (ops.shape(tensor), n, positions)
-
     def decompress(self, payload, ctx):
         shape, n, positions = ctx
         ops = ops_for(payload[0])

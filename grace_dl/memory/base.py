@@ -36,14 +36,6 @@ class Memory(Stateful, ABC):
         copy what must be kept), the ranks' average for multi-round methods. Called outside
         a communicator without it, ``sent`` decompresses the payload."""
 
-    def compensation_slot(self, tensor, name: str, compressor):
-        """The slot holding the error to add to ``tensor`` (plain error feedback:
-        ``compensate`` is ``slot + tensor`` and ``update`` sets ``slot`` to what was not
-        sent), for a compressor that compensates, compresses and updates it in one pass
-        (``Compressor.compress_compensating``); None where this memory's error feedback is
-        not of that form (the default)."""
-        return None
-
     def error_slot(self, name: str, compressor):
         """The tensor that ``update`` would set to ``compensated - approximation``, when it
         holds the compensated tensor itself (compensated in place), else None. A communicator

@@ -50,13 +50,6 @@ class ResidualMemory(Memory):
         slot = self._in_slot[name] = self.state.zeros(name, ops, tensor)
         return ops.read(ops.assign_add(slot, tensor))
 
-    def compensation_slot(self, tensor, name, compressor):
-        """The residual itself with beta = gamma = 1 (the compensated tensor is ``residual +
-        tensor`` and what stays is what was not sent), else None."""
-        if not (self.beta == 1.0 and self.gamma == 1.0) or compressor.sends_tensor:
-            return None
-        return self.state.zeros(name, ops_for(tensor), tensor)
-
     def error_slot(self, name, compressor):
         """The residual's slot while it holds the compensated tensor (beta = gamma = 1), for
         dense compressors (sparse ones update O(k) entries, cheaper than any dense pass)."""

@@ -77,9 +77,6 @@ def _load():
                                               ctypes.POINTER(ctypes.c_void_p),
                                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                               ctypes.c_int]
-            lib.gd_add_take_f32.restype = ctypes.c_int
-            lib.gd_add_take_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -307,23 +304,6 @@ def sparse_sum(out: np.ndarray, positions: list, values: list):
                               int(dtype == np.int64)) != 0:
         return None
     return out
-
-
-def add_take(slot: np.ndarray, g: np.ndarray, positions: np.ndarray):
-    """Error feedback and a sparsifier whose positions are known in advance (randomk), in
-    one pass: ``slot += g``, then ``vals = slot[positions]`` and ``slot[positions] -= vals``
-    (1-D float32 ``slot`` and ``g`` of one length, not overlapping; int64 ``positions``
-    strictly ascending, inside them). Returns the float32 ``vals``, or None, having written
-    nothing, where the kernel does not apply."""
-    n = slot.size
-    if (not _enabled or not _f32(slot) or not _f32(g, n) or np.may_share_memory(slot, g)
-            or positions.ndim != 1 or not _dense(positions, np.int64, positions.size)):
-        return None
-    vals = np.empty(positions.size, np.float32)
-    if _lib.gd_add_take_f32(slot.ctypes.data, g.ctypes.data, n, positions.ctypes.data,
-                            positions.size, vals.ctypes.data) != 0:
-        return None
-    return vals
 
 
 def sfc64_raw(state: np.ndarray, words: int):

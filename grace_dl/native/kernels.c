@@ -630,59 +630,6 @@ int gd_sparse_sum_f32(float *out, int64_t n, int ranks, const void *const *idx,
     return 0;
 }
 
-/* ---------------------------------------------------------------- compensate and take
- * Error feedback and a sparsifier whose positions are known before it sees the tensor
- * (randomk) in one pass: slot += g (the residual becomes the compensated tensor), and, while
- * each block is in cache, vals[j] = slot[pos[j]] (what is sent) and slot[pos[j]] -= vals[j]
- * (what stays: x - x, +0.0 for a number, NaN for an Inf or a NaN). The same float operations
- * as the add, the gather and the residual's update one after the other, where the gather and
- * the update missed the cache once per position in a 23 MB tensor. pos: int64, strictly
- * ascending, inside [0, n). Returns 0, or 1 with nothing written when pos is not. */
-#define GD_TAKE_BLOCK 4096
-#define GD_ADD_LOOP for (int64_t i = 0; i < m; i++) acc[i] += src[i];
-
-static void add_scalar(float *restrict acc, const float *restrict src, int64_t m) {
-    GD_ADD_LOOP
-}
-
-#ifdef GD_X86
-__attribute__((target("avx2")))
-static void add_avx2(float *restrict acc, const float *restrict src, int64_t m) {
-    GD_ADD_LOOP
-}
-
-__attribute__((target("avx512f")))
-static void add_avx512(float *restrict acc, const float *restrict src, int64_t m) {
-    GD_ADD_LOOP
-}
-#endif
-
-int gd_add_take_f32(float *slot, const float *g, int64_t n, const int64_t *pos, int64_t k,
-                    float *vals) {
-    int64_t prev = -1;
-    for (int64_t j = 0; j < k; j++) {
-        if (pos[j] <= prev || pos[j] >= n) return 1;
-        prev = pos[j];
-    }
-    void (*add)(float *restrict, const float *restrict, int64_t) = add_scalar;
-#ifdef GD_X86
-    int bits = gd_vector_bits();
-    if (bits >= 512) add = add_avx512;
-    else if (bits >= 256) add = add_avx2;
-#endif
-    int64_t j = 0;
-    for (int64_t b = 0; b < n; b += GD_TAKE_BLOCK) {
-        int64_t e = n - b < GD_TAKE_BLOCK ? n : b + GD_TAKE_BLOCK;
-        add(slot + b, g + b, e - b);
-        for (; j < k && pos[j] < e; j++) {
-            float v = slot[pos[j]];
-            vals[j] = v;
-            slot[pos[j]] = v - v;
-        }
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------- random bits
  * `words` outputs of Chris Doty-Humphrey's SFC64 from the state s = (a, b, c, counter), the
  * recurrence of NumPy's SFC64 bit generator: the same words as its random_raw(words) from

@@ -590,11 +590,6 @@ def assign_add(var, value):
     return var
 
 
-def assign_add_take(var, value, idx):
-    """Always None: TF runs the add, the gather and the update as its own ops."""
-    return None
-
-
 def assign_sub(var, value):
     """In place: ``var -= value``; returns var."""
     var.assign_sub(tf.reshape(value, tf.shape(var)))

@@ -824,19 +824,6 @@ def assign_add(var, value):
     return var
 
 
-def assign_add_take(var, value, idx):
-    """``var += value``, then ``values = var.flat[idx]`` and ``var.flat[idx] -= values``, in
-    one compiled pass (``grace_dl.native.add_take``); returns ``values``, or None, having done
-    nothing, where it does not apply (not contiguous CPU float32 tensors of one size, or
-    ``idx`` not int64 ascending inside them)."""
-    if not (var.is_contiguous() and value.is_contiguous()) or var.numel() != value.numel() \
-            or idx.dtype != torch.int64:
-        return None
-    arrays = _cpu_numpy(var.view(-1), value.view(-1), idx.contiguous().view(-1))
-    got = None if arrays is None else native.add_take(*arrays)
-    return None if got is None else torch.from_numpy(got)
-
-
 def assign_sub(var, value):
     """In place: ``var -= value``; returns var."""
     var.sub_(value.reshape(var.shape))
