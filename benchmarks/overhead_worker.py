@@ -14,10 +14,13 @@ Per step, rank 0 records (medians over the measured steps):
   round (the turns of one round are seconds apart, so ``benchmarks.overhead`` pairs them).
 
 For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
-lives in the library): ``compensate`` (``compensate_for``), ``compress`` (with
-``compress_with_error``, which writes the error feedback while compressing: ``memory_update``
-is then ~0), ``memory_update`` (with the local approximation), ``issue``, ``wait``
-(``Collectives.synchronize``), ``complete`` (without its waits). ``other`` is
+lives in the library), each phase's time without the other phases timed inside it:
+``compensate`` (the memory's ``compensate_for``), ``compress`` (the communicator's ``encode``
+without its compensate and memory update: with ``compress_with_error``, which writes the error
+feedback while compressing, ``memory_update`` is ~0), ``memory_update`` (the memory's
+``update``, and the local approximation), ``issue``, ``wait`` (``Collectives.synchronize``),
+``complete``. The communicator's ``compress`` is not wrapped: the library checks that a
+communicator has not replaced it before fusing the error feedback into it. ``other`` is
 ``total − compute − the phases``: the optimizer's own bookkeeping, the averaging division,
 gradient writes, the SGD update and whatever the phases' allocations cost outside them.
 """
@@ -53,11 +56,24 @@ def resolve(pipeline: str, model):
 
 
 class Clock:
-    """Seconds spent in each phase, for the pipeline whose turn it is."""
+    """Seconds spent in each phase, for the pipeline whose turn it is: each timed call counts
+    its own time less that of the timed calls inside it."""
 
     def __init__(self):
         self.spent = defaultdict(float)
-        self.wrapped = set()
+        self.wrapped = {}     # (class, method name) -> what the class had before
+        self.inside = []    # per timed call in progress: the time of the timed calls in it
+
+    def timed(self, phase: str, fn, *args, **kwargs):
+        self.inside.append(0.0)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total = time.perf_counter() - t0
+            self.spent[phase] += total - self.inside.pop()
+            if self.inside:
+                self.inside[-1] += total
 
     def wrap(self, obj, method: str, phase: str):
         """Time ``method`` of ``obj``'s class (the class, not the instance: an instance
@@ -65,19 +81,9 @@ class Clock:
         cls = type(obj)
         if (cls, method) in self.wrapped:
             return
-        self.wrapped.add((cls, method))
         inner = getattr(cls, method)
-
-        def timed(*args, **kwargs):
-            before = self.spent["wait"]
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                waited = self.spent["wait"] - before if phase == "complete" else 0.0
-                self.spent[phase] += time.perf_counter() - t0 - waited
-
-        setattr(cls, method, timed)
+        self.wrapped[(cls, method)] = vars(cls).get(method)
+        setattr(cls, method, lambda *args, **kwargs: self.timed(phase, inner, *args, **kwargs))
 
     def take(self) -> dict:
         out, self.spent = dict(self.spent), defaultdict(float)
@@ -91,8 +97,7 @@ def instrument(grc) -> None:
     if grc is None or not hasattr(grc, "compressor"):
         return
     CLOCK.wrap(grc.memory, "compensate_for", "compensate")
-    CLOCK.wrap(grc, "compress", "compress")
-    CLOCK.wrap(grc, "compress_with_error", "compress")   # the error feedback fused in
+    CLOCK.wrap(grc, "encode", "compress")     # less the compensate and update inside it
     CLOCK.wrap(grc.memory, "update", "memory_update")
     CLOCK.wrap(grc, "approximate", "memory_update")
     CLOCK.wrap(grc, "issue", "issue")
@@ -104,15 +109,8 @@ def instrument_waits() -> None:
     for cls in _subclasses(Collectives):
         if "synchronize" in vars(cls):
             inner = cls.synchronize
-
-            def timed(self, handle, _inner=inner):
-                t0 = time.perf_counter()
-                try:
-                    return _inner(self, handle)
-                finally:
-                    CLOCK.spent["wait"] += time.perf_counter() - t0
-
-            cls.synchronize = timed
+            cls.synchronize = lambda self, handle, _inner=inner: CLOCK.timed("wait", _inner,
+                                                                             self, handle)
 
 
 def _subclasses(cls):
