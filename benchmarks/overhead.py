@@ -8,7 +8,9 @@ Every pipeline takes turns with the others in the same ``horovodrun --gloo`` job
 (``benchmarks/overhead_worker.py``), so the ratios against Horovod's own uncompressed step
 (``none``) are taken alternately on the same machine. ``--label`` tags the rows; a run appends
 its rows to ``--out`` (rows of the same label are replaced) and rewrites the markdown table
-beside it, so a "before" and an "after" run sit in one table.
+beside it, so a "before" and an "after" run sit in one table. ``--jobs N`` runs the job N
+times and pools them: Horovod's own step moves by 20-30% from one job to the next on a shared
+host, and a ratio from one job moves with it.
 """
 
 from __future__ import annotations
@@ -45,13 +47,41 @@ def run(model: str, pipelines: list[str], rounds: int, steps: int, ranks: int,
     return rows
 
 
+def pooled(jobs: list[list[dict]]) -> list[dict]:
+    """One row per pipeline from several jobs' rows: each timing the median over the jobs,
+    ``round_s`` every job's rounds in turn (so the per-round pairing covers them all), and
+    ``job_ratio`` each job's step over Horovod's step in that job."""
+    if len(jobs) == 1:
+        return jobs[0]
+    out = []
+    for i, row in enumerate(jobs[0]):
+        same = [job[i] for job in jobs]
+        rec = dict(row)
+        for key, value in row.items():
+            if key.endswith("_s") and isinstance(value, (int, float)):
+                rec[key] = statistics.median(r[key] for r in same)
+        if "round_s" in row:
+            rec["round_s"] = [x for r in same for x in r["round_s"]]
+        base = [next(r for r in job if r["pipeline"] == "none") for job in jobs]
+        rec["job_ratio"] = [r["total_s"] / b["total_s"] for r, b in zip(same, base)]
+        rec["jobs"] = len(jobs)
+        out.append(rec)
+    return out
+
+
+def spread(values) -> str:
+    """``"0.68 (0.63-0.74)"``: median, lowest and highest; empty without values."""
+    if not values:
+        return ""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def paired(rounds, base_rounds) -> str:
     """The median of a pipeline's per-round step over Horovod's in the same round, with the
     lowest and highest: ``"0.68 (0.63-0.74)"``; empty without both."""
     if not rounds or not base_rounds or len(rounds) != len(base_rounds):
         return ""
-    ratios = [a / b for a, b in zip(rounds, base_rounds)]
-    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+    return spread([a / b for a, b in zip(rounds, base_rounds)])
 
 
 def markdown(rows: list[dict]) -> str:
@@ -70,6 +100,8 @@ def markdown(rows: list[dict]) -> str:
                 "÷ Horovod": f"{r['total_s'] / base:.2f}" if base else ""})
             if any("round_s" in g for g in group):
                 table[-1]["÷ Horovod per round"] = paired(r.get("round_s"), base_rounds)
+            if any("job_ratio" in g for g in group):
+                table[-1]["÷ Horovod per job"] = spread(r.get("job_ratio"))
             table[-1].update({
                 "fwd+bwd ms": ms(r["backward_s"]), "step() ms": ms(r["step_s"]),
                 **{f"{p} ms": ms(r.get(p + "_s", 0.0)) if timed or p == "other" else ""
@@ -80,9 +112,10 @@ def markdown(rows: list[dict]) -> str:
                     else ""
             if r["pipeline"] == "compute":
                 table[-1]["other ms"] = ""
+        jobs = f", {first['jobs']} jobs" if first.get("jobs") else ""
         lines += [f"### {label}", "",
-                  f"{first['model']}, {first['ranks']} ranks, loopback, {first.get('when', '')}"
-                  f", code at `{first.get('commit', '?')}`; made with "
+                  f"{first['model']}, {first['ranks']} ranks, loopback{jobs}, "
+                  f"{first.get('when', '')}, code at `{first.get('commit', '?')}`; made with "
                   f"`{first.get('command', '?')}`.", ""]
         if first.get("note"):
             lines += [first["note"], ""]
@@ -92,7 +125,10 @@ def markdown(rows: list[dict]) -> str:
             "Medians per step, rank 0. `none` is Horovod's own uncompressed allreduce, "
             "÷ Horovod the ratio of the medians; ÷ Horovod per round (where shown) the median, "
             "lowest and highest of each round's ratio (a round runs every pipeline's turn, "
-            "seconds apart, so it sees less of the host's drift than the whole job); "
+            "seconds apart, so it sees less of the host's drift than the whole job); with "
+            "several jobs (`--jobs`) every timing is the median over the jobs, the per-round "
+            "ratios pool all their rounds, and ÷ Horovod per job is the median, lowest and "
+            "highest of each job's ratio (Horovod's own step moves between jobs); "
             "`hvd-fp16` Horovod's fp16 compression, `grace-<name>` a grace pipeline from "
             "`benchmarks.pipelines.GRACE`, and `compute` the same model with no communication "
             "(its step is forward + backward + the SGD update). Phases are wall time inside "
@@ -124,6 +160,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="run the job this many times, one after another, and pool them "
+                         "(each job's ratio to Horovod moves with the host's state)")
     ap.add_argument("--label", default="after")
     ap.add_argument("--note", default="", help="what this run's code changed, for the table")
     ap.add_argument("--timeout", type=float, default=900)
@@ -134,8 +173,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/overhead.json"))
     args = ap.parse_args(argv)
 
-    rows = run(args.model, args.pipelines, args.rounds, args.steps, args.ranks, args.timeout,
-               args.bind)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
+    rows = pooled([run(args.model, args.pipelines, args.rounds, args.steps, args.ranks,
+                       args.timeout, args.bind) for _ in range(args.jobs)])
     command = "python -m benchmarks.overhead " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
     stamp = {"label": args.label, "when": time.strftime("%Y-%m-%d"), "commit": commit(),

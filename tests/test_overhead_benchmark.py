@@ -16,7 +16,7 @@ def test_overhead_rows_phases_and_labels(tmp_path):
     args = ["--model", "tiny", "--pipelines", "none", "grace-none", "topk", "--rounds", "2",
             "--steps", "2", "--out", str(out)]
     assert overhead.main([*args, "--label", "one", "--note", "first run"]) == 0
-    assert overhead.main([*args, "--label", "two"]) == 0
+    assert overhead.main([*args, "--label", "two", "--jobs", "2"]) == 0
     rows = json.loads(out.read_text())
     assert [r["label"] for r in rows].count("one") == 4     # compute + 3 pipelines
     by = {(r["label"], r["pipeline"]): r for r in rows}
@@ -27,8 +27,10 @@ def test_overhead_rows_phases_and_labels(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "### one" in table and "### two" in table and "first run" in table
     assert "--label two" in table and "÷ Horovod" in table
-    # each round's median step, paired with Horovod's in the same round
-    assert len(topk["round_s"]) == 2 and min(topk["round_s"]) > 0
+    # each round's median step, paired with Horovod's in the same round; both jobs' rounds
+    assert len(topk["round_s"]) == 4 and min(topk["round_s"]) > 0
+    assert topk["jobs"] == 2 and len(topk["job_ratio"]) == 2 and "jobs" not in by[("one", "topk")]
+    assert "÷ Horovod per job" in table and "2 jobs" in table
     line = [x for x in table.splitlines() if x.startswith("| topk |")][-1]   # label "two"
     want = overhead.paired(topk["round_s"], hvd["round_s"])
     assert "÷ Horovod per round" in table and want in line and "(" in want

@@ -48,3 +48,33 @@ def test_instrumenting_leaves_the_error_feedback_fused_into_compression():
                 else:
                     setattr(cls, method, had)
                 del CLOCK.wrapped[(cls, method)]
+
+
+def _job(base, topk, rounds):
+    return [{"pipeline": "none", "total_s": base, "step_s": base / 2, "round_s": [base] * rounds,
+             "label": "x"},
+            {"pipeline": "topk", "total_s": topk, "step_s": topk / 2, "round_s": [topk] * rounds,
+             "sent_bytes": 7, "label": "x"}]
+
+
+def test_several_jobs_pool_into_medians_with_each_jobs_ratio():
+    from benchmarks.overhead import pooled, spread
+
+    rows = pooled([_job(0.050, 0.035, 2), _job(0.070, 0.042, 2), _job(0.060, 0.040, 2)])
+    none, topk = rows
+    assert none["total_s"] == 0.060 and topk["total_s"] == 0.040 and topk["step_s"] == 0.020
+    assert topk["round_s"] == [0.035, 0.035, 0.042, 0.042, 0.040, 0.040]
+    assert topk["job_ratio"] == [0.035 / 0.050, 0.042 / 0.070, 0.040 / 0.060]
+    assert topk["jobs"] == 3 and topk["sent_bytes"] == 7
+    assert spread(topk["job_ratio"]) == "0.67 (0.60-0.70)" and spread([]) == ""
+    one = _job(0.05, 0.04, 1)
+    assert pooled([one]) is one
+
+
+def test_jobs_below_one_are_refused_before_any_job_runs():
+    import pytest
+
+    from benchmarks import overhead
+
+    with pytest.raises(SystemExit, match="--jobs must be at least 1, got 0"):
+        overhead.main(["--jobs", "0", "--pipelines", "none"])
