@@ -110,7 +110,7 @@ def markdown(rows: list[dict]) -> str:
             if any("early_phases" in g for g in group):
                 table[-1]["early phases"] = f"{r['early_phases']:g}" if "early_phases" in r \
                     else ""
-            if r["pipeline"] == "compute":
+            if r["pipeline"] in ("compute", "lockstep"):
                 table[-1]["other ms"] = ""
         jobs = f", {first['jobs']} jobs" if first.get("jobs") else ""
         lines += [f"### {label}", "",
@@ -130,8 +130,10 @@ def markdown(rows: list[dict]) -> str:
             "ratios pool all their rounds, and ÷ Horovod per job is the median, lowest and "
             "highest of each job's ratio (Horovod's own step moves between jobs); "
             "`hvd-fp16` Horovod's fp16 compression, `grace-<name>` a grace pipeline from "
-            "`benchmarks.pipelines.GRACE`, and `compute` the same model with no communication "
-            "(its step is forward + backward + the SGD update). Phases are wall time inside "
+            "`benchmarks.pipelines.GRACE`, `compute` the same model with no communication "
+            "(its step is forward + backward + the SGD update), `lockstep` compute with a "
+            "4-byte allreduce before each update (the ranks in step, as every synchronized "
+            "pipeline's are: the floor for their steps). Phases are wall time inside "
             "grace's methods (`benchmarks/overhead_worker.py`): encode is compensate + compress "
             "+ memory_update and runs inside the backward pass (hooks); wait is time blocked on "
             "Horovod; other = step − compute − phases (for Horovod's own rows: everything "
