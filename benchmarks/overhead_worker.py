@@ -7,7 +7,7 @@ taking its turn too; ``lockstep`` is compute with one 4-byte Horovod allreduce b
 update, as Horovod's optimizer synchronizes there: the ranks then run in step, both doing
 their memory-bound update at once on the shared memory, with Horovod's background thread
 alive. Every synchronized pipeline pays that (on the 2-core Zen 4 host Horovod's own SGD
-update took 7.2 ms after its synchronize, 4.5 in ``compute``, 4.1 when its start was delayed
+update took 7.2 ms after its synchronize, 4.5 in ``compute``, 5.0 when its start was delayed
 4 ms), so ``lockstep`` is the floor a pipeline's step is compared with.
 
 Per step, rank 0 records (medians over the measured steps):
