@@ -1,28 +1,42 @@
 """The overhead benchmark's phase clock (benchmarks/overhead_worker.py), in one process."""
 
-import time
-
 import torch
 
+from benchmarks import overhead_worker
 from benchmarks.overhead_worker import CLOCK, Clock, instrument
 from grace_dl import grace_from_params
 from grace_dl.communicators.base import Call, Communicator
 
 
-def test_a_phase_counts_its_own_time_less_the_timed_phases_inside_it():
+class FakeTime:
+    """``perf_counter`` that moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_a_phase_counts_its_own_time_less_the_timed_phases_inside_it(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(overhead_worker, "time", fake)
     clock = Clock()
 
     def inner():
-        time.sleep(0.02)
+        fake.now += 0.020
 
     def outer():
-        time.sleep(0.01)
+        fake.now += 0.010
         clock.timed("wait", inner)
+        fake.now += 0.005
 
     clock.timed("complete", outer)
+    clock.timed("wait", inner)
     spent = clock.take()
-    assert 0.02 <= spent["wait"] < 0.04
-    assert 0.01 <= spent["complete"] < 0.02      # not the 30 ms the call took
+    assert spent.keys() == {"wait", "complete"}
+    assert abs(spent["wait"] - 0.040) < 1e-12
+    assert abs(spent["complete"] - 0.015) < 1e-12      # not the 35 ms the call took
     assert clock.take() == {}
 
 
