@@ -110,7 +110,7 @@ def markdown(rows: list[dict]) -> str:
             if any("early_phases" in g for g in group):
                 table[-1]["early phases"] = f"{r['early_phases']:g}" if "early_phases" in r \
                     else ""
-            if r["pipeline"] in ("compute", "lockstep"):
+            if r["pipeline"] in ("compute", "lockstep", "floor"):
                 table[-1]["other ms"] = ""
         jobs = f", {first['jobs']} jobs" if first.get("jobs") else ""
         lines += [f"### {label}", "",
@@ -133,7 +133,9 @@ def markdown(rows: list[dict]) -> str:
             "`benchmarks.pipelines.GRACE`, `compute` the same model with no communication "
             "(its step is forward + backward + the SGD update), `lockstep` compute with a "
             "4-byte allreduce before each update (the ranks in step, as every synchronized "
-            "pipeline's are: the floor for their steps). Phases are wall time inside "
+            "pipeline's are: the floor for their steps), `floor` lockstep plus the two dense "
+            "passes a sparsifier with residual error feedback cannot skip (each gradient "
+            "added into a residual in its hook, `p.grad` rewritten before the update). Phases are wall time inside "
             "grace's methods (`benchmarks/overhead_worker.py`): encode is compensate + compress "
             "+ memory_update and runs inside the backward pass (hooks); wait is time blocked on "
             "Horovod; other = step − compute − phases (for Horovod's own rows: everything "

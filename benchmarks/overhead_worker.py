@@ -8,7 +8,12 @@ update, as Horovod's optimizer synchronizes there: the ranks then run in step, b
 their memory-bound update at once on the shared memory, with Horovod's background thread
 alive. Every synchronized pipeline pays that (on the 2-core Zen 4 host Horovod's own SGD
 update took 7.2 ms after its synchronize, 4.5 in ``compute``, 5.0 when its start was delayed
-4 ms), so ``lockstep`` is the floor a pipeline's step is compared with.
+4 ms), so ``lockstep`` is the floor a pipeline's step is compared with. ``floor`` is lockstep
+plus the two dense passes over the gradients that a sparsifier with residual error feedback
+cannot skip (``Floor``): each gradient added into its residual in its hook, and ``p.grad``
+rewritten (zeroed) before the update, where the result of a sparse exchange is written. What
+a sparsifier's step takes beyond ``floor`` is its O(k) work, Python, and waiting for the
+other rank.
 
 Per step, rank 0 records (medians over the measured steps):
 
@@ -139,6 +144,33 @@ class Lockstep:
         self.sgd.step()
 
 
+class Floor(Lockstep):
+    """``Lockstep`` plus the dense passes of residual error feedback with a sparse result: a
+    post-accumulate hook adds each gradient into a residual of its own (what
+    ``ResidualMemory.compensate_for`` does), and ``step`` zeroes every ``p.grad`` after the
+    allreduce (where ``sparse_sum`` writes the k values' sum) before the SGD update."""
+
+    def __init__(self, sgd, model):
+        super().__init__(sgd)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.residuals = {p: torch.zeros_like(p) for p in self.params}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.compensate)
+
+    def compensate(self, p):
+        self.residuals[p].add_(p.grad)
+
+    def step(self):
+        hvd.allreduce(self.token, name="overhead.floor")
+        for p in self.params:
+            p.grad.zero_()
+        self.sgd.step()
+
+
+FLOORS = {"compute": lambda sgd, model: sgd, "lockstep": lambda sgd, model: Lockstep(sgd),
+          "floor": Floor}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mlp")
@@ -168,11 +200,11 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
 
     runs = {}
-    for name in ["compute", "lockstep", *args.pipelines]:
+    for name in [*FLOORS, *args.pipelines]:
         model = copy.deepcopy(base)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if name in ("compute", "lockstep"):
-            runs[name] = (model, sgd if name == "compute" else Lockstep(sgd), None)
+        if name in FLOORS:
+            runs[name] = (model, FLOORS[name](sgd, model), None)
             continue
         grc, kwargs = resolve(name, model)
         instrument(grc)

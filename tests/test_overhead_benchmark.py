@@ -18,13 +18,14 @@ def test_overhead_rows_phases_and_labels(tmp_path):
     assert overhead.main([*args, "--label", "one", "--note", "first run"]) == 0
     assert overhead.main([*args, "--label", "two", "--jobs", "2"]) == 0
     rows = json.loads(out.read_text())
-    assert [r["label"] for r in rows].count("one") == 5     # compute, lockstep, 3 pipelines
+    assert [r["label"] for r in rows].count("one") == 6     # compute, lockstep, floor, 3 more
     by = {(r["label"], r["pipeline"]): r for r in rows}
     topk, hvd = by[("two", "topk")], by[("two", "none")]
     assert topk["compress_s"] > 0 and topk["issue_s"] > 0 and topk["complete_s"] > 0
     assert 0 < topk["sent_bytes"] < by[("two", "grace-none")]["sent_bytes"]
     assert "sent_bytes" not in hvd and hvd["total_s"] > 0
-    assert by[("two", "lockstep")]["total_s"] > 0 and "sent_bytes" not in by[("two", "lockstep")]
+    for floor in ("lockstep", "floor"):
+        assert by[("two", floor)]["total_s"] > 0 and "sent_bytes" not in by[("two", floor)]
     table = out.with_suffix(".md").read_text()
     assert "### one" in table and "### two" in table and "first run" in table
     assert "--label two" in table and "÷ Horovod" in table
