@@ -46,7 +46,10 @@ PIPELINES: dict[str, dict | str | None] = {
 #: as a strategy's dispatcher does; ``-unpacked`` sends a payload's parts in one collective each
 #: (``pack_parts=False``: the layout before packing, ``grace_dl.communicators.wire``);
 #: ``-early`` lets the gradient hooks complete exchanges whose collectives have finished
-#: (``early_rounds=True``, ``Router.advance``): later rounds start during the backward pass. The
+#: (``early_rounds=True``, ``Router.advance``): later rounds start during the backward pass;
+#: ``-fused`` puts every parameter in one fusion group (``groups=1``, ``Communicator.fuse``):
+#: each gradient compressed on its own as per parameter, the payloads issued together in one
+#: collective per kind after the last hook (no overlap with the backward pass). The
 #: ``-twins`` runs the pipeline with grace_dl's compiled kernels off (``kernels_on``). The
 #: ``"grace"`` option overrides the pipeline's GRACE keys, the others go to the optimizer.
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -59,6 +62,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
        for k in ("topk", "qsgd-2phase", "signsgd-2phase")},
     **{f"{k}-early": (k, {"early_rounds": True})
        for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase", "powersgd")},
+    **{f"{k}-fused": (k, {"groups": 1})
+       for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase")},
     **{f"{k}-twins": (k, {"kernels": False})
        for k in ("topk", "qsgd-2phase", "signsgd-2phase")},
 }

@@ -266,6 +266,8 @@ def test_use_false_gives_every_kernel_to_its_twin():
     assert kernels_on("topk") and kernels_on("topk-bucket") and not kernels_on("topk-twins")
     grc, options = make_grace("qsgd-2phase-twins", torch.nn.Linear(2, 2))
     assert options == {} and grc.compressor.quantum_num == 64
+    grc, options = make_grace("randomk-fused", torch.nn.Linear(2, 2))
+    assert options == {"groups": 1} and grc.compressor.compress_ratio == 0.01
 
 
 @pytest.mark.parametrize("thr", [1.5, 2.576, 3.0e38, float(np.finfo(np.float32).tiny)])
