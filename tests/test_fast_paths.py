@@ -105,6 +105,35 @@ def test_residual_update_called_directly_with_a_sparse_compressor():
         np.testing.assert_array_equal(mem.state_dict()["w"], expected.numpy())
 
 
+def test_residual_accumulator_takes_the_parts_and_compensation_then_adds_nothing():
+    """``Memory.accumulator``: the parts added into the residual's slot, then sent through a
+    communicator, give the payload and residual of sending the whole tensor; the step after
+    compensates as usual. None where the slot is not where compensation happens."""
+    params = {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
+              "communicator": "allgather"}
+    whole, parts = grace_from_params(dict(params)), grace_from_params(dict(params))
+    for step in range(3):
+        x = _tensor(step)
+        sent = [whole.encode(x, "w", Call(0, 1))]
+        if step < 2:
+            slot = parts.memory.accumulator("w", x, parts.compressor)
+            slot.view(-1)[:50].add_(x.view(-1)[:50])
+            slot.view(-1)[50:].add_(x.view(-1)[50:])
+            garbage = torch.full_like(x, float("nan"))   # its values are not read
+            sent.append(parts.encode(garbage, "w", Call(0, 1)))
+        else:
+            sent.append(parts.encode(x, "w", Call(0, 1)))
+        for a, b in zip(sent[0].payload, sent[1].payload):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        np.testing.assert_array_equal(whole.memory.state_dict()["w"],
+                                      parts.memory.state_dict()["w"])
+    x = _tensor(0)
+    assert lookup("memory", "residual")(beta=0.5).accumulator("w", x, _compressor("topk")) is None
+    none = lookup("compressor", "none")()
+    assert lookup("memory", "residual")().accumulator("w", x, none) is None
+    assert lookup("memory", "none")().accumulator("w", x, _compressor("topk")) is None
+
+
 @pytest.mark.parametrize("params", [
     {"compressor": "none", "memory": "none", "communicator": "allreduce"},
     {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",

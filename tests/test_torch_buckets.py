@@ -137,6 +137,7 @@ def test_topk_selects_over_each_bucket_as_the_reference_computes(ranks):
         per_parameter = res["topk_per_parameter"]
         assert res["topk"]["calls_per_step"] * 4 == per_parameter["calls_per_step"] * 3
         assert sorted(res["topk"]["keys"]) == sorted(layout)
+        assert res["topk"]["accumulated"] and all(res["topk"]["accumulated"])
         assert_dicts_differ(res["topk"]["params"], per_parameter["params"])
         assert all(tuple(res["topk"]["params"][k].shape) == tuple(shapes[k]) for k in shapes)
     assert_equal_dicts(ranks[0]["topk"]["params"], ranks[1]["topk"]["params"])
@@ -167,6 +168,8 @@ def test_buckets_in_pieces_checkpoint_and_resume(ranks):
     for res in ranks:
         qsgd = res["qsgd"]
         assert set(qsgd["pieces"]) <= set(qsgd["layout"]) and qsgd["pieces"]
+        # a bucket in pieces is compensated piece by piece: copied into its buffer first
+        assert qsgd["accumulated"] and not any(qsgd["accumulated"])
         assert all(n > 1 for n in qsgd["pieces"].values())
         for refusal in res["refusals"].values():
             assert refusal is not None and "other buckets" in refusal \

@@ -36,6 +36,15 @@ class Memory(Stateful, ABC):
         copy what must be kept), the ranks' average for multi-round methods. Called outside
         a communicator without it, ``sent`` decompresses the payload."""
 
+    def accumulator(self, name: str, like, compressor):
+        """The slot that ``compensate_for`` adds the tensor sent as ``name`` into, to add its
+        parts into first (``like``: that tensor), or None where this memory has none. After
+        this call the next ``compensate_for(tensor, name, ...)`` adds nothing: the caller has
+        added the whole tensor into the slot by then and sends a tensor of ``like``'s shape
+        whose values are not read (the torch optimizer's buckets add each member's gradient
+        here instead of copying it into the bucket, one dense pass less per step)."""
+        return None
+
     def error_slot(self, name: str, compressor):
         """The tensor that ``update`` would set to ``compensated - approximation``, when it
         holds the compensated tensor itself (compensated in place), else None. A communicator

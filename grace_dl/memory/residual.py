@@ -28,6 +28,7 @@ class ResidualMemory(Memory):
         self.beta = in_range("beta", beta, 0.0, None)
         self.gamma = in_range("gamma", gamma, 0.0, None, lo_open=True)
         self._in_slot: dict = {}    # names compensated in their slot, not yet updated: the slot
+        self._accumulated: set = set()  # names whose tensor was added into the slot already
 
     def compensate(self, tensor, name):
         ops = ops_for(tensor)
@@ -48,7 +49,19 @@ class ResidualMemory(Memory):
             return self.compensate(tensor, name)
         ops = ops_for(tensor)
         slot = self._in_slot[name] = self.state.zeros(name, ops, tensor)
+        if name in self._accumulated:
+            self._accumulated.discard(name)
+            return ops.read(slot)
         return ops.read(ops.assign_add(slot, tensor))
+
+    def accumulator(self, name, like, compressor):
+        """The residual's slot, where ``compensate_for`` would compensate (beta = gamma = 1,
+        not ``sends_tensor``), else None."""
+        if not (self.beta == 1.0 and self.gamma == 1.0) or compressor.sends_tensor or \
+                type(self).compensate_for is not ResidualMemory.compensate_for:
+            return None
+        self._accumulated.add(name)
+        return self.state.zeros(name, ops_for(like), like)
 
     def error_slot(self, name, compressor):
         """The residual's slot while it holds the compensated tensor (beta = gamma = 1), for

@@ -6,7 +6,11 @@ the parameters that need gradients, in reverse registration order, packed as
 ``backward_passes_per_step`` passes) it is copied into its slice of the bucket's buffer (the
 buffer is allocated once and kept); when the bucket's last member is in, the whole buffer is
 sent through the communicator (in pieces where ``piece_bytes`` applies, as any large
-gradient), so early buckets travel while the backward pass goes on. A parameter alone in its
+gradient), so early buckets travel while the backward pass goes on. Where the memory
+compensates in a slot of its own (``Memory.accumulator``: residual error feedback) and the
+bucket goes whole, each gradient is added into its slice of that slot instead, and the
+compensation at send adds nothing: the copy into the buffer is saved, and the buffer only
+receives the result. A parameter alone in its
 bucket is sent as its own gradient (no copy). ``synchronize()`` fills what never became ready
 (zeros for a parameter without a gradient, as Horovod sends), receives every bucket in layout
 order into its buffer, and the buffer's slices become the members' ``p.grad`` (copied in only
@@ -25,7 +29,8 @@ from grace_dl.communicators.buckets import bucket_name, pack
 class Bucket:
     """Some parameters' gradients in one flat buffer, sent as one grace tensor."""
 
-    __slots__ = ("params", "names", "numels", "starts", "name", "flat", "ready", "handles")
+    __slots__ = ("params", "names", "numels", "starts", "name", "flat", "ready", "handles",
+                 "sum")
 
     def __init__(self, params, names, name=None):
         self.params, self.names = list(params), list(names)
@@ -35,14 +40,21 @@ class Bucket:
         self.flat = None     # the buffer, made at the first fill
         self.ready = 0       # members filled this step
         self.handles = None  # this step's handles once sent (a list when sent in pieces)
+        self.sum = None      # this step: where the gradients are added instead (or None)
 
-    def view(self, i: int):
-        """Member ``i``'s slice of the buffer, shaped like its parameter."""
+    def buffer(self):
+        """The bucket's flat buffer, made at the first call and kept."""
         if self.flat is None:
             p = self.params[0]
             self.flat = torch.empty(sum(self.numels), dtype=p.dtype, device=p.device)
+        return self.flat
+
+    def view(self, i: int, flat=None):
+        """Member ``i``'s slice of the buffer (or of ``flat``, shaped like it), shaped like its
+        parameter."""
+        flat = self.buffer() if flat is None else flat
         start = self.starts[i]
-        return self.flat[start:start + self.numels[i]].view(self.params[i].shape)
+        return flat.view(-1)[start:start + self.numels[i]].view(self.params[i].shape)
 
 
 def plan(params, names: dict, bucket_bytes: int) -> list[Bucket]:

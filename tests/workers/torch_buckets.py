@@ -85,7 +85,9 @@ m, opt, grc, records, calls = run(TOPK, bucket_bytes=SMALL, record=True)
 out["topk"] = {"params": C.params(m), "records": records, "calls_per_step": len(calls) / STEPS,
                "layout": opt.state_dict()["grace"]["buckets"],
                "keys": sorted(grc.state_dict().get("memory", {}).keys()),
-               "sent": [s["sent"] for s in grc.bytes.steps]}
+               "sent": [s["sent"] for s in grc.bytes.steps],
+               # each bucket of several gradients added them into the residual's slot
+               "accumulated": [b.sum is not None for b in opt._buckets if len(b.params) > 1]}
 m, _, _, _, calls = run(TOPK)
 out["topk_per_parameter"] = {"params": C.params(m), "calls_per_step": len(calls) / STEPS}
 
@@ -102,7 +104,8 @@ out["nograd_topk"] = C.params(run(TOPK, bucket_bytes=SMALL, extra=True)[0])
 m, opt, grc, _, _ = run(QSGD2, bucket_bytes=SMALL, piece_bytes=64)
 saved = copy.deepcopy(opt.state_dict())   # state_dict() shares the live momentum buffers
 out["qsgd"] = {"params": C.params(m), "pieces": saved["grace"]["pieces"],
-               "layout": saved["grace"]["buckets"]}
+               "layout": saved["grace"]["buckets"],
+               "accumulated": [b.sum is not None for b in opt._buckets if len(b.params) > 1]}
 refusals = {}
 for label, kw in (("per_parameter", {}), ("other_buckets", {"bucket_bytes": WHOLE})):
     _, other, _, _, _ = run(QSGD2, steps=0, piece_bytes=64, **kw)
