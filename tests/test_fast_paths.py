@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grace_dl import grace_from_params
+from grace_dl.communicators.base import accumulator
 from grace_dl.compressors.base import Call, Compressor
 from grace_dl.registry import lookup
 from support import OneRank
@@ -128,6 +129,15 @@ def test_residual_accumulator_takes_the_parts_and_compensation_then_adds_nothing
         np.testing.assert_array_equal(whole.memory.state_dict()["w"],
                                       parts.memory.state_dict()["w"])
     x = _tensor(0)
+    assert accumulator(whole, "w", x) is not None
+
+    class OwnEncode(type(whole)):    # may not compensate through the memory
+        def encode(self, tensor, name, call):
+            return super().encode(tensor, name, call)
+
+    own = OwnEncode(whole.compressor, lookup("memory", "residual")())
+    assert own.memory.accumulator("w", x, own.compressor) is not None and \
+        accumulator(own, "w", x) is None
     assert lookup("memory", "residual")(beta=0.5).accumulator("w", x, _compressor("topk")) is None
     none = lookup("compressor", "none")()
     assert lookup("memory", "residual")().accumulator("w", x, none) is None

@@ -40,6 +40,17 @@ def test_a_phase_counts_its_own_time_less_the_timed_phases_inside_it(monkeypatch
     assert clock.take() == {}
 
 
+def _unwrap(before: dict) -> None:
+    """Undo what ``instrument`` wrapped since ``before`` (a copy of ``CLOCK.wrapped``)."""
+    for (cls, method), had in list(CLOCK.wrapped.items()):
+        if (cls, method) not in before:
+            if had is None:
+                delattr(cls, method)
+            else:
+                setattr(cls, method, had)
+            del CLOCK.wrapped[(cls, method)]
+
+
 def test_instrumenting_leaves_the_error_feedback_fused_into_compression():
     """The communicator's own ``compress`` stays unwrapped: the library fuses a dense
     compressor's error feedback into compression only where a communicator has not replaced
@@ -55,13 +66,24 @@ def test_instrumenting_leaves_the_error_feedback_fused_into_compression():
         spent = CLOCK.take()
         assert spent["compress"] > 0 and spent["compensate"] > 0
     finally:    # the classes as they were, for the tests that run after this one
-        for (cls, method), had in list(CLOCK.wrapped.items()):
-            if (cls, method) not in before:
-                if had is None:
-                    delattr(cls, method)
-                else:
-                    setattr(cls, method, had)
-                del CLOCK.wrapped[(cls, method)]
+        _unwrap(before)
+
+
+def test_instrumenting_leaves_buckets_adding_into_the_residual():
+    """The timed ``encode`` says what it wraps, so a bucket's gradients are still added into
+    the residual's slot (``communicators.base.accumulator``) in an instrumented job: with a
+    bare lambda the benchmark had timed buckets that copy."""
+    from grace_dl.communicators.base import accumulator
+
+    grc = grace_from_params({"compressor": "randomk", "memory": "residual",
+                             "communicator": "allreduce"})
+    before = dict(CLOCK.wrapped)
+    instrument(grc)
+    try:
+        assert type(grc).encode is not Communicator.encode      # wrapped
+        assert accumulator(grc, "bucket", torch.zeros(10)) is not None
+    finally:
+        _unwrap(before)
 
 
 def _job(base, topk, rounds):

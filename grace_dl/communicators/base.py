@@ -21,6 +21,7 @@ takes (``grace_dl.contracts.Grace``).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -262,6 +263,19 @@ def advance_each(grace, pending) -> int:
     ``receive``). The framework glue calls it from its gradient hooks."""
     advance = getattr(grace, "advance", None)
     return 0 if advance is None else advance(pending)
+
+
+def accumulator(grace, name: str, like):
+    """Where the parts of the tensor ``grace`` will send as ``name`` (shaped like ``like``) may
+    be added before it is sent (``Memory.accumulator``: the residual's slot, whose send then
+    adds nothing), or None: only for a communicator whose ``encode`` is the base one, which
+    compensates through ``Memory.compensate_for`` (a wrapper that says what it wraps,
+    ``functools.wraps``, counts as the function it wraps); a strategy dispatcher routes by
+    name and is left out."""
+    if not isinstance(grace, Communicator) or \
+            inspect.unwrap(type(grace).encode) is not Communicator.encode:
+        return None
+    return grace.memory.accumulator(name, like, grace.compressor)
 
 
 def average_divisor(handle: Handle):

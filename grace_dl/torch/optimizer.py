@@ -77,7 +77,7 @@ import torch
 
 from grace_dl import agreement, validate
 from grace_dl.communicators.base import (
-    AVERAGE, SUM, Communicator, Handle, advance_each, receive_each)
+    AVERAGE, SUM, Handle, accumulator, advance_each, receive_each)
 from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
@@ -401,8 +401,8 @@ class _GraceDistributedOptimizer:
         return tensor
 
     def _fill(self, p):
-        """Copy ``p``'s gradient into its bucket (or add it into the memory's slot, see
-        ``_accumulator``); send the bucket when it is full. A parameter alone in its bucket
+        """Copy ``p``'s gradient into its bucket (or add it into the memory's slot where
+        ``accumulator`` gives one); send the bucket when it is full. A parameter alone in its bucket
         is sent as its own gradient under the bucket's name (no copy)."""
         bucket, i = self._bucket_of[p]
         if len(bucket.params) == 1:
@@ -411,7 +411,7 @@ class _GraceDistributedOptimizer:
         flat = bucket.buffer()
         sizes = piece_sizes(flat.numel(), flat.element_size(), self.piece_bytes)
         if bucket.ready == 0:
-            bucket.sum = self._accumulator(bucket) if sizes is None else None
+            bucket.sum = accumulator(self.grace, bucket.name, flat) if sizes is None else None
         if bucket.sum is None:
             bucket.view(i).copy_(self._gradient(p))
         else:
@@ -423,15 +423,6 @@ class _GraceDistributedOptimizer:
                 send_pieces(self.grace, flat, bucket.name, self.op, None, sizes)
         return bucket
 
-    def _accumulator(self, bucket):
-        """Where this step's gradients of ``bucket`` are added (the memory's compensation
-        slot, ``Memory.accumulator``), or None to copy them into the bucket's buffer: only
-        for a communicator (a strategy dispatcher routes by name) whose encode compensates
-        through its memory."""
-        grace = self.grace
-        if not isinstance(grace, Communicator) or type(grace).encode is not Communicator.encode:
-            return None
-        return grace.memory.accumulator(bucket.name, bucket.flat, grace.compressor)
 
     def _send(self, p, name=None):
         name = self._parameter_names[p] if name is None else name
