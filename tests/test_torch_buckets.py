@@ -33,6 +33,25 @@ def _close(a: dict, b: dict, **tol):
 
 
 # ---------------------------------------------------------------- in-process checks
+def test_a_bucket_adds_each_gradient_into_the_slots_of_the_pieces_it_spans():
+    """``Bucket.add``: members of 5, 7 and 3 elements over pieces of 6, 6 and 3 (one member
+    reaches a piece by a single element, one spans two pieces) land, added, where the bucket's
+    flat buffer would hold them."""
+    from grace_dl.torch.buckets import Bucket
+
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(7, 1)),
+              torch.nn.Parameter(torch.zeros(3))]
+    bucket = Bucket(params, ["a", "b", "c"])
+    base = torch.arange(15, dtype=torch.float32)
+    slots = [base[:6].clone(), base[6:12].clone(), base[12:].clone()]
+    bucket.sums = [(0, slots[0]), (6, slots[1]), (12, slots[2])]
+    grads = [torch.randn(p.shape) for p in params]
+    for i, g in enumerate(grads):
+        bucket.add(i, g)
+    want = base + torch.cat([g.reshape(-1) for g in grads])
+    assert torch.equal(torch.cat(slots), want)
+
+
 def test_plan_packs_reverse_order_per_dtype_up_to_the_size():
     a, b, c = torch.zeros(100), torch.zeros(100), torch.zeros(300)   # 400, 400, 1200 bytes
     h = torch.zeros(10, dtype=torch.float16)
@@ -168,8 +187,11 @@ def test_buckets_in_pieces_checkpoint_and_resume(ranks):
     for res in ranks:
         qsgd = res["qsgd"]
         assert set(qsgd["pieces"]) <= set(qsgd["layout"]) and qsgd["pieces"]
-        # a bucket in pieces is compensated piece by piece: copied into its buffer first
-        assert qsgd["accumulated"] and not any(qsgd["accumulated"])
+        # a bucket in pieces adds its gradients into its pieces' residuals (one slot each)
+        assert qsgd["accumulated"] and all(n > 1 for n in qsgd["accumulated"])
+        # gradients added into the residual train to the bits of gradients copied first
+        for label in ("topk", "qsgd"):
+            assert_equal_dicts(res["added"][label], res["copied"][label])
         assert all(n > 1 for n in qsgd["pieces"].values())
         for refusal in res["refusals"].values():
             assert refusal is not None and "other buckets" in refusal \

@@ -7,9 +7,9 @@ the parameters that need gradients, in reverse registration order, packed as
 buffer is allocated once and kept); when the bucket's last member is in, the whole buffer is
 sent through the communicator (in pieces where ``piece_bytes`` applies, as any large
 gradient), so early buckets travel while the backward pass goes on. Where the memory
-compensates in a slot of its own (``Memory.accumulator``: residual error feedback) and the
-bucket goes whole, each gradient is added into its slice of that slot instead, and the
-compensation at send adds nothing: the copy into the buffer is saved, and the buffer only
+compensates in a slot of its own (``Memory.accumulator``: residual error feedback), each
+gradient is added into its range of the bucket's slot (or of its pieces' slots) instead, and
+the compensation at send adds nothing: the copy into the buffer is saved, and the buffer only
 receives the result. A parameter alone in its
 bucket is sent as its own gradient (no copy). ``synchronize()`` fills what never became ready
 (zeros for a parameter without a gradient, as Horovod sends), receives every bucket in layout
@@ -30,7 +30,7 @@ class Bucket:
     """Some parameters' gradients in one flat buffer, sent as one grace tensor."""
 
     __slots__ = ("params", "names", "numels", "starts", "name", "flat", "ready", "handles",
-                 "sum")
+                 "sums")
 
     def __init__(self, params, names, name=None):
         self.params, self.names = list(params), list(names)
@@ -40,7 +40,7 @@ class Bucket:
         self.flat = None     # the buffer, made at the first fill
         self.ready = 0       # members filled this step
         self.handles = None  # this step's handles once sent (a list when sent in pieces)
-        self.sum = None      # this step: where the gradients are added instead (or None)
+        self.sums = None     # this step: [(start, slot)] the gradients are added into, or None
 
     def buffer(self):
         """The bucket's flat buffer, made at the first call and kept."""
@@ -49,12 +49,21 @@ class Bucket:
             self.flat = torch.empty(sum(self.numels), dtype=p.dtype, device=p.device)
         return self.flat
 
-    def view(self, i: int, flat=None):
-        """Member ``i``'s slice of the buffer (or of ``flat``, shaped like it), shaped like its
-        parameter."""
-        flat = self.buffer() if flat is None else flat
+    def view(self, i: int):
+        """Member ``i``'s slice of the buffer, shaped like its parameter."""
         start = self.starts[i]
-        return flat.view(-1)[start:start + self.numels[i]].view(self.params[i].shape)
+        return self.buffer()[start:start + self.numels[i]].view(self.params[i].shape)
+
+    def add(self, i: int, grad) -> None:
+        """Add member ``i``'s gradient into this step's ``sums`` (``(start, slot)``: the
+        memory's slots of the bucket's pieces, in order, or one for the whole bucket), each
+        part into the slot that holds its range."""
+        start, end = self.starts[i], self.starts[i] + self.numels[i]
+        grad = grad.reshape(-1)
+        for at, slot in self.sums:
+            lo, hi = max(start, at), min(end, at + slot.numel())
+            if lo < hi:
+                slot.view(-1)[lo - at:hi - at].add_(grad[lo - start:hi - start])
 
 
 def plan(params, names: dict, bucket_bytes: int) -> list[Bucket]:

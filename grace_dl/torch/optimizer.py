@@ -84,6 +84,7 @@ from grace_dl.communicators.pieces import (
     DEFAULT_PIECE_BYTES,
     check_piece_bytes,
     effective_piece_bytes,
+    piece_name,
     piece_sizes,
     send_pieces,
 )
@@ -411,11 +412,11 @@ class _GraceDistributedOptimizer:
         flat = bucket.buffer()
         sizes = piece_sizes(flat.numel(), flat.element_size(), self.piece_bytes)
         if bucket.ready == 0:
-            bucket.sum = accumulator(self.grace, bucket.name, flat) if sizes is None else None
-        if bucket.sum is None:
+            bucket.sums = self._sums(bucket, flat, sizes)
+        if bucket.sums is None:
             bucket.view(i).copy_(self._gradient(p))
         else:
-            bucket.view(i, bucket.sum).add_(self._gradient(p))
+            bucket.add(i, self._gradient(p))
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.handles = self.grace.send(flat, bucket.name, self.op, into=flat) \
@@ -423,6 +424,22 @@ class _GraceDistributedOptimizer:
                 send_pieces(self.grace, flat, bucket.name, self.op, None, sizes)
         return bucket
 
+
+    def _sums(self, bucket, flat, sizes):
+        """``[(start, slot)]``: the memory's slots where this step's gradients of ``bucket``
+        are added (``accumulator``), one per piece of ``sizes`` or one for the whole bucket;
+        None to copy them into the buffer instead."""
+        pieces = [flat] if sizes is None else flat.split(sizes)
+        names = [bucket.name] if sizes is None else \
+            [piece_name(bucket.name, j) for j in range(len(sizes))]
+        sums, start = [], 0
+        for name, piece in zip(names, pieces):
+            slot = accumulator(self.grace, name, piece)
+            if slot is None:    # the same for every piece: one communicator and memory
+                return None
+            sums.append((start, slot))
+            start += piece.numel()
+        return sums
 
     def _send(self, p, name=None):
         name = self._parameter_names[p] if name is None else name

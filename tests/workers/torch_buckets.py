@@ -4,6 +4,7 @@ tests/test_torch_buckets.py recomputes in one process. Usage: ``torch_buckets.py
 """
 
 import copy
+from unittest import mock
 
 import horovod.torch as real_hvd
 import torch
@@ -13,6 +14,8 @@ import grace_dl.torch.horovod as hvd
 import mp
 from counting import counting_hook
 from grace_dl import grace_from_params
+from grace_dl.memory.base import Memory
+from grace_dl.memory.residual import ResidualMemory
 from grace_dl.strategy import Pipeline, from_strategy
 from grace_dl.strategy.builders import assemble
 from grace_dl.strategy.variables import bucket_layout, variables_of
@@ -87,7 +90,7 @@ out["topk"] = {"params": C.params(m), "records": records, "calls_per_step": len(
                "keys": sorted(grc.state_dict().get("memory", {}).keys()),
                "sent": [s["sent"] for s in grc.bytes.steps],
                # each bucket of several gradients added them into the residual's slot
-               "accumulated": [b.sum is not None for b in opt._buckets if len(b.params) > 1]}
+               "accumulated": [b.sums is not None for b in opt._buckets if len(b.params) > 1]}
 m, _, _, _, calls = run(TOPK)
 out["topk_per_parameter"] = {"params": C.params(m), "calls_per_step": len(calls) / STEPS}
 
@@ -105,7 +108,8 @@ m, opt, grc, _, _ = run(QSGD2, bucket_bytes=SMALL, piece_bytes=64)
 saved = copy.deepcopy(opt.state_dict())   # state_dict() shares the live momentum buffers
 out["qsgd"] = {"params": C.params(m), "pieces": saved["grace"]["pieces"],
                "layout": saved["grace"]["buckets"],
-               "accumulated": [b.sum is not None for b in opt._buckets if len(b.params) > 1]}
+               "accumulated": [len(b.sums) if b.sums else 0 for b in opt._buckets
+                               if len(b.params) > 1]}
 refusals = {}
 for label, kw in (("per_parameter", {}), ("other_buckets", {"bucket_bytes": WHOLE})):
     _, other, _, _, _ = run(QSGD2, steps=0, piece_bytes=64, **kw)
@@ -126,6 +130,15 @@ for step in range(STEPS, STEPS + 2):
         C.loss_of(mm, rank, step).backward()
         o.step()
 out["resume"] = {"continued": C.params(m), "resumed": C.params(model)}
+
+# 4b. Gradients added into the residual (Memory.accumulator, a whole bucket and one in pieces)
+# train to the same bits as gradients copied into the bucket first (the path without it).
+ACCUMULATED = (("topk", TOPK, {}), ("qsgd", QSGD2, {"piece_bytes": 64}))
+out["added"] = {label: C.params(run(params, bucket_bytes=SMALL, **kw)[0])
+                for label, params, kw in ACCUMULATED}
+with mock.patch.object(ResidualMemory, "accumulator", Memory.accumulator):
+    out["copied"] = {label: C.params(run(params, bucket_bytes=SMALL, **kw)[0])
+                     for label, params, kw in ACCUMULATED}
 
 # 5. A strategy's buckets (AllReduceSynchronizer.bucket, as Auto writes them): the layout of
 # bucket_bytes=SMALL, the same training as bucket_bytes (lone parameters under their own names).
