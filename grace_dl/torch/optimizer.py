@@ -77,7 +77,13 @@ import torch
 
 from grace_dl import agreement, validate
 from grace_dl.communicators.base import (
-    AVERAGE, SUM, Handle, accumulator, advance_each, receive_each)
+    AVERAGE,
+    SUM,
+    Handle,
+    accumulator,
+    advance_each,
+    receive_each,
+)
 from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
