@@ -10,13 +10,13 @@ gradient), so early buckets travel while the backward pass goes on. Where the me
 compensates in a slot of its own (``Memory.accumulator``: residual error feedback), each
 gradient is added into its range of the bucket's slot (or of its pieces' slots) instead, and
 the compensation at send adds nothing: the copy into the buffer is saved, and the buffer only
-receives the result. A parameter alone in its
-bucket is sent as its own gradient (no copy). ``synchronize()`` fills what never became ready
-(zeros for a parameter without a gradient, as Horovod sends), receives every bucket in layout
-order into its buffer, and the buffer's slices become the members' ``p.grad`` (copied in only
-where a slice cannot stand for the gradient: a sparse or non-contiguous one, or a predivided
-one that must be rescaled): one copy per gradient and step, in exchange for one compression
-and one set of collectives per bucket instead of per parameter.
+receives the result. A parameter alone in its bucket is sent as its own gradient (no copy).
+``synchronize()`` fills what never became ready (zeros for a parameter without a gradient, as
+Horovod sends), receives every bucket in layout order into its buffer, and the buffer's slices
+become the members' ``p.grad`` (copied in only where a slice cannot stand for the gradient: a
+sparse or non-contiguous one, or a predivided one that must be rescaled): one copy per
+gradient and step (none where the gradients are added into the residual), in exchange for one
+compression and one set of collectives per bucket instead of per parameter.
 """
 
 from __future__ import annotations

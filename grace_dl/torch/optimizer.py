@@ -430,7 +430,6 @@ class _GraceDistributedOptimizer:
                 send_pieces(self.grace, flat, bucket.name, self.op, None, sizes)
         return bucket
 
-
     def _sums(self, bucket, flat, sizes):
         """``[(start, slot)]``: the memory's slots where this step's gradients of ``bucket``
         are added (``accumulator``), one per piece of ``sizes`` or one for the whole bucket;
