@@ -300,6 +300,10 @@ class OpsBackend(Protocol):
 
     def assign_sub_at(self, var, idx, values): ...
 
+    def take_at(self, var, idx):
+        """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those
+        values there."""
+
     def increment(self, counter_var):
         """Add one to a counter slot; returns the new value (a Python int here)."""
 

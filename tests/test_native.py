@@ -558,6 +558,19 @@ def test_sparse_sum_equals_zeroing_and_index_add(n, ranks, dtype):
     np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))
 
 
+def test_take_leaves_what_it_cannot_take_untouched():
+    """Positions outside the array, or arrays of other kinds: None, nothing written."""
+    x = np.arange(6, dtype=np.float32)
+    for positions in (np.array([1, 6]), np.array([-1, 2], np.int32)):
+        assert native.take(x, positions) is None
+        np.testing.assert_array_equal(x, np.arange(6, dtype=np.float32))
+    assert native.take(x.astype(np.float64), np.array([1])) is None
+    assert native.take(x, np.array([1.0])) is None
+    got = native.take(x, np.array([4, 1], np.int32))
+    np.testing.assert_array_equal(got, [4.0, 1.0])
+    np.testing.assert_array_equal(x, [0, 0, 2, 3, 0, 5])
+
+
 def test_sparse_sum_leaves_what_it_cannot_take_untouched():
     """Unsorted or repeated positions, out of range, mixed dtypes: None, nothing written."""
     out = np.full(10, 7.0, np.float32)

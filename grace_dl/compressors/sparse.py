@@ -142,10 +142,13 @@ class SparseCompressor(Compressor):
     two_phase_safe = False
     sparse = True
 
-    def pack(self, ops, tensor, positions):
-        """Payload and ctx for sending ``tensor``'s flat entries at ``positions``."""
+    def pack(self, ops, tensor, positions, take: bool = False):
+        """Payload and ctx for sending ``tensor``'s flat entries at ``positions``; ``take``:
+        subtract them from ``tensor`` there too (``ops.take_at``: what residual error feedback
+        does after sending them)."""
         flat = ops.flatten(tensor)
-        return ([ops.gather(flat, positions), ops.cast(positions, INDEX_DTYPE)],
+        values = ops.take_at(tensor, positions) if take else ops.gather(flat, positions)
+        return ([values, ops.cast(positions, INDEX_DTYPE)],
                 (ops.shape(tensor), ops.numel(flat)))
 
     def empty(self, ops, tensor):

@@ -40,6 +40,18 @@ class TopKCompressor(SparseCompressor):
         self.approximate = one_of("approximate", approximate, (False, True))
 
     def compress(self, tensor, name, call=LOCAL):
+        return self._compress(tensor, name, take=False)
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        """Where ``error`` is ``tensor`` itself (residual error feedback compensating in its
+        slot), the k entries are taken out of it as they are gathered (``ops.take_at``): one
+        pass over them instead of a gather and then the memory's subtraction."""
+        if decoded is not None or error is not tensor or \
+                type(self).compress is not TopKCompressor.compress:
+            return None
+        return self._compress(tensor, name, take=True)
+
+    def _compress(self, tensor, name, take: bool):
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "topk")
@@ -52,7 +64,7 @@ class TopKCompressor(SparseCompressor):
             positions = sparse.approx_top(ops, flat, k, self.seed, name, step)
         else:
             positions = sparse.exact_top(ops, flat, k)
-        return self.pack(ops, tensor, positions)
+        return self.pack(ops, tensor, positions, take)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * (sparse.itemsize(dtype) + 4)

@@ -64,9 +64,10 @@ class ResidualMemory(Memory):
         return self.state.zeros(name, ops_for(like), like)
 
     def error_slot(self, name, compressor):
-        """The residual's slot while it holds the compensated tensor (beta = gamma = 1), for
-        dense compressors (sparse ones update O(k) entries, cheaper than any dense pass)."""
-        return None if compressor.sparse else self._in_slot.get(name)
+        """The residual's slot while it holds the compensated tensor (beta = gamma = 1):
+        dense compressors write their error there while compressing, sparse ones (topk,
+        randomk) take the k entries they send out of it as they gather them."""
+        return self._in_slot.get(name)
 
     def error_written(self, name):
         self._in_slot.pop(name, None)

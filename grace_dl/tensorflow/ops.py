@@ -651,6 +651,14 @@ def assign_sub_at(var, idx, values):
     return var
 
 
+def take_at(var, idx):
+    """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those values
+    there (``assign_sub_at`` of the gathered values)."""
+    values = tf.gather(tf.reshape(var, [-1]), idx)
+    assign_sub_at(var, idx, values)
+    return values
+
+
 def increment(counter_var):
     """Add one to a counter slot; returns the new value (a tensor; an int in eager mode)."""
     new = counter_var.assign_add(1)

@@ -854,6 +854,20 @@ def assign_sub_at(var, idx, values):
     return var
 
 
+def take_at(var, idx):
+    """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those values
+    there (``assign_sub_at`` of the gathered values: +0.0, or NaN where not finite), in one
+    compiled pass over the entries where ``grace_dl.native.take`` applies."""
+    flat = var.view(-1) if var.is_contiguous() else None
+    arrays = None if flat is None else _cpu_numpy(flat, idx)
+    got = None if arrays is None else native.take(*arrays)
+    if got is not None:
+        return torch.from_numpy(got)
+    values = gather(var.reshape(-1), idx)
+    assign_sub_at(var, idx, values)
+    return values
+
+
 def increment(counter_var):
     """Add one to a counter slot; returns the new value (a Python int here)."""
     counter_var.add_(1)
