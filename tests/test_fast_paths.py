@@ -10,7 +10,7 @@ import torch
 
 from grace_dl import grace_from_params
 from grace_dl.communicators.base import accumulator
-from grace_dl.compressors.base import Call, Compressor
+from grace_dl.compressors.base import LOCAL, Call, Compressor
 from grace_dl.registry import lookup
 from support import OneRank
 
@@ -464,6 +464,25 @@ def test_sparse_entries_taken_while_compressing_equal_the_memory_update(key, tak
     assert not fused.memory._in_slot
 
 
+@pytest.mark.parametrize("key", ["topk", "randomk"])
+def test_sparse_take_is_refused_where_it_would_not_be_the_memory_update(key):
+    """``compress_with_error`` takes nothing (None, the residual untouched) for another error
+    tensor, a decompression asked for, or a subclass that overrides ``compress``."""
+    comp = _compressor(key)
+    x = _tensor(3)
+    kept = x.clone()
+    assert comp.compress_with_error(x, "w", Call(0, 1), x.clone()) is None
+    assert comp.compress_with_error(x, "w", Call(0, 1), x, torch.empty_like(x)) is None
+
+    class Doubled(type(comp)):
+        def compress(self, tensor, name, call=LOCAL):
+            return super().compress(tensor * 2, name, call)
+
+    assert Doubled(**SPARSE[key]).compress_with_error(x, "w", Call(0, 1), x) is None
+    np.testing.assert_array_equal(x.numpy(), kept.numpy())
+    assert comp.compress_with_error(x, "w", Call(0, 1), x) is not None   # the slot itself
+
+
 def test_take_at_equals_gather_then_subtract_in_torch_and_tf():
     """``ops.take_at``: the values at the positions, and those entries minus themselves
     (NaN for Inf and NaN, +0.0 for -0.0), compiled and not, torch and TensorFlow alike; a
@@ -491,9 +510,16 @@ def test_take_at_equals_gather_then_subtract_in_torch_and_tf():
                 np.testing.assert_array_equal(y.numpy(), want.numpy())
         finally:
             native.use(was)
-    t = x.t().clone().t()   # the same values, not contiguous
-    np.testing.assert_array_equal(torch_ops.take_at(t, pos).numpy(), values.numpy())
-    np.testing.assert_array_equal(t.numpy(), want.numpy())
+    for kernels in (True, False):
+        was = native._enabled
+        native.use(kernels)
+        try:
+            t = torch.zeros(37, 58)[:, ::2].copy_(x)   # the same values, not contiguous
+            assert not t.is_contiguous()
+            np.testing.assert_array_equal(torch_ops.take_at(t, pos).numpy(), values.numpy())
+            np.testing.assert_array_equal(t.numpy(), want.numpy())
+        finally:
+            native.use(was)
     v = tf.Variable(x.numpy())
     np.testing.assert_array_equal(tf_ops.take_at(v, tf.constant(pos.numpy())).numpy(),
                                   values.numpy())

@@ -51,8 +51,8 @@ class RandomKCompressor(Compressor):
         slot) and the values go as they are (not ``unbiased``), the k entries are taken out of
         it as they are gathered (``ops.take_at``): one pass over them instead of a gather and
         then the memory's subtraction."""
-        if decoded is not None or error is not tensor or self.unbiased or \
-                type(self).compress is not RandomKCompressor.compress:
+        if self.unbiased or not sparse.takes_sent(self, RandomKCompressor, tensor, error,
+                                                  decoded):
             return None
         return self._compress(tensor, name, take=True)
 

@@ -135,6 +135,15 @@ def approx_top(ops, flat, k, seed, name, step, sign=None):
                     lambda: exact_top(ops, flat, k, sign))
 
 
+def takes_sent(compressor, owner: type, tensor, error, decoded) -> bool:
+    """For a sparsifier's ``compress_with_error``: whether it can take the entries it sends out
+    of ``error`` as it gathers them (``ops.take_at``): ``error`` is ``tensor`` itself (residual
+    error feedback compensating in its slot), no decompression is asked for, and
+    ``compressor``'s ``compress`` is ``owner``'s own (a subclass that overrides it sends
+    something else)."""
+    return decoded is None and error is tensor and type(compressor).compress is owner.compress
+
+
 class SparseCompressor(Compressor):
     """Base of the sparsifiers whose payload is ``[values, int32 positions]`` (topk, threshold,
     dgc). The ctx is ``(shape, numel)``. Subclasses choose the positions."""

@@ -46,8 +46,7 @@ class TopKCompressor(SparseCompressor):
         """Where ``error`` is ``tensor`` itself (residual error feedback compensating in its
         slot), the k entries are taken out of it as they are gathered (``ops.take_at``): one
         pass over them instead of a gather and then the memory's subtraction."""
-        if decoded is not None or error is not tensor or \
-                type(self).compress is not TopKCompressor.compress:
+        if not sparse.takes_sent(self, TopKCompressor, tensor, error, decoded):
             return None
         return self._compress(tensor, name, take=True)
 

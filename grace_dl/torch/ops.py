@@ -858,13 +858,16 @@ def take_at(var, idx):
     """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those values
     there (``assign_sub_at`` of the gathered values: +0.0, or NaN where not finite), in one
     compiled pass over the entries where ``grace_dl.native.take`` applies."""
-    flat = var.view(-1) if var.is_contiguous() else None
-    arrays = None if flat is None else _cpu_numpy(flat, idx)
+    flat = var.view(-1) if var.is_contiguous() else var.reshape(-1)  # a copy: written back
+    arrays = _cpu_numpy(flat, idx)
     got = None if arrays is None else native.take(*arrays)
-    if got is not None:
-        return torch.from_numpy(got)
-    values = gather(var.reshape(-1), idx)
-    assign_sub_at(var, idx, values)
+    if got is None:
+        values = gather(flat, idx)
+        flat.index_add_(0, idx, values, alpha=-1)
+    else:
+        values = torch.from_numpy(got)
+    if not var.is_contiguous():
+        var.copy_(flat.view(var.shape))
     return values
 
 
