@@ -416,19 +416,23 @@ class _GraceDistributedOptimizer:
             bucket.handles = self._send(p, bucket.name)
             return bucket
         flat = bucket.buffer()
-        sizes = piece_sizes(flat.numel(), flat.element_size(), self.piece_bytes)
         if bucket.ready == 0:
-            bucket.sums = self._sums(bucket, flat, sizes)
+            bucket.sums = self._sums(bucket, flat, self._bucket_pieces(flat))
         if bucket.sums is None:
             bucket.view(i).copy_(self._gradient(p))
         else:
             bucket.add(i, self._gradient(p))
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
+            sizes = self._bucket_pieces(flat)
             bucket.handles = self.grace.send(flat, bucket.name, self.op, into=flat) \
                 if sizes is None else \
                 send_pieces(self.grace, flat, bucket.name, self.op, None, sizes)
         return bucket
+
+    def _bucket_pieces(self, flat):
+        """The pieces a bucket's buffer is sent in (None: whole)."""
+        return piece_sizes(flat.numel(), flat.element_size(), self.piece_bytes)
 
     def _sums(self, bucket, flat, sizes):
         """``[(start, slot)]``: the memory's slots where this step's gradients of ``bucket``
