@@ -232,6 +232,8 @@ class OpsBackend(Protocol):
 
     def choice(self, seed: int, name: str, step, n: int, k: int, like=None): ...
 
+    def normal(self, seed: int, name: str, step, shape, like=None): ...
+
     def dither(self, seed: int, name: str, step, n: int, bits: int = 16, like=None,
                stream: int = 0):
         """``n`` uniform integers in ``[0, 2**bits)`` (bits 8 or 16; uint8 or uint16), the dither
@@ -303,6 +305,9 @@ class OpsBackend(Protocol):
     def take_at(self, var, idx):
         """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those
         values there."""
+
+    def counter(self, start: int, name: str | None = None):
+        """A step counter slot starting at ``start`` (``increment`` counts it)."""
 
     def increment(self, counter_var):
         """Add one to a counter slot; returns the new value (a Python int here)."""

@@ -43,8 +43,7 @@ class State:
         var = self._slots.get(key)
         if var is None:
             start = self._pending.pop(key, None)
-            var = ops.variable(np.asarray(0 if start is None else start, np.int64), "int64",
-                               name=key)
+            var = ops.counter(0 if start is None else int(np.asarray(start)), name=key)
             self._slots[key] = var
             self._owner[key] = ops.__name__
         elif self._owner[key] != ops.__name__:
@@ -109,6 +108,8 @@ class Stateful:
 
 
 def _to_numpy(var) -> np.ndarray:
+    if isinstance(var, np.ndarray):     # a host counter
+        return var.copy()
     if hasattr(var, "detach"):  # torch
         t = var.detach()
         if str(t.dtype) == "torch.bfloat16":
@@ -123,7 +124,9 @@ def _to_numpy(var) -> np.ndarray:
 
 
 def _assign_numpy(var, value: np.ndarray) -> None:
-    if hasattr(var, "copy_"):  # torch
+    if isinstance(var, np.ndarray):     # a host counter
+        var[...] = value
+    elif hasattr(var, "copy_"):  # torch
         import torch
 
         var.copy_(torch.from_numpy(np.ascontiguousarray(value)).to(var.dtype))

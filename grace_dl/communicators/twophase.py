@@ -118,7 +118,7 @@ class TwoPhase(PackingCommunicator):
         if numel == 0:  # nothing to move; every rank sees the same shape, so all skip
             return [], []
         chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(numel, call.size))
-        compressed = [self.compressor.compress(c, f"{name}/chunk{j}", call)
+        compressed = [self.paths.on(c).compress(c, f"{name}/chunk{j}", call)
                       for j, c in enumerate(chunks)]
         return [p for p, _ in compressed], [c for _, c in compressed]
 
@@ -134,7 +134,7 @@ class TwoPhase(PackingCommunicator):
         errors = ops.split(flat, sizes)
         compressed = []
         for j, (c, e) in enumerate(zip(chunks, errors)):
-            got = self.compressor.compress_with_error(c, f"{name}/chunk{j}", call, e)
+            got = self.paths.on(c).compress_with_error(c, f"{name}/chunk{j}", call, e)
             if got is None:
                 if j:   # the chunks differ only in length: cannot happen after the first
                     raise RuntimeError(f"twophase: chunk {j} of {name!r} could not write "
@@ -212,7 +212,7 @@ class TwoPhase(PackingCommunicator):
             if fused is not None:
                 mine, own, own_in_place = fused
             else:
-                reduced = self.compressor.combine(payloads, ctxs[me],
+                reduced = self.paths.on(payloads).combine(payloads, ctxs[me],
                                                   self._buffer(f"{handle.name}/reduced", like))
                 mine, own = self._recompress(reduced, key, handle.encoded.call)
 
@@ -273,7 +273,7 @@ class TwoPhase(PackingCommunicator):
         known = known or {}
         flat = None if out is None else ops.flat_view(out)
         if flat is None:
-            chunks = [known[j] if j in known else self.compressor.decompress(p, c)
+            chunks = [known[j] if j in known else self.paths.on(p).decompress(p, c)
                       for j, (p, c) in enumerate(zip(payloads, ctxs))]
             return ops.reshape(ops.cat([ops.flatten(c) for c in chunks]),
                                ops.shape(like if out is None else out))
@@ -288,7 +288,7 @@ class TwoPhase(PackingCommunicator):
             if j in known:
                 ops.assign_div(piece, ops.flatten(known[j]), divisor)
             else:
-                chunk = self.compressor.decompress_into(payload, ctx, piece)
+                chunk = self.paths.on(payload).decompress_into(payload, ctx, piece)
                 if not ops.aliases(chunk, piece):
                     ops.assign(piece, ops.flatten(chunk))
         return out
@@ -308,7 +308,7 @@ class TwoPhase(PackingCommunicator):
                     and average_divisor(handle) is None)
         out = (ops.slice(into, start, start + ops.numel(like)) if in_place
                else self._buffer(f"{handle.name}/reduced", like))
-        payload = self.compressor.combine_with_feedback(payloads, ctx, slot, out)
+        payload = self.paths.on(payloads).combine_with_feedback(payloads, ctx, slot, out)
         if payload is None:
             return None
         return wire.flatten(payload)[0], out, in_place
@@ -320,7 +320,7 @@ class TwoPhase(PackingCommunicator):
         compensated (unless the payload would be that slot itself: ``none``)."""
         ops = ops_for(reduced)
         if not self.server_error_feedback:
-            payload = self.compressor.compress(reduced, f"{key}/server", call)[0]
+            payload = self.paths.on(reduced).compress(reduced, f"{key}/server", call)[0]
             return wire.flatten(payload)[0], None
         slot = self.server.zeros(key, ops, reduced)
         if self.compressor.sends_tensor:
@@ -329,17 +329,17 @@ class TwoPhase(PackingCommunicator):
             compensated = ops.read(ops.assign_add(slot, reduced))
         if not self.compressor.sends_tensor:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
-            got = self.compressor.compress_with_error(compensated, f"{key}/server", call,
-                                                      slot, reduced)
+            got = self.paths.on(compensated).compress_with_error(
+                compensated, f"{key}/server", call, slot, reduced)
             if got is not None:
                 return wire.flatten(got[0])[0], reduced
-        payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
+        payload, ctx = self.paths.on(compensated).compress(compensated, f"{key}/server", call)
         if self.compressor.sends_tensor:
-            decoded = self.compressor.decompress(payload, ctx)
+            decoded = self.paths.on(payload).decompress(payload, ctx)
             ops.assign(slot, compensated - decoded)
         else:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
-            decoded = self.compressor.decompress_into(payload, ctx, reduced)
+            decoded = self.paths.on(payload).decompress_into(payload, ctx, reduced)
             ops.assign_sub(slot, decoded)
         return wire.flatten(payload)[0], decoded
 

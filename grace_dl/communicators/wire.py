@@ -91,7 +91,7 @@ def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
                 for r in range(ranks)]
     if average:
         payloads = divided_payloads(handle, payloads)
-    return comm.compressor.combine(payloads, handle.encoded.ctx, handle.into)
+    return comm.paths.on(payloads).combine(payloads, handle.encoded.ctx, handle.into)
 
 
 def nbytes(tensors):

@@ -386,6 +386,16 @@ def dither(seed: int, name: str, step, n: int, bits: int = 16, like=None, stream
                  seed, name, step)
 
 
+def normal(seed: int, name: str, step, shape, like=None):
+    """Standard normal float32 draws of ``shape`` (``seeding.normal``, as torch's on a CPU)."""
+    shape = [int(d) for d in shape]
+    if isinstance(step, (int, np.integer)):    # eager even while tracing: it may seed a slot
+        with tf.init_scope():
+            return tf.constant(seeding.normal(seed, name, int(step), shape))
+    return _draw(lambda s: seeding.normal(seed, name, s, shape), tf.float32, shape,
+                 seed, name, step)
+
+
 # ------------------------------------------------------------------ blockwise evaluation
 def blockwise(fn, *xs, out=None):
     """``flatten(fn(*xs))`` for a row-wise ``fn`` (torch evaluates it block by block to keep its
@@ -532,8 +542,9 @@ def unpack_lookup(packed, bits: int, n, table, out=None):
 
 # ------------------------------------------------------------------ state (training state slots)
 def variable(value, dt: str, like=None, name: str | None = None):
-    """A ``tf.Variable`` slot initialised from the NumPy array ``value``. It is created outside
-    any ``tf.function`` graph, so it may be created lazily during the first trace.
+    """A ``tf.Variable`` slot initialised from ``value`` (a NumPy array or a tensor). It is
+    created outside any ``tf.function`` graph, so it may be created lazily during the first
+    trace.
 
     It is built as a ``ResourceVariable`` directly, which skips variable-creator scopes:
     ``tf.function`` then does not see a variable created on its first call and does not trace
@@ -657,6 +668,12 @@ def take_at(var, idx):
     values = tf.gather(tf.reshape(var, [-1]), idx)
     assign_sub_at(var, idx, values)
     return values
+
+
+def counter(start: int, name: str | None = None):
+    """A step counter slot starting at ``start``: an int64 ``tf.Variable`` (graph mode counts
+    inside the graph)."""
+    return variable(np.asarray(start, np.int64), "int64", name=name)
 
 
 def increment(counter_var):

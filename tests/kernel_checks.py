@@ -1,0 +1,113 @@
+"""Each Triton kernel of the device path against its torch twin, on random inputs of sizes
+that do and do not fill whole programs.
+
+    TRITON_INTERPRET=1 python tests/kernel_checks.py      # on the CPU, in Triton's interpreter
+    python tests/kernel_checks.py cuda                    # compiled, on a GPU
+
+``tests/test_device_kernels.py`` runs the first form. The kernels and their twins do the same
+float operations in the same order (the kernels are launched without multiply-add
+contraction), so their outputs are equal bit for bit, except sums reduced in another order
+(qsgd's row norms, sketch's bucket sums), which agree to float rounding. Prints one line per
+size and exits non-zero on the first difference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from grace_dl.compressors.u8bit import _CELL_INDEX, _CELL_SPLIT  # noqa: E402
+from grace_dl.torch.kernels import codes, philox, triton_for  # noqa: E402
+
+SIZES = {"cpu": (1, 33, 4100), "cuda": (1, 7, 33, 4096, 5000, 70001, 1 << 22)}
+
+
+def twin(fn, *args, **kwargs):
+    """``fn`` with the Triton kernels switched off: its torch twin."""
+    codes.triton_for = philox.triton_for = lambda t: False
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        codes.triton_for = philox.triton_for = triton_for
+
+
+def equal(a, b, what):
+    if not torch.equal(a, b):
+        diff = (a != b).nonzero()[:5].reshape(-1).tolist()
+        raise AssertionError(f"{what}: kernel and twin differ at {diff}")
+
+
+def check(device, n: int) -> None:
+    gen = torch.Generator(device=device).manual_seed(n)
+    x = torch.randn(n, device=device, generator=gen)
+    x[0] = 0.0
+    key = philox.device_key(3, "w")
+    equal(philox.words(key, 5, 1, n, x), twin(philox.words, key, 5, 1, n, x), "words")
+    for row in (1, 5, 512, 1000):
+        a, b = codes.row_norms(x, row), twin(codes.row_norms, x, row)
+        assert torch.allclose(a, b, rtol=1e-6), f"row_norms {row}"
+    for s, bits in ((127, 8), (7, 4), (1, 2), (3, 3), (31, 6)):
+        row, dither = 37, 8 if s >= 64 else 16
+        norms = codes.row_norms(x, row)
+        outs = [[torch.empty_like(x), torch.empty_like(x)] for _ in range(2)]
+        a = codes.qsgd_encode(x, norms, row, float(s), 2 * s, bits, dither, key, 5, 1, *outs[0])
+        b = twin(codes.qsgd_encode, x, norms, row, float(s), 2 * s, bits, dither, key, 5, 1,
+                 *outs[1])
+        equal(a, b, f"qsgd codes s={s}")
+        equal(outs[0][0], outs[1][0], "qsgd error")
+        equal(outs[0][1], outs[1][1], "qsgd decoded")
+        table = torch.arange(1 << bits, dtype=torch.float32, device=device) - s
+        got, want = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+        codes.decode(a, bits, n, table, got, norms / s, row, accumulate=True)
+        twin(codes.decode, a, bits, n, table, want, norms / s, row, accumulate=True)
+        equal(got, want, f"decode {bits} bits")
+    scaler = x.abs().max().reshape(1)
+    equal(codes.terngrad_encode(x, scaler, key, 2, 0),
+          twin(codes.terngrad_encode, x, scaler, key, 2, 0), "terngrad")
+    big = x * 1e30
+    for b in (0, 3, 131):
+        base = torch.tensor(b, dtype=torch.int32, device=device)
+        equal(codes.natural_encode(big, base, key, 2, 0),
+              twin(codes.natural_encode, big, base, key, 2, 0), f"natural base {b}")
+    index = torch.from_numpy(_CELL_INDEX).to(device)
+    split = torch.from_numpy(_CELL_SPLIT).to(device)
+    equal(codes.u8bit_encode(x, scaler, index, split),
+          twin(codes.u8bit_encode, x, scaler, index, split), "u8bit")
+    for zero in (False, True):
+        a, b = codes.sign_planes(x, zero), twin(codes.sign_planes, x, zero)
+        equal(a[0], b[0], "negative plane")
+        if zero:
+            equal(a[1], b[1], "zero plane")
+    pos, neg = codes.sign_planes(-x, False)[0], codes.sign_planes(x, False)[0]
+    for flag in (0, 1):
+        f = torch.tensor([flag], dtype=torch.uint8, device=device)
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        codes.ternary(pos, neg, n, f, got)
+        twin(codes.ternary, pos, neg, n, f, want)
+        assert torch.equal(got, want) or (flag and got.isnan().all() and want.isnan().all())
+    for q, bits in ((2, 1), (10, 4), (64, 6)):
+        edges = torch.sort(torch.randn(q - 1, device=device, generator=gen)).values
+        a, b = codes.sketch_encode(x, edges, q, bits), twin(codes.sketch_encode, x, edges, q,
+                                                             bits)
+        equal(a[0], b[0], f"sketch buckets q={q}")
+        assert torch.allclose(a[1], b[1], rtol=1e-5, atol=1e-3), f"sketch sums q={q}"
+        equal(a[2], b[2], f"sketch counts q={q}")
+
+
+def main(argv) -> int:
+    device = torch.device(argv[1] if len(argv) > 1 else "cpu")
+    if not triton_for(torch.empty(0, device=device)):
+        print("Triton does not run here (CUDA or TRITON_INTERPRET=1 needed)")
+        return 2
+    for n in SIZES[device.type]:
+        check(device, n)
+        print(f"kernels equal their twins at n={n}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
