@@ -14,6 +14,7 @@ PYTHON="${PYTHON:-python3.11}"
 VENV="$ROOT/.venv"
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
+TRITON_VERSION=3.6.0     # the GPU machines' Triton; here its interpreter runs the kernels' tests
 TF_VERSION=2.21.0
 PATCH="$ROOT/scripts/horovod-${HOROVOD_VERSION}-cpu.patch"
 CACHE_ROOT="${GRACE_DL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/grace_dl}"
@@ -93,6 +94,8 @@ log "installing torch==$TORCH_VERSION (CPU build; pinned exactly so no CUDA whee
 log "installing tensorflow-cpu==$TF_VERSION, mpi4py (built against Debian's Open MPI), and grace_dl"
 # mpi4py from source so that it links the same libmpi as Horovod (hvd.init(comm=...) needs that).
 "${PIP[@]}" install --no-binary mpi4py -e "$ROOT[torch,tensorflow,dev]"
+log "installing triton==$TRITON_VERSION (the device path's kernels, tested in its interpreter)"
+"${PIP[@]}" install "triton==$TRITON_VERSION"
 
 # ---------------------------------------------------------------- Horovod
 PYTAG="$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
