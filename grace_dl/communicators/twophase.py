@@ -25,8 +25,12 @@ and receives N-1 payloads of its chunk plus the other m-1 re-compressed chunks: 
 2 (N-1)/N of one whole-tensor payload each way, whatever N (allgather receives N-1 payloads).
 The byte counters record exactly these amounts.
 
-For compressors that compress any 1-D chunk on its own with payload shapes set by the chunk's
-length (``two_phase_safe`` and ``equal_sizes``: quantizers and signs, ``none``). Not unbiased in
+For compressors that compress any 1-D chunk on its own (``two_phase_safe``: quantizers and
+signs, ``none``). Where payload sizes are set by the chunk's length (``equal_sizes``) every
+rank knows every size up front; where they depend on the data (signsgd's zero plane,
+inceptionn's classes) each part travels in a collective of its own, the all-to-all's received
+splits say how long each rank's part is, and the gather carries an int32 vector of the parts'
+lengths (as the ``allgather`` communicator's). Not unbiased in
 general, since the aggregate is compressed twice; the server residual feeds the second
 compression's error back in the next step. Server residuals are training state: they are in
 ``state_dict`` under ``"server"``.
@@ -62,6 +66,8 @@ class Scattering(Phase):
     flat: list
     #: whether the payload parts travel packed (``wire.pack``): one collective, not one per part
     packed: bool = False
+    #: whether payload sizes differ across ranks: each part's all-to-all says how long it is
+    ragged: bool = False
 
     def waits_on(self) -> list:
         return self.exchanges
@@ -79,9 +85,11 @@ class Gathering(Phase):
     packed: bool = False
     #: ``own`` is already written in the handle's ``into`` (``_server_step`` fused)
     own_in_place: bool = False
+    #: for payload sizes that differ across ranks: the gather of the parts' lengths
+    lengths: object = None
 
     def waits_on(self) -> list:
-        return self.gathers
+        return self.gathers if self.lengths is None else [*self.gathers, self.lengths]
 
 
 @register_communicator("twophase")
@@ -103,8 +111,6 @@ class TwoPhase(PackingCommunicator):
         if not compressor.two_phase_safe:
             return ("it cannot compress tensor chunks independently and re-compress their "
                     "aggregate (two_phase_safe is False)")
-        if not compressor.equal_sizes:
-            return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
     # ------------------------------------------------------------------ encode: per chunk
@@ -160,7 +166,8 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(encoded.compensated)
         flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
-        packed = self.packs(flat[0][0])
+        ragged = not self.compressor.equal_sizes
+        packed = not ragged and self.packs(flat[0][0])
         # every rank sends chunk j's payload of the same length: sizes known up front
         if packed:
             buffers = [wire.pack(flat[j][0]) for j in range(m)]
@@ -172,13 +179,14 @@ class TwoPhase(PackingCommunicator):
             for i in range(n_parts):
                 pieces = [flat[j][0][i] for j in range(m)]
                 splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
-                exchanges.append(coll.alltoall_known_async(
-                    ops.cat(pieces), splits, [splits] * size,
-                    self.wire_name(handle.name, f"a2a.p{i}")))
+                name = self.wire_name(handle.name, f"a2a.p{i}")
+                exchanges.append(coll.alltoall_async(ops.cat(pieces), splits, name) if ragged
+                                 else coll.alltoall_known_async(ops.cat(pieces), splits,
+                                                                [splits] * size, name))
         sent = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
-        received = (size - 1) * wire.nbytes(flat[me][0]) if me < m else 0
+        received = (size - 1) * wire.nbytes(flat[me][0]) if me < m and not ragged else 0
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Scattering(exchanges, flat, packed)
+        return Scattering(exchanges, flat, packed, ragged)
 
     # ------------------------------------------------------------------ phases 2 and 3
     def complete(self, phase: Phase, handle: Handle):
@@ -194,19 +202,25 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(flat[0][0][0])
         mine = own = None
         own_in_place = False
-        got = [coll.synchronize(h)[0] for h in phase.exchanges]
+        results = [coll.synchronize(h) for h in phase.exchanges]
+        got = [r[0] for r in results]
         if me < m:
-            # from each rank, part i of its payload for my chunk: the length of my own
+            # from each rank, part i of its payload for my chunk: the length of my own, or as
+            # the all-to-all says where sizes differ
             if phase.packed:
                 per_rank = wire.unpack_all(got[0], [wire.layout(flat[me][0])] * size)
+            elif phase.ragged:
+                per_rank = [_split_received(ops, g, r[1]) for g, r in zip(got, results)]
+                received = wire.nbytes(got) - wire.nbytes(flat[me][0])
+                wire.count(self, ops, handle.name, received=received)
             else:
                 per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
                             for i, g in enumerate(got)]
             lengths = wire.chunk_sizes(ops.numel(handle.encoded.compensated), m)
             start = sum(lengths[:me])
             like = ops.slice(ops.flatten(handle.encoded.compensated), start, start + lengths[me])
-            payloads = [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
-                        for r in range(size)]
+            payloads = [[wire.unflatten(per_rank[i][r], flat[me][1][i], not phase.ragged)
+                         for i in range(n_parts)] for r in range(size)]
             key = f"{handle.name}/chunk{me}"
             fused = self._server_step(payloads, ctxs[me], like, handle, key, start)
             if fused is not None:
@@ -218,11 +232,18 @@ class TwoPhase(PackingCommunicator):
 
         # A rank that owns no chunk received nothing and contributes that empty piece;
         # using it keeps its alltoall alive in tf.function, which prunes unused ops.
+        lengths = None
         if phase.packed:
             piece = wire.pack(mine) if mine is not None else got[0]
             counts = [wire.nbytes(flat[j][0]) for j in range(m)] + [0] * (size - m)
             gathers = [coll.allgather_known_async(piece, counts,
                                                   self.wire_name(handle.name, "ag.p"))]
+        elif phase.ragged:
+            pieces = [mine[i] if mine is not None else got[i] for i in range(n_parts)]
+            gathers = [coll.allgather_async(p, self.wire_name(handle.name, f"ag.p{i}"))
+                       for i, p in enumerate(pieces)]
+            numels = ops.numels(pieces)
+            lengths = coll.allgather_async(numels, self.wire_name(handle.name, "ag.len"))
         else:
             gathers = []
             for i in range(n_parts):
@@ -231,9 +252,13 @@ class TwoPhase(PackingCommunicator):
                 gathers.append(coll.allgather_known_async(
                     piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
         sent = wire.nbytes(mine) if mine is not None else 0
-        received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
+        if lengths is not None:
+            sent = sent + ops.nbytes(numels)
+            received = 0        # counted when the gather is in (``_join``)
+        else:
+            received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Gathering(gathers, flat, own, phase.packed, own_in_place)
+        return Gathering(gathers, flat, own, phase.packed, own_in_place, lengths)
 
     def _join(self, phase: Gathering, handle: Handle):
         coll = handle.coll
@@ -245,11 +270,19 @@ class TwoPhase(PackingCommunicator):
         if phase.packed:
             pieces = wire.unpack_all(gathered[0], [wire.layout(flat[j][0]) for j in range(m)] +
                                      [[]] * (size - m))
+        elif phase.lengths is not None:
+            lengths = ops.reshape(coll.synchronize(phase.lengths), (size, n_parts))
+            by_part = ops.transpose(lengths)
+            pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
+            own = wire.nbytes([pieces[i][coll.rank()] for i in range(n_parts)])
+            wire.count(self, ops, handle.name, received=wire.nbytes(gathered) - own
+                       + ops.nbytes(lengths) // size * (size - 1))
         else:
             lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                        for i in range(n_parts)]
             pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
-        payloads = [[ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)]
+        equal = phase.lengths is None
+        payloads = [[wire.unflatten(pieces[i][j], flat[j][1][i], equal) for i in range(n_parts)]
                     for j in range(m)]
         known = {} if phase.own is None else {coll.rank(): phase.own}
         done = {coll.rank()} if phase.own_in_place else set()
@@ -370,3 +403,11 @@ class TwoPhase(PackingCommunicator):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.server.load_state_dict(state.get("server", {}))
+
+
+def _split_received(ops, tensor, splits):
+    """``tensor`` cut into each rank's segment by an all-to-all's received splits (a tensor,
+    or the list a one-process test's collectives give back)."""
+    if isinstance(splits, (list, tuple)):
+        return ops.split(tensor, [int(v) for v in splits])
+    return ops.split_by(tensor, ops.cast(ops.reshape(splits, [-1]), "int32"))

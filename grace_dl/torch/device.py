@@ -268,7 +268,8 @@ class EFSignSGDOnDevice(OneBitCoded):
 @register(SignSGDCompressor, KIND)
 class SignSGDOnDevice(Reference):
     """signsgd: the planes from one kernel, the vote on the packed planes (``signbits.vote``),
-    the signs decoded by one kernel that writes NaN everywhere when a status byte is set."""
+    the signs decoded by one kernel that writes NaN everywhere when a status byte is set.
+    Whether the zero plane travels (the payload's size) is the one value compress reads."""
 
     def _source(self, tensor, name):
         return tensor.reshape(-1)
@@ -276,7 +277,8 @@ class SignSGDOnDevice(Reference):
     def compress(self, tensor, name, call):
         flat = self._source(tensor, name).contiguous()
         neg, zero = codes.sign_planes(flat, zero=True)
-        payload = torch.cat([neg, zero, signbits.status(ops, flat)])
+        # whether the zero plane travels (the payload's size) is the one value read back
+        payload = signbits.pack_signs(ops, neg, zero, signbits.status(ops, flat))
         return [payload], (tuple(tensor.shape), ops.dtype(tensor))
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
@@ -314,12 +316,12 @@ class SignSGDOnDevice(Reference):
 
     def decompress_into(self, payload, ctx, out=None):
         packed = payload[0]
-        neg, zero = signbits.planes(ops, packed)
+        neg, zero = signbits.planes(ops, packed, math.prod(ctx[0]))
         return self._signs(signbits.positive(ops, neg, zero), neg,
                            signbits.flag(ops, packed), ctx, out)
 
     def combine(self, payloads, ctx, out=None):
-        pos, neg = signbits.vote(ops, [p[0] for p in payloads])
+        pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(ctx[0]))
         status = sum(signbits.flag(ops, p[0]).to(torch.int32) for p in payloads)
         return self._signs(pos, neg, status, ctx, out)
 
