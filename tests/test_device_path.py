@@ -3,11 +3,18 @@ tensors under ``emulate_device()``: every compressor x memory x communicator the
 builds runs its steps without a host synchronisation (``sync_guard``; payloads whose size is
 data-dependent by definition read one size), sends as many bytes as the reference path, and
 gives the reference's results (the same, where the method is deterministic; as close to the
-input, where it draws its randomness from another generator)."""
+input, where it draws its randomness from another generator).
+
+On a GPU, ``GRACE_DL_TEST_DEVICE=cuda python -m pytest tests/test_device_path.py`` runs the
+same pipelines on CUDA tensors under ``torch.cuda.set_sync_debug_mode``: "error" (any
+synchronisation fails the test), "warn" (counted) for the data-dependent sizes."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import warnings
 
 import numpy as np
 import pytest
@@ -25,7 +32,7 @@ MEMORIES = ["none", "residual", "dgc", "momentum", "efsignsgd", "powersgd"]
 DETERMINISTIC = {"none", "fp16", "bf16", "onebit", "efsignsgd", "signsgd", "signum", "topk",
                  "threshold", "u8bit", "inceptionn", "adaq"}
 #: payload size depends on the data by definition: compress reads one count
-SIZED = {"threshold", "dgc", "adaq", "inceptionn"}
+SIZED = {"threshold", "dgc", "adaq", "inceptionn", "signsgd", "signum"}
 SHAPES = {"w": (300, 256), "b": (37,), "e": (0,)}
 PARAMS = {"threshold": {"threshold": 1.0}, "dgc": {"compress_ratio": 0.01},
           "topk": {"compress_ratio": 0.01}, "randomk": {"compress_ratio": 0.05},
@@ -52,6 +59,28 @@ def _combos():
 
 
 COMBOS = _combos()
+DEVICE = torch.device(os.environ.get("GRACE_DL_TEST_DEVICE", "cpu"))
+
+
+@contextlib.contextmanager
+def _watched(sized: bool):
+    """What records host synchronisations: the CPU guard, or CUDA's sync debug mode ("error"
+    where none is allowed; "warn", recorded, where the data sets a size)."""
+    if DEVICE.type == "cpu":
+        with guarded() as guard:
+            yield guard.calls
+        return
+    torch.cuda.synchronize()
+    calls = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn" if sized else "error")
+        try:
+            yield calls
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()     # (after the mode is off: an explicit sync counts too)
+    calls += [("sync", "device path") for w in caught if "synchroniz" in str(w.message)]
 
 
 def _gradients(step: int):
@@ -59,8 +88,9 @@ def _gradients(step: int):
     return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
 
 
-def _step(grc, grads):
-    handles = [grc.send(g.clone(), name, collectives=OneRank()) for name, g in grads.items()]
+def _step(grc, grads, device="cpu"):
+    handles = [grc.send(g.to(device, copy=True), name, collectives=OneRank())
+               for name, g in grads.items()]
     out = {name: grc.receive(h) for name, h in zip(grads, handles)}
     grc.end_step()
     return out
@@ -90,17 +120,23 @@ def test_device_path_runs_without_host_synchronisation(comp, mem, comm):
     reference, device = _build(comp, mem, comm), _build(comp, mem, comm)
     steps = [_gradients(i) for i in range(3)]
     expected = [_step(reference, g) for g in steps]
+    sized = comp in SIZED and comm in ("allgather", "broadcast", "twophase")
     with emulate_device():
-        got = [_step(device, steps[0])]
-        with guarded() as guard:
-            got += [_step(device, g) for g in steps[1:]]
-    calls = collections.Counter(guard.calls)
-    if comp in SIZED and comm in ("allgather", "broadcast"):
-        # compress reads one count per non-empty tensor; the rest is the communicator's
-        # exchange of the ranks' sizes
-        sends = sum(1 for shape in SHAPES.values() if np.prod(shape)) * (len(steps) - 1)
+        got = [_step(device, steps[0], DEVICE)]
+        with _watched(sized) as seen:
+            got += [_step(device, g, DEVICE) for g in steps[1:]]
+    got = [{k: v.cpu() for k, v in g.items()} for g in got]
+    calls = collections.Counter(seen)
+    if sized:
+        # compress reads one count per non-empty tensor (two-phase compresses twice: the
+        # chunk, then the server's re-compression); the rest is the communicator's exchange
+        # of the ranks' sizes (on a GPU both show as syncs, counted together)
+        sends = sum(1 for shape in SHAPES.values() if np.prod(shape)) * (len(steps) - 1) * \
+            (2 if comm == "twophase" else 1)
         in_compress = sum(n for (_, where), n in calls.items() if not
                           where.startswith("communicators/"))
+        if DEVICE.type == "cuda":
+            sends *= 4
         assert in_compress <= sends, calls
     else:
         assert not calls, f"host synchronisations on the device path: {dict(calls)}"

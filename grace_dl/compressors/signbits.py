@@ -68,6 +68,8 @@ def pack_signs(ops, neg, zero, status):
     set (the tensor holds an exact zero), then the status byte: bit 0 (``NONFINITE``) for a
     NaN or Inf in the input, bit 1 (``ZEROS``) when the zero plane is there. ``ceil(n/8) + 1``
     bytes, or ``2 ceil(n/8) + 1``: the size depends on the data (whether it has zeros)."""
+    if ops.numel(zero) == 0:        # (no elements: nothing to look at)
+        return ops.cat([neg, status])
     return ops.cond(ops.count_nonzero(zero) > 0,
                     lambda: ops.cat([neg, zero, ops.bit_or(status, ZEROS)]),
                     lambda: ops.cat([neg, status]))

@@ -149,8 +149,8 @@ class QSGDOnDevice(TableCoded):
     def table(self, payload, ctx):
         packed, norms = payload
         s = self.compressor.quantum_num
-        table = codes.constant(tuple(float(v - s) for v in range(1 << self.bits)),
-                               torch.float32, packed.device)
+        table = codes.constant(("qsgd levels", s, self.bits), packed.device,
+                               lambda: np.arange(1 << self.bits, dtype=np.float32) - s)
         return packed, table, norms / float(s), self.compressor.bucket_size
 
 
@@ -171,7 +171,7 @@ class TernGradOnDevice(TableCoded):
 
     def table(self, payload, ctx):
         packed, scaler = payload
-        base = codes.constant((0.0, 1.0, 2.0, 3.0), torch.float32, packed.device)
+        base = codes.constant("0..3", packed.device, lambda: np.arange(4, dtype=np.float32))
         return packed, (base - 1.0) * scaler, None, 1
 
 
@@ -192,7 +192,7 @@ class NaturalOnDevice(TableCoded):
 
     def table(self, payload, ctx):
         packed, base = payload
-        c = codes.constant(tuple(range(128)), torch.int32, packed.device)
+        c = codes.constant("0..127", packed.device, lambda: np.arange(128, dtype=np.int32))
         power = torch.clamp(c + base, 0, 255) << 23
         power = torch.where(c == 0, 0, torch.where(c == NAN_CODE, 0x7FC00000, power))
         power = torch.where(c == 127, 0x7F800000, power).to(torch.int32).view(torch.float32)
@@ -205,14 +205,14 @@ class U8bitOnDevice(TableCoded):
         _, x, layout = flat_f32(tensor)
         x = x.contiguous()
         scaler = ops.abs_max(x).reshape(1) if layout.numel else x.new_zeros(1)
-        index = codes.constant(tuple(_CELL_INDEX.tolist()), torch.uint8, x.device)
-        split = codes.constant(tuple(_CELL_SPLIT.tolist()), torch.float32, x.device)
+        index = codes.constant("u8bit cell index", x.device, lambda: _CELL_INDEX)
+        split = codes.constant("u8bit cell split", x.device, lambda: _CELL_SPLIT)
         return [codes.u8bit_encode(x, scaler, index, split), scaler], layout
 
     def table(self, payload, ctx):
         packed, scaler = payload
-        t = codes.constant(tuple(np.concatenate([_TABLE, -_TABLE]).tolist()), torch.float32,
-                           packed.device)
+        t = codes.constant("u8bit table", packed.device,
+                           lambda: np.concatenate([_TABLE, -_TABLE]))
         return packed, t * scaler, None, 1
 
 
@@ -474,13 +474,10 @@ class SketchOnDevice(TableCoded):
             sample = x.index_select(0, ops.choice(c.seed, name, step, n, c.sample_size, like=x))
         ranked = torch.sort(sample).values
         m = sample.numel()
-        pos = np.arange(1, q) * (m - 1) / q
-        lo = np.floor(pos).astype(np.int64)
-        hi = np.minimum(lo + 1, m - 1)
-        device = x.device
-        below = ranked.index_select(0, codes.constant(tuple(lo.tolist()), torch.int64, device))
-        above = ranked.index_select(0, codes.constant(tuple(hi.tolist()), torch.int64, device))
-        w = codes.constant(tuple((pos - lo).astype(np.float32).tolist()), torch.float32, device)
+        lo, hi, w = (codes.constant(("sketch", part, m, q), x.device,
+                                    lambda part=part: _quantile_points(m, q)[part])
+                     for part in range(3))
+        below, above = ranked.index_select(0, lo), ranked.index_select(0, hi)
         edges = below + (above - below) * w
         packed, sums, counts = codes.sketch_encode(x, edges, q, self.bits)
         means = torch.where(counts > 0, sums / torch.clamp(counts, min=1.0),
@@ -489,6 +486,14 @@ class SketchOnDevice(TableCoded):
 
     def table(self, payload, ctx):
         return payload[0], payload[1], None, 1
+
+
+def _quantile_points(m: int, q: int):
+    """The ranks ``(lo, hi)`` and weights ``w`` of sketch's ``q - 1`` inner quantiles of ``m``
+    sorted values (linear interpolation: the reference's ``SketchCompressor._edges``)."""
+    pos = np.arange(1, q) * (m - 1) / q
+    lo = np.floor(pos).astype(np.int64)
+    return lo, np.minimum(lo + 1, m - 1), (pos - lo).astype(np.float32)
 
 
 @register(InceptionnCompressor, KIND)

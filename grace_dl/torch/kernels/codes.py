@@ -9,8 +9,7 @@ are the reference compressors' own and either path decodes the other's.
 
 from __future__ import annotations
 
-import functools
-
+import numpy as np
 import torch
 
 from grace_dl.torch.kernels import BLOCK, grid, philox, triton_for
@@ -238,43 +237,14 @@ def ternary(pos, neg, n: int, flag, out):
     return out.copy_(torch.where(flag.reshape(()) != 0, torch.full_like(v, float("nan")), v))
 
 
-@functools.lru_cache(maxsize=None)
-def constant(values: tuple, dtype, device):
-    """A small constant tensor, made once per device (so that no step copies it there)."""
-    return torch.tensor(values, dtype=dtype, device=device)
+_CONSTANTS: dict = {}
 
 
-# ------------------------------------------------------------------ sketch
-#: elements of a sketch program, and of each of its one-hot tiles
-SKETCH_BLOCK, SKETCH_SUB = 2048, 64
-
-
-def order_key(x):
-    """int32 keys of float32 ``x`` ordered as the floats (``compressors.buckets.order_key``)."""
-    bits = x.view(torch.int32)
-    key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
-    return key + ((key >> 31) & 1)
-
-
-def sketch_encode(x, edges, q: int, bits: int):
-    """``(packed buckets, sums, counts)`` of the 1-D float32 ``x`` against the sorted float32
-    ``edges``: bucket = the number of edges <= the element (by order keys, -0 equal to +0),
-    and the sum and count of each of the ``q`` buckets."""
-    n = x.numel()
-    out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=x.device)
-    edge_keys = order_key(edges.contiguous())
-    if triton_for(x) and n:
-        width = triton_next_power_of_2(q)
-        programs = -(-n // SKETCH_BLOCK)
-        part = torch.empty(programs, 2, width, dtype=torch.float32, device=x.device)
-        _jit().sketch_encode[(programs,)](
-            x, edge_keys, edge_keys.numel(), out, part, n, BITS=bits, Q=width,
-            STEPS=max(1, (edge_keys.numel() + 1).bit_length()), SUB=SKETCH_SUB,
-            BLOCK=SKETCH_BLOCK)
-        total = part.sum(dim=0)
-        return out, total[0, :q], total[1, :q]
-    bucket = torch.bucketize(order_key(x), edge_keys, right=True)
-    sums = torch.zeros(q, dtype=torch.float32, device=x.device).index_add_(0, bucket, x)
-    counts = torch.zeros(q, dtype=torch.float32, device=x.device).index_add_(
-        0, bucket, torch.ones_like(x))
-    return out.copy_(pack_twin(bucket, bits)), sums, counts
+def constant(key, device, make):
+    """A constant tensor, made once per device from the NumPy array ``make()`` (so that no
+    step copies it there); ``key`` names it."""
+    got = _CONSTANTS.get((key, device))
+    if got is None:
+        got = _CONSTANTS[(key, device)] = torch.from_numpy(np.ascontiguousarray(make())).to(
+            device)
+    return got
