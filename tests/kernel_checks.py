@@ -89,6 +89,15 @@ def check(device, n: int) -> None:
         codes.ternary(pos, neg, n, f, got)
         twin(codes.ternary, pos, neg, n, f, want)
         assert torch.equal(got, want) or (flag and got.isnan().all() and want.isnan().all())
+    for bits in (1, 2, 3, 6):
+        c = torch.randint(0, 1 << bits, (n,), device=device, generator=gen).to(torch.uint8)
+        packed = codes.pack(c, bits)
+        equal(packed, twin(codes.pack, c, bits), f"pack {bits} bits")
+        equal(codes.unpack(packed, bits, n), c, f"unpack {bits} bits")
+        equal(twin(codes.unpack, packed, bits, n), c, f"unpack twin {bits} bits")
+    y = x.clone()
+    y[n // 2] = float("nan")
+    equal(codes.magnitudes(y), twin(codes.magnitudes, y), "magnitudes")
     for q, bits in ((2, 1), (10, 4), (64, 6)):
         edges = torch.sort(torch.randn(q - 1, device=device, generator=gen)).values
         a, b = codes.sketch_encode(x, edges, q, bits), twin(codes.sketch_encode, x, edges, q,

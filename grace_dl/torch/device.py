@@ -342,12 +342,6 @@ class SignumOnDevice(SignSGDOnDevice):
 
 
 # ------------------------------------------------------------------ sparsifiers
-def _magnitudes(flat):
-    """``|x|`` with NaN ranked below every number (the reference's ``sparse.magnitudes``)."""
-    mag = flat.abs()
-    return torch.where(mag == mag, mag, torch.full_like(mag, -1.0))
-
-
 @register(TopKCompressor, KIND)
 class TopKOnDevice(Reference):
     """topk: ``torch.topk`` of the magnitudes, a selection of static shape. The same entries
@@ -370,7 +364,7 @@ class TopKOnDevice(Reference):
             return c.empty(ops, tensor)
         k = sparse.count_for(c.compress_ratio, n)
         flat = tensor.reshape(-1)
-        positions = torch.topk(_magnitudes(flat), k, sorted=False).indices
+        positions = torch.topk(codes.magnitudes(flat), k, sorted=False).indices
         return c.pack(ops, tensor, positions, take)
 
 
@@ -390,7 +384,7 @@ class DgcOnDevice(Reference):
         step = c.next_step(name, tensor)
         ratio = c.ratio_at(ops, step)
         k = sparse.ceil_count(ops, ratio * n, n)
-        mag = _magnitudes(flat)
+        mag = codes.magnitudes(flat)
         if n < sparse.APPROX_MIN_NUMEL:
             return c.pack(ops, tensor, torch.topk(mag, k, sorted=False).indices)
         s = sparse.sample_size(n)
@@ -442,12 +436,12 @@ class AdaqOnDevice(Reference):
                 means.append(flat.new_zeros(()))
                 continue
             k = sparse.ceil_count(ops, count * c.compress_ratio, n)
-            mag = flat if sign > 0 else -flat
-            top = torch.topk(torch.where(mag > 0, mag, torch.full_like(mag, -1.0)), k,
-                             sorted=False).indices
-            values = flat.index_select(0, top).to(torch.float64)
-            sides.append(top)
-            means.append((values.sum() / k).to(flat.dtype))
+            where = _positions(flat > 0 if sign > 0 else flat < 0, count)
+            values = flat.index_select(0, where)
+            top = torch.topk(values if sign > 0 else -values, k, sorted=False).indices
+            sides.append(where.index_select(0, top))
+            means.append((values.index_select(0, top).to(torch.float64).sum() / k)
+                         .to(flat.dtype))
         codes_ = torch.cat([sides[0], -1 - sides[1]]).to(torch.int32)
         return [torch.stack(means), codes_], ctx
 
@@ -513,12 +507,12 @@ class InceptionnOnDevice(Reference):
         v1 = (x.index_select(0, i1) * (1.0 / d)).to(torch.int8)
         v2 = (x.index_select(0, i2) * (1.0 / d)).to(torch.int16)
         v3 = tensor.reshape(-1).index_select(0, i3)
-        return [codes.pack_twin(tag, 2), v1, v2, v3], layout
+        return [codes.pack(tag, 2), v1, v2, v3], layout
 
     def decompress(self, payload, ctx):
         packed, v1, v2, v3 = payload
         n, d = ctx.numel, self.compressor._step
-        tag = codes.unpack_twin(packed, 2, n)
+        tag = codes.unpack(packed, 2, n)
         out = torch.zeros(n, dtype=torch.float32, device=packed.device)
         out.index_copy_(0, _positions(tag == 1, v1.numel()), v1.to(torch.float32) * d)
         out.index_copy_(0, _positions(tag == 2, v2.numel()), v2.to(torch.float32) * d)
@@ -537,6 +531,12 @@ class InceptionnOnDevice(Reference):
 
 def _positions(mask, count: int):
     """The positions of ``mask``'s set elements, of which there are ``count`` (known, so the
-    selection has a static size: no read-back)."""
-    return torch.nonzero_static(mask, size=count).reshape(-1)
+    selection has a static size: no read-back), ascending."""
+    try:
+        return torch.nonzero_static(mask, size=count).reshape(-1)
+    except (NotImplementedError, RuntimeError):   # a device without nonzero_static
+        rank = torch.cumsum(mask.reshape(-1), 0) - 1
+        slot = torch.where(mask.reshape(-1), rank, count)
+        out = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
+        return out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))[:count]
 

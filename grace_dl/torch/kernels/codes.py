@@ -248,3 +248,72 @@ def constant(key, device, make):
         got = _CONSTANTS[(key, device)] = torch.from_numpy(np.ascontiguousarray(make())).to(
             device)
     return got
+
+
+# ------------------------------------------------------------------ sketch
+#: elements of a sketch program, and of each of its one-hot tiles
+SKETCH_BLOCK, SKETCH_SUB = 2048, 64
+
+
+def order_key(x):
+    """int32 keys of float32 ``x`` ordered as the floats (``compressors.buckets.order_key``)."""
+    bits = x.view(torch.int32)
+    key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
+    return key + ((key >> 31) & 1)
+
+
+def sketch_encode(x, edges, q: int, bits: int):
+    """``(packed buckets, sums, counts)`` of the 1-D float32 ``x`` against the sorted float32
+    ``edges``: bucket = the number of edges <= the element (by order keys, -0 equal to +0),
+    and the sum and count of each of the ``q`` buckets."""
+    n = x.numel()
+    out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=x.device)
+    edge_keys = order_key(edges.contiguous())
+    if triton_for(x) and n:
+        width = triton_next_power_of_2(q)
+        programs = -(-n // SKETCH_BLOCK)
+        part = torch.empty(programs, 2, width, dtype=torch.float32, device=x.device)
+        _jit().sketch_encode[(programs,)](
+            x, edge_keys, edge_keys.numel(), out, part, n, BITS=bits, Q=width,
+            STEPS=max(1, (edge_keys.numel() + 1).bit_length()), SUB=SKETCH_SUB,
+            BLOCK=SKETCH_BLOCK)
+        total = part.sum(dim=0)
+        return out, total[0, :q], total[1, :q]
+    bucket = torch.bucketize(order_key(x), edge_keys, right=True)
+    sums = torch.zeros(q, dtype=torch.float32, device=x.device).index_add_(0, bucket, x)
+    counts = torch.zeros(q, dtype=torch.float32, device=x.device).index_add_(
+        0, bucket, torch.ones_like(x))
+    return out.copy_(pack_twin(bucket, bits)), sums, counts
+
+
+# ------------------------------------------------------------------ generic codes and magnitudes
+def pack(codes, bits: int):
+    """uint8 ``codes`` (1-D, below ``2**bits``) packed ``bits`` each (``ops.pack_bits``)."""
+    n = codes.numel()
+    if bits == 8:
+        return codes.clone()
+    if not triton_for(codes) or n == 0:
+        return pack_twin(codes, bits)
+    out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=codes.device)
+    _jit().pack[grid(n)](codes, out, n, BITS=bits, BLOCK=BLOCK)
+    return out
+
+
+def unpack(packed, bits: int, n: int):
+    """The first ``n`` codes of a ``bits``-bit packed stream, as uint8."""
+    if not triton_for(packed) or n == 0:
+        return unpack_twin(packed, bits, n).to(torch.uint8)
+    out = torch.empty(n, dtype=torch.uint8, device=packed.device)
+    _jit().unpack[grid(n)](packed, out, n, BITS=bits, BLOCK=BLOCK)
+    return out
+
+
+def magnitudes(flat):
+    """``|flat|`` in float32 with NaN as -1: what the sparsifiers rank (``sparse.magnitudes``)."""
+    n = flat.numel()
+    if not triton_for(flat) or n == 0:
+        mag = flat.abs().to(torch.float32)
+        return torch.where(mag == mag, mag, torch.full_like(mag, -1.0))
+    out = torch.empty(n, dtype=torch.float32, device=flat.device)
+    _jit().magnitudes[grid(n)](flat.contiguous(), out, n, BLOCK=BLOCK)
+    return out

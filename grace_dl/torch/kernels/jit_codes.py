@@ -254,3 +254,32 @@ def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.cons
         counts += tl.sum(hit.to(tl.float32), axis=0)
     tl.store(part_ptr + pid * 2 * Q + bins, sums)
     tl.store(part_ptr + pid * 2 * Q + Q + bins, counts)
+
+
+# ------------------------------------------------------------------ generic codes and magnitudes
+@triton.jit
+def pack(codes_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """uint8 codes (below ``2**BITS``) packed ``BITS`` each."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    code = tl.load(codes_ptr + idx, mask=idx < n, other=0).to(tl.int32)
+    store_codes(out_ptr, code, pid, n, BLOCK, BITS)
+
+
+@triton.jit
+def unpack(packed_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The first ``n`` codes of a ``BITS``-bit packed stream, as uint8."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + idx, load_codes(packed_ptr, idx, n, BITS).to(tl.uint8), mask=idx < n)
+
+
+@triton.jit
+def magnitudes(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``|x|`` as float32, with NaN ranked below every number (-1)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    m = tl.abs(x)
+    tl.store(out_ptr + idx, tl.where(m == m, m, -1.0), mask=mask)
