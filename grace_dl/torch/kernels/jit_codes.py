@@ -14,8 +14,10 @@ import triton.language as tl
 
 from grace_dl.torch.kernels.jit_random import word_block
 
-NAN_CODE: tl.constexpr = 126
-INF_CODE: tl.constexpr = 127
+#: the scalar arguments of a keyed draw: never compiled in as constants
+KEYED = ["k0", "k1", "step", "stream"]
+NAN_CODE = tl.constexpr(126)
+INF_CODE = tl.constexpr(127)
 
 
 # ------------------------------------------------------------------ packing
@@ -104,7 +106,7 @@ def row_norms(x_ptr, norms_ptr, n, row, rows, ROWS: tl.constexpr, COLS: tl.const
     tl.store(norms_ptr + r, norm, mask=r < rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=KEYED)
 def qsgd_encode(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, row, s, hi, k0, k1, step,
                 stream, DITHER: tl.constexpr, BITS: tl.constexpr, ERROR: tl.constexpr,
                 DECODED: tl.constexpr, BLOCK: tl.constexpr):
@@ -131,7 +133,7 @@ def qsgd_encode(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, row, s, hi, k0, 
 
 
 # ------------------------------------------------------------------ terngrad
-@triton.jit
+@triton.jit(do_not_specialize=KEYED)
 def terngrad_encode(x_ptr, scaler_ptr, out_ptr, n, k0, k1, step, stream,
                     BLOCK: tl.constexpr):
     """TernGrad's 2-bit codes ``clamp(floor(x / m + u) + 1, 0, 2)`` (16-bit dither)."""
@@ -149,7 +151,7 @@ def terngrad_encode(x_ptr, scaler_ptr, out_ptr, n, k0, k1, step, stream,
 
 
 # ------------------------------------------------------------------ natural
-@triton.jit
+@triton.jit(do_not_specialize=KEYED)
 def natural_encode(x_ptr, base_ptr, out_ptr, n, k0, k1, step, stream, BLOCK: tl.constexpr):
     """Natural compression's 8-bit codes ``sign << 7 | c`` (``natural`` explains ``c``), every
     case of the reference's branches in one elementwise formula."""

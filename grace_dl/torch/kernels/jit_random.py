@@ -4,10 +4,10 @@ writes a draw's words (twin: ``philox.words_twin``)."""
 import triton
 import triton.language as tl
 
-ROUND_A: tl.constexpr = 0xD2511F53
-ROUND_B: tl.constexpr = 0xCD9E8D57
-KEY_A: tl.constexpr = 0x9E3779B9
-KEY_B: tl.constexpr = 0xBB67AE85
+ROUND_A = tl.constexpr(0xD2511F53)
+ROUND_B = tl.constexpr(0xCD9E8D57)
+KEY_A = tl.constexpr(0x9E3779B9)
+KEY_B = tl.constexpr(0xBB67AE85)
 
 
 @triton.jit
