@@ -88,9 +88,8 @@ def _gradients(step: int):
     return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
 
 
-def _step(grc, grads, device="cpu"):
-    handles = [grc.send(g.to(device, copy=True), name, collectives=OneRank())
-               for name, g in grads.items()]
+def _step(grc, grads):
+    handles = [grc.send(g.clone(), name, collectives=OneRank()) for name, g in grads.items()]
     out = {name: grc.receive(h) for name, h in zip(grads, handles)}
     grc.end_step()
     return out
@@ -121,10 +120,11 @@ def test_device_path_runs_without_host_synchronisation(comp, mem, comm):
     steps = [_gradients(i) for i in range(3)]
     expected = [_step(reference, g) for g in steps]
     sized = comp in SIZED and comm in ("allgather", "broadcast", "twophase")
+    on_device = [{k: v.to(DEVICE) for k, v in g.items()} for g in steps]
     with emulate_device():
-        got = [_step(device, steps[0], DEVICE)]
+        got = [_step(device, on_device[0])]
         with _watched(sized) as seen:
-            got += [_step(device, g, DEVICE) for g in steps[1:]]
+            got += [_step(device, g) for g in on_device[1:]]
     got = [{k: v.cpu() for k, v in g.items()} for g in got]
     calls = collections.Counter(seen)
     if sized:

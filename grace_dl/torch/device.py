@@ -33,7 +33,7 @@ from grace_dl.compressors.dgc import DgcCompressor
 from grace_dl.compressors.efsignsgd import EFSignSGDCompressor
 from grace_dl.compressors.flat import dither_bits, flat_f32, restore
 from grace_dl.compressors.inceptionn import InceptionnCompressor
-from grace_dl.compressors.natural import NAN_CODE, NaturalCompressor
+from grace_dl.compressors.natural import NaturalCompressor
 from grace_dl.compressors.onebit import OneBitCompressor
 from grace_dl.compressors.paths import Reference, register
 from grace_dl.compressors.qsgd import QSGDCompressor
@@ -69,13 +69,14 @@ def _error_views(tensor, error, decoded):
 
 # ------------------------------------------------------------------ table-coded methods
 class TableCoded(Reference):
-    """A method whose payload decodes as ``table[code]`` (times a per-row scale): one
-    ``codes.decode`` pass per payload, the ranks' payloads added into one buffer."""
+    """A method whose payload decodes through a table (``codes.decode``): one pass per
+    payload, the ranks' payloads added into one buffer for ``combine``."""
 
     bits = 8
 
-    def table(self, payload, ctx):
-        """``(codes, float32 table, per-row scale or None, row)``."""
+    def decoding(self, payload, ctx, n) -> dict:
+        """``codes.decode``'s arguments for ``payload``: ``packed`` and ``table``, and as the
+        method needs ``scale``, ``row``, ``divisor``, ``sign``."""
         raise NotImplementedError
 
     def shape_dtype(self, ctx):
@@ -87,13 +88,12 @@ class TableCoded(Reference):
 
     def _decode(self, payload, ctx, out=None, accumulate=False):
         shape, dtype, n = self.shape_dtype(ctx)
-        packed, table, scale, row = self.table(payload, ctx)
-        if isinstance(dtype, str):
-            dtype = ops._DTYPES[dtype]
+        args = self.decoding(payload, ctx, n)
+        dtype = ops._DTYPES[dtype]
         flat = _flat_out(out, n) if dtype == torch.float32 else None
         target = flat if flat is not None else torch.empty(n, dtype=torch.float32,
-                                                           device=packed.device)
-        codes.decode(packed, self.bits, n, table, target, scale, row, accumulate)
+                                                           device=args["packed"].device)
+        codes.decode(bits=self.bits, n=n, out=target, accumulate=accumulate, **args)
         if flat is not None:
             return out
         return target.to(dtype).reshape(shape)
@@ -106,7 +106,7 @@ class TableCoded(Reference):
 
     def combine(self, payloads, ctx, out=None):
         shape, dtype, n = self.shape_dtype(ctx)
-        if dtype not in ("float32", torch.float32):
+        if dtype != "float32":
             total = self._decode(payloads[0], ctx)
             for p in payloads[1:]:
                 total = total + self._decode(p, ctx)
@@ -114,14 +114,14 @@ class TableCoded(Reference):
         total = self._decode(payloads[0], ctx, out)
         flat = total.view(-1)
         for p in payloads[1:]:
-            packed, table, scale, row = self.table(p, ctx)
-            codes.decode(packed, self.bits, n, table, flat, scale, row, accumulate=True)
+            codes.decode(bits=self.bits, n=n, out=flat, accumulate=True,
+                         **self.decoding(p, ctx, n))
         return self.finish(total)
 
 
 @register(QSGDCompressor, KIND)
 class QSGDOnDevice(TableCoded):
-    """qsgd: one kernel for the row norms, one for the codes (and error, decoding)."""
+    """qsgd: one kernel for the codes (and the row norms, the error and the decoding)."""
 
     def __init__(self, compressor):
         super().__init__(compressor)
@@ -137,88 +137,82 @@ class QSGDOnDevice(TableCoded):
     def _compress(self, tensor, name, call, error=None, decoded=None):
         c = self.compressor
         _, x, layout = flat_f32(tensor)
-        x = x.contiguous()
         step = c.next_step(name, tensor)
-        norms = codes.row_norms(x, c.bucket_size)
         s = c.quantum_num
-        packed = codes.qsgd_encode(x, norms, c.bucket_size, float(s), 2 * s, self.bits,
-                                   dither_bits(s), philox.device_key(c.seed, name), step,
-                                   call.rank, error, decoded)
+        packed, norms = codes.qsgd_encode(x.contiguous(), c.bucket_size, float(s), 2 * s,
+                                          self.bits, dither_bits(s),
+                                          philox.device_key(c.seed, name), step, call.rank,
+                                          error, decoded)
         return [packed, norms], layout
 
-    def table(self, payload, ctx):
+    def decoding(self, payload, ctx, n):
         packed, norms = payload
-        s = self.compressor.quantum_num
-        table = codes.constant(("qsgd levels", s, self.bits), packed.device,
-                               lambda: np.arange(1 << self.bits, dtype=np.float32) - s)
-        return packed, table, norms / float(s), self.compressor.bucket_size
+        s, bits = self.compressor.quantum_num, self.bits
+        table = codes.constant(("qsgd levels", s, bits), packed.device,
+                               lambda: np.arange(1 << bits, dtype=np.float32) - s)
+        return dict(packed=packed, table=table, scale=norms, row=self.compressor.bucket_size,
+                    divisor=float(s))
 
 
 @register(TernGradCompressor, KIND)
 class TernGradOnDevice(TableCoded):
+    """terngrad: one kernel for the largest magnitude, one for the codes."""
+
     bits = 2
 
     def compress(self, tensor, name, call):
         c = self.compressor
         _, x, layout = flat_f32(tensor)
-        x = x.contiguous()
         step = c.next_step(name, tensor)
-        n = layout.numel
-        scaler = ops.abs_max(x).reshape(1) if n else x.new_zeros(1)
-        packed = codes.terngrad_encode(x, scaler, philox.device_key(c.seed, name), step,
-                                       call.rank)
+        packed, scaler = codes.terngrad_encode(x.contiguous(), philox.device_key(c.seed, name),
+                                               step, call.rank)
         return [packed, scaler], layout
 
-    def table(self, payload, ctx):
+    def decoding(self, payload, ctx, n):
         packed, scaler = payload
-        base = codes.constant("0..3", packed.device, lambda: np.arange(4, dtype=np.float32))
-        return packed, (base - 1.0) * scaler, None, 1
+        table = codes.constant("-1..2", packed.device,
+                               lambda: np.arange(4, dtype=np.float32) - 1.0)
+        return dict(packed=packed, table=table, scale=scaler, row=n)
 
 
 @register(NaturalCompressor, KIND)
 class NaturalOnDevice(TableCoded):
+    """natural: one kernel for the largest magnitude, one for the codes and the window."""
+
     def compress(self, tensor, name, call):
         c = self.compressor
         _, x, layout = flat_f32(tensor)
-        x = x.contiguous()
         step = c.next_step(name, tensor)
-        if layout.numel:
-            top = (ops.abs_max(x).view(torch.int32) & 0x7FFFFFFF) >> 23
-        else:
-            top = torch.zeros((), dtype=torch.int32, device=x.device)
-        base = torch.clamp(top - 124, min=0).to(torch.int32)
-        out = codes.natural_encode(x, base, philox.device_key(c.seed, name), step, call.rank)
-        return [out, base.reshape(1)], layout
+        out, base = codes.natural_encode(x.contiguous(), philox.device_key(c.seed, name), step,
+                                         call.rank)
+        return [out, base], layout
 
-    def table(self, payload, ctx):
+    def decoding(self, payload, ctx, n):
         packed, base = payload
-        c = codes.constant("0..127", packed.device, lambda: np.arange(128, dtype=np.int32))
-        power = torch.clamp(c + base, 0, 255) << 23
-        power = torch.where(c == 0, 0, torch.where(c == NAN_CODE, 0x7FC00000, power))
-        power = torch.where(c == 127, 0x7F800000, power).to(torch.int32).view(torch.float32)
-        return packed, torch.cat([power, -power]), None, 1
+        return dict(packed=packed, table=codes.natural_table(base))
 
 
 @register(U8bitCompressor, KIND)
 class U8bitOnDevice(TableCoded):
+    """u8bit: one kernel for the largest magnitude, one for the codes."""
+
     def compress(self, tensor, name, call):
         _, x, layout = flat_f32(tensor)
-        x = x.contiguous()
-        scaler = ops.abs_max(x).reshape(1) if layout.numel else x.new_zeros(1)
         index = codes.constant("u8bit cell index", x.device, lambda: _CELL_INDEX)
         split = codes.constant("u8bit cell split", x.device, lambda: _CELL_SPLIT)
-        return [codes.u8bit_encode(x, scaler, index, split), scaler], layout
+        return list(codes.u8bit_encode(x.contiguous(), index, split)), layout
 
-    def table(self, payload, ctx):
+    def decoding(self, payload, ctx, n):
         packed, scaler = payload
-        t = codes.constant("u8bit table", packed.device,
-                           lambda: np.concatenate([_TABLE, -_TABLE]))
-        return packed, t * scaler, None, 1
+        table = codes.constant("u8bit table", packed.device,
+                               lambda: np.concatenate([_TABLE, -_TABLE]))
+        return dict(packed=packed, table=table, scale=scaler, row=n)
 
 
 # ------------------------------------------------------------------ 1-bit sign codes
 class OneBitCoded(TableCoded):
-    """A 1-bit sign plane decoded through a 2-entry table (``signbits.decode``)."""
+    """A 1-bit sign plane decoded through a 2-entry table (``signbits.decode``). float64
+    tensors keep the reference (its sums are float64)."""
 
     bits = 1
 
@@ -226,39 +220,31 @@ class OneBitCoded(TableCoded):
         shape, dtype = ctx
         return shape, dtype, math.prod(shape)
 
+    def compress(self, tensor, name, call):
+        if tensor.dtype == torch.float64:
+            return super().compress(tensor, name, call)
+        return list(self.encode(tensor.reshape(-1).contiguous())), (tuple(tensor.shape),
+                                                                    ops.dtype(tensor))
+
 
 @register(OneBitCompressor, KIND)
 class OneBitOnDevice(OneBitCoded):
-    def compress(self, tensor, name, call):
-        flat = tensor.reshape(-1)
-        neg, _ = codes.sign_planes(flat.contiguous(), zero=False)
-        wide = signbits.wide(ops, flat)
-        total, mass = wide.sum(), ops.abs_sum(wide)
-        n_neg = (flat < 0).sum().to(wide.dtype)
-        n_pos = n_neg * -1 + flat.numel()
-        sum_pos, sum_neg = (total + mass) * 0.5, (total - mass) * 0.5
-        zero = torch.zeros_like(total)
-        sum_pos = torch.where(sum_pos < 0, zero, sum_pos)
-        sum_neg = torch.where(sum_neg > 0, zero, sum_neg)
-        means = torch.stack([sum_pos / torch.clamp(n_pos, 1), sum_neg / torch.clamp(n_neg, 1)])
-        return [neg, means.to(torch.float32)], (tuple(tensor.shape), ops.dtype(tensor))
+    """onebit: one kernel for the sign plane and its partial sums, one for the two means."""
 
-    def table(self, payload, ctx):
-        return payload[0], payload[1], None, 1
+    encode = staticmethod(codes.onebit_encode)
+
+    def decoding(self, payload, ctx, n):
+        return dict(packed=payload[0], table=payload[1])
 
 
 @register(EFSignSGDCompressor, KIND)
 class EFSignSGDOnDevice(OneBitCoded):
-    def compress(self, tensor, name, call):
-        flat = tensor.reshape(-1)
-        neg, _ = codes.sign_planes(flat.contiguous(), zero=False)
-        scale = ops.abs_sum(signbits.wide(ops, flat)) / max(flat.numel(), 1)
-        return [neg, scale.to(torch.float32).reshape(1)], (tuple(tensor.shape),
-                                                           ops.dtype(tensor))
+    """efsignsgd: one kernel for the sign plane and its partial sums, one for the scale."""
 
-    def table(self, payload, ctx):
-        scale = payload[1]
-        return payload[0], torch.cat([scale, scale * -1.0]), None, 1
+    encode = staticmethod(codes.efsign_encode)
+
+    def decoding(self, payload, ctx, n):
+        return dict(packed=payload[0], table=payload[1], sign=True)
 
     def finish(self, total):
         return total / self.compressor.lr
@@ -267,18 +253,22 @@ class EFSignSGDOnDevice(OneBitCoded):
 # ------------------------------------------------------------------ pure signs
 @register(SignSGDCompressor, KIND)
 class SignSGDOnDevice(Reference):
-    """signsgd: the planes from one kernel, the vote on the packed planes (``signbits.vote``),
-    the signs decoded by one kernel that writes NaN everywhere when a status byte is set.
-    Whether the zero plane travels (the payload's size) is the one value compress reads."""
+    """signsgd: one kernel for the planes and the NaN/zero flags, the vote on the packed
+    planes (``signbits.vote``), one kernel that decodes the signs (NaN everywhere when a status
+    says so). Whether the zero plane travels (the payload's size) is the one value compress
+    reads."""
 
     def _source(self, tensor, name):
         return tensor.reshape(-1)
 
     def compress(self, tensor, name, call):
         flat = self._source(tensor, name).contiguous()
-        neg, zero = codes.sign_planes(flat, zero=True)
-        # whether the zero plane travels (the payload's size) is the one value read back
-        payload = signbits.pack_signs(ops, neg, zero, signbits.status(ops, flat))
+        neg, zero, flags = codes.sign_encode(flat)
+        status = flags[:1].to(torch.uint8)
+        if flat.numel() and bool(flags[1]):          # the one read-back: the payload's size
+            payload = torch.cat([neg, zero, status | signbits.ZEROS])
+        else:
+            payload = torch.cat([neg, status])
         return [payload], (tuple(tensor.shape), ops.dtype(tensor))
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
@@ -391,7 +381,9 @@ class DgcOnDevice(Reference):
         picks = ops.choice(c.seed, name, step, n, s, like=flat)
         sampled = mag.index_select(0, picks)
         above = sparse.ceil_count(ops, ratio * s, s)
-        thr = torch.kthvalue(sampled, s - above + 1).values
+        # the above-th largest sampled magnitude (a sort: kthvalue runs on one block of
+        # threads for a single row, a sort on all of them)
+        thr = torch.sort(sampled).values[s - above]
         cand = torch.nonzero(flat.abs() >= thr).reshape(-1)   # the one read-back: its length
         if cand.numel() > k:
             cand = cand.index_select(0, torch.topk(mag.index_select(0, cand), k,
@@ -478,8 +470,8 @@ class SketchOnDevice(TableCoded):
                             torch.zeros_like(sums))
         return [packed, means], layout
 
-    def table(self, payload, ctx):
-        return payload[0], payload[1], None, 1
+    def decoding(self, payload, ctx, n):
+        return dict(packed=payload[0], table=payload[1])
 
 
 def _quantile_points(m: int, q: int):

@@ -4,9 +4,10 @@ each one pass over the tensor (twins: ``codes``).
 Packed codes follow ``ops.pack_bits``: code ``i`` occupies bits ``[i b, i b + b)`` of a
 little-endian bit stream, ``ceil(n b / 8)`` bytes, zero past the last code. Elementwise kernels
 handle ``BLOCK`` elements per program (a multiple of 32, so a program's codes fill whole
-bytes); dither words come from ``jit_random.word_block`` at the elements' own indices.
-Launched with ``enable_fp_fusion=False``: no multiply-add is contracted, so each float
-operation rounds as the twin's torch op does.
+bytes); dither words come from ``jit_random.word_block`` at the elements' own indices. A
+tensor-wide scalar (a largest magnitude, a sum) is reduced into a small buffer by one kernel
+and read by the next, never by the host. Launched with ``enable_fp_fusion=False``: no
+multiply-add is contracted, so each float operation rounds as the twin's torch op does.
 """
 
 import triton
@@ -18,6 +19,7 @@ from grace_dl.torch.kernels.jit_random import word_block
 KEYED = ["k0", "k1", "step", "stream"]
 NAN_CODE = tl.constexpr(126)
 INF_CODE = tl.constexpr(127)
+INF_BITS = tl.constexpr(0x7F800000)
 
 
 # ------------------------------------------------------------------ packing
@@ -55,18 +57,72 @@ def load_codes(packed_ptr, idx, n, BITS: tl.constexpr):
 
 
 @triton.jit
-def decode(packed_ptr, table_ptr, scale_ptr, out_ptr, n, row, BITS: tl.constexpr,
-           SCALED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[i] (+)= table[code_i] (* scale[i // row])``: every table decoder in one pass."""
+def decode(packed_ptr, table_ptr, scale_ptr, out_ptr, n, row, divisor, BITS: tl.constexpr,
+           SIGN: tl.constexpr, SCALED: tl.constexpr, ACCUMULATE: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """``out[i] (+)= v_i``: ``v = table[code]`` (``SIGN``: ``table[0]``, negated where the
+    code is 1), times ``scale[i // row] / divisor`` when ``SCALED``: every table decoder in
+    one pass."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    v = tl.load(table_ptr + load_codes(packed_ptr, idx, n, BITS), mask=mask, other=0.0)
+    code = load_codes(packed_ptr, idx, n, BITS)
+    if SIGN:
+        t = tl.load(table_ptr)
+        v = tl.where(code != 0, t * -1.0, t)
+    else:
+        v = tl.load(table_ptr + code, mask=mask, other=0.0)
     if SCALED:
-        v = v * tl.load(scale_ptr + idx // row, mask=mask, other=0.0)
+        v = v * (tl.load(scale_ptr + idx // row, mask=mask, other=0.0) / divisor)
     if ACCUMULATE:
         v = tl.load(out_ptr + idx, mask=mask, other=0.0).to(tl.float32) + v
     tl.store(out_ptr + idx, v, mask=mask)
+
+
+@triton.jit
+def pack(codes_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """uint8 codes (below ``2**BITS``) packed ``BITS`` each."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    code = tl.load(codes_ptr + idx, mask=idx < n, other=0).to(tl.int32)
+    store_codes(out_ptr, code, pid, n, BLOCK, BITS)
+
+
+@triton.jit
+def unpack(packed_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The first ``n`` codes of a ``BITS``-bit packed stream, as uint8."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + idx, load_codes(packed_ptr, idx, n, BITS).to(tl.uint8), mask=idx < n)
+
+
+# ------------------------------------------------------------------ scalars of a tensor
+@triton.jit
+def abs_max(x_ptr, acc_ptr, n, BLOCK: tl.constexpr):
+    """``acc[0] = max(acc[0], the float32 bits of |x|)``: the largest magnitude's bits, which
+    order as the magnitudes do (an infinity above every number, a NaN above that)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    tl.atomic_max(acc_ptr, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+
+
+@triton.jit
+def largest(acc_ptr):
+    """The largest magnitude from ``abs_max``'s bits: NaN where the tensor holds a NaN or an
+    infinity (``ops.abs_max``'s rule)."""
+    bits = tl.load(acc_ptr)
+    return tl.where(bits >= INF_BITS, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def magnitudes(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``|x|`` as float32, with NaN ranked below every number (-1)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    m = tl.abs(tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out_ptr + idx, tl.where(m == m, m, -1.0), mask=mask)
 
 
 # ------------------------------------------------------------------ dither
@@ -79,6 +135,17 @@ def dither(pid, step, stream, k0, k1, BITS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 # ------------------------------------------------------------------ qsgd
+@triton.jit
+def norm_of(x, AXIS: tl.constexpr):
+    """The L2 norm along ``AXIS``; where the sum of squares overflows, from ``x`` scaled by
+    its largest magnitude."""
+    plain = tl.sqrt(tl.sum(x * x, axis=AXIS))
+    peak = tl.max(tl.abs(x), axis=AXIS)
+    safe = tl.where(peak > 0, peak, 1.0)
+    y = x / tl.expand_dims(safe, AXIS)
+    return tl.where(plain < float("inf"), plain, tl.sqrt(tl.sum(y * y, axis=AXIS)) * peak)
+
+
 @triton.jit
 def row_norms(x_ptr, norms_ptr, n, row, rows, ROWS: tl.constexpr, COLS: tl.constexpr,
               TILES: tl.constexpr):
@@ -106,17 +173,12 @@ def row_norms(x_ptr, norms_ptr, n, row, rows, ROWS: tl.constexpr, COLS: tl.const
     tl.store(norms_ptr + r, norm, mask=r < rows)
 
 
-@triton.jit(do_not_specialize=KEYED)
-def qsgd_encode(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, row, s, hi, k0, k1, step,
-                stream, DITHER: tl.constexpr, BITS: tl.constexpr, ERROR: tl.constexpr,
-                DECODED: tl.constexpr, BLOCK: tl.constexpr):
-    """qsgd's codes ``clamp(floor(s x / ||row|| + u) + s, 0, hi)``; with ``ERROR`` / ``DECODED``
-    also ``x - v`` and ``v = (code - s) * ||row|| / s``."""
-    pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
-    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    norm = tl.load(norms_ptr + idx // row, mask=mask, other=1.0)
+@triton.jit
+def qsgd_codes(x, norm, idx, mask, out_ptr, err_ptr, dec_ptr, pid, n, s, hi, k0, k1, step,
+               stream, DITHER: tl.constexpr, BITS: tl.constexpr, ERROR: tl.constexpr,
+               DECODED: tl.constexpr, BLOCK: tl.constexpr):
+    """qsgd's codes of one program's ``BLOCK`` elements (``norm``: each one's bucket norm),
+    stored packed, with the error ``x - v`` and the decoded ``v`` when asked."""
     scale = tl.where(norm > 0, s / norm, 0.0)
     t = x * scale
     t = t + dither(pid, step, stream, k0, k1, DITHER, BLOCK)
@@ -132,16 +194,52 @@ def qsgd_encode(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, row, s, hi, k0, 
             tl.store(err_ptr + idx, x - v, mask=mask)
 
 
-# ------------------------------------------------------------------ terngrad
 @triton.jit(do_not_specialize=KEYED)
-def terngrad_encode(x_ptr, scaler_ptr, out_ptr, n, k0, k1, step, stream,
-                    BLOCK: tl.constexpr):
-    """TernGrad's 2-bit codes ``clamp(floor(x / m + u) + 1, 0, 2)`` (16-bit dither)."""
+def qsgd_encode(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, row, s, hi, k0, k1, step,
+                stream, DITHER: tl.constexpr, BITS: tl.constexpr, ERROR: tl.constexpr,
+                DECODED: tl.constexpr, BLOCK: tl.constexpr):
+    """qsgd's codes ``clamp(floor(s x / ||row|| + u) + s, 0, hi)`` from the row norms."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(scaler_ptr)
+    norm = tl.load(norms_ptr + idx // row, mask=mask, other=1.0)
+    qsgd_codes(x, norm, idx, mask, out_ptr, err_ptr, dec_ptr, pid, n, s, hi, k0, k1, step,
+               stream, DITHER, BITS, ERROR, DECODED, BLOCK)
+
+
+@triton.jit(do_not_specialize=KEYED)
+def qsgd_rows(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, s, hi, k0, k1, step, stream,
+              ROW: tl.constexpr, ROWS: tl.constexpr, DITHER: tl.constexpr, BITS: tl.constexpr,
+              ERROR: tl.constexpr, DECODED: tl.constexpr, BLOCK: tl.constexpr):
+    """``qsgd_encode`` with the norms of its ``ROWS`` whole rows of ``ROW`` elements
+    (``ROWS * ROW == BLOCK``) computed (and stored) by the same program: one pass over the
+    tensor."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    tile = r[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    x = tl.load(x_ptr + tile, mask=tile < n, other=0.0).to(tl.float32)
+    norms = norm_of(x, 1)
+    tl.store(norms_ptr + r, norms, mask=r * ROW < n)
+    idx = tl.reshape(tile, (BLOCK,))
+    norm = tl.reshape(tl.broadcast_to(norms[:, None], (ROWS, ROW)), (BLOCK,))
+    qsgd_codes(tl.reshape(x, (BLOCK,)), norm, idx, idx < n, out_ptr, err_ptr, dec_ptr, pid, n,
+               s, hi, k0, k1, step, stream, DITHER, BITS, ERROR, DECODED, BLOCK)
+
+
+# ------------------------------------------------------------------ terngrad
+@triton.jit(do_not_specialize=KEYED)
+def terngrad_encode(x_ptr, acc_ptr, out_ptr, scaler_ptr, n, k0, k1, step, stream,
+                    BLOCK: tl.constexpr):
+    """TernGrad's 2-bit codes ``clamp(floor(x / m + u) + 1, 0, 2)`` (16-bit dither), ``m``
+    the largest magnitude (``abs_max``), which program 0 stores as the scaler."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    m = largest(acc_ptr)
+    if pid == 0:
+        tl.store(scaler_ptr, m)
     inv = tl.where(m > 0, 1.0 / m, 0.0)
     t = x * inv
     t = t + dither(pid, step, stream, k0, k1, 16, BLOCK)
@@ -152,14 +250,19 @@ def terngrad_encode(x_ptr, scaler_ptr, out_ptr, n, k0, k1, step, stream,
 
 # ------------------------------------------------------------------ natural
 @triton.jit(do_not_specialize=KEYED)
-def natural_encode(x_ptr, base_ptr, out_ptr, n, k0, k1, step, stream, BLOCK: tl.constexpr):
+def natural_encode(x_ptr, acc_ptr, out_ptr, base_ptr, n, k0, k1, step, stream,
+                   BLOCK: tl.constexpr):
     """Natural compression's 8-bit codes ``sign << 7 | c`` (``natural`` explains ``c``), every
-    case of the reference's branches in one elementwise formula."""
+    case of the reference's branches in one elementwise formula; the window's ``base`` comes
+    from the largest magnitude (``abs_max``) and program 0 stores it."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     bc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
-    base = tl.load(base_ptr)
+    top = tl.load(acc_ptr) >> 23
+    base = tl.maximum(top - 124, 0)
+    if pid == 0:
+        tl.store(base_ptr, base)
     mag = bc & 0x7FFFFFFF
     e = mag >> 23
     lowered = mag - (base << 23)
@@ -175,16 +278,31 @@ def natural_encode(x_ptr, base_ptr, out_ptr, n, k0, k1, step, stream, BLOCK: tl.
     tl.store(out_ptr + idx, c.to(tl.uint8), mask=mask)
 
 
+@triton.jit
+def natural_table(base_ptr, out_ptr):
+    """The 256 decoded values of natural's codes under ``base``: ``+-2^(base + c - 127)``, 0,
+    NaN (c = 126) and infinity (c = 127)."""
+    c = tl.arange(0, 128)
+    power = tl.minimum(tl.maximum(c + tl.load(base_ptr), 0), 255) << 23
+    power = tl.where(c == 0, 0, tl.where(c == NAN_CODE, 0x7FC00000, power))
+    power = tl.where(c == INF_CODE, 0x7F800000, power)
+    tl.store(out_ptr + c, power.to(tl.float32, bitcast=True))
+    tl.store(out_ptr + 128 + c, (power ^ -2147483648).to(tl.float32, bitcast=True))  # negated
+
+
 # ------------------------------------------------------------------ u8bit
 @triton.jit
-def u8bit_encode(x_ptr, scaler_ptr, index_ptr, split_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def u8bit_encode(x_ptr, acc_ptr, index_ptr, split_ptr, out_ptr, scaler_ptr, n,
+                 BLOCK: tl.constexpr):
     """The dynamic tree's nearest code of ``|x| / m`` (two table lookups and a comparison)
-    with the sign as bit 7."""
+    with the sign as bit 7; ``m`` the largest magnitude, stored by program 0."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(scaler_ptr)
+    m = largest(acc_ptr)
+    if pid == 0:
+        tl.store(scaler_ptr, m)
     v = tl.abs(x) * tl.where(m > 0, 1.0 / m, 0.0)
     cell = (v.to(tl.int32, bitcast=True) >> 17) & 0x7FFF
     code = tl.load(index_ptr + cell, mask=mask, other=0).to(tl.int32)
@@ -195,15 +313,59 @@ def u8bit_encode(x_ptr, scaler_ptr, index_ptr, split_ptr, out_ptr, n, BLOCK: tl.
 
 # ------------------------------------------------------------------ sign planes
 @triton.jit
-def sign_planes(x_ptr, neg_ptr, zero_ptr, n, ZERO: tl.constexpr, BLOCK: tl.constexpr):
-    """The packed plane of ``x < 0`` (and, with ``ZERO``, of ``x == 0``)."""
+def sign_planes(x_ptr, neg_ptr, zero_ptr, part_ptr, flags_ptr, n, ZERO: tl.constexpr,
+                STATS: tl.constexpr, FLAGS: tl.constexpr, BLOCK: tl.constexpr):
+    """The packed plane of ``x < 0`` (with ``ZERO``, of ``x == 0`` too); with ``STATS`` this
+    program's ``[sum x, sum |x|, count x < 0]`` in ``part[pid]``; with ``FLAGS``
+    ``flags |= [any NaN or infinity, any exact zero]``."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=1.0)
-    store_codes(neg_ptr, (x < 0).to(tl.int32), pid, n, BLOCK, 1)
+    neg = x < 0
+    store_codes(neg_ptr, neg.to(tl.int32), pid, n, BLOCK, 1)
     if ZERO:
         store_codes(zero_ptr, (x == 0).to(tl.int32), pid, n, BLOCK, 1)
+    if STATS:
+        w = tl.where(mask, x.to(tl.float32), 0.0)
+        tl.store(part_ptr + pid * 3, tl.sum(w, axis=0))
+        tl.store(part_ptr + pid * 3 + 1, tl.sum(tl.abs(w), axis=0))
+        tl.store(part_ptr + pid * 3 + 2, tl.sum(neg.to(tl.float32), axis=0))
+    if FLAGS:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        tl.atomic_or(flags_ptr, tl.max((bits >= INF_BITS).to(tl.int32), axis=0))
+        tl.atomic_or(flags_ptr + 1, tl.max((x == 0).to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["programs", "n"])
+def sign_scalars(part_ptr, programs, n, out_ptr, MEANS: tl.constexpr, CHUNK: tl.constexpr,
+                 LOOPS: tl.constexpr):
+    """From ``sign_planes``' partial sums, in program order: with ``MEANS`` onebit's
+    ``[mean of x >= 0, mean of x < 0]`` (from ``S = sum x`` and ``A = sum |x|``: the
+    non-negative sum is ``(S + A) / 2``, the negative ``(S - A) / 2``); else efsignsgd's scale
+    ``A / n``."""
+    total = tl.zeros((CHUNK,), tl.float32)
+    mass = tl.zeros((CHUNK,), tl.float32)
+    count = tl.zeros((CHUNK,), tl.float32)
+    for i in range(LOOPS):      # LOOPS * CHUNK >= programs
+        p = i * CHUNK + tl.arange(0, CHUNK)
+        mask = p < programs
+        total += tl.load(part_ptr + p * 3, mask=mask, other=0.0)
+        mass += tl.load(part_ptr + p * 3 + 1, mask=mask, other=0.0)
+        count += tl.load(part_ptr + p * 3 + 2, mask=mask, other=0.0)
+    s = tl.sum(total, axis=0)
+    a = tl.sum(mass, axis=0)
+    if MEANS:
+        n_neg = tl.sum(count, axis=0)
+        n_pos = n_neg * -1.0 + n
+        pos = (s + a) * 0.5
+        neg = (s - a) * 0.5
+        pos = tl.where(pos < 0, 0.0, pos)
+        neg = tl.where(neg > 0, 0.0, neg)
+        tl.store(out_ptr, pos / tl.maximum(n_pos, 1.0))
+        tl.store(out_ptr + 1, neg / tl.maximum(n_neg, 1.0))
+    else:
+        tl.store(out_ptr, a / tl.maximum(n * 1.0, 1.0))
 
 
 @triton.jit
@@ -224,64 +386,28 @@ def ternary(pos_ptr, neg_ptr, out_ptr, n, NAN_FLAG, BLOCK: tl.constexpr):
 # ------------------------------------------------------------------ sketch
 @triton.jit
 def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.constexpr,
-                  Q: tl.constexpr, STEPS: tl.constexpr, SUB: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  Q: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
     """Each element's bucket (the number of edge keys <= its order key: a binary search of
-    ``STEPS`` rounds), packed ``BITS`` each, and this program's per-bucket sums and counts
-    (``part[pid] = [sums(Q), counts(Q)]``)."""
-    pid = tl.program_id(0).to(tl.int64)
-    bins = tl.arange(0, Q)
-    sums = tl.zeros((Q,), tl.float32)
-    counts = tl.zeros((Q,), tl.float32)
-    for sub in range(0, BLOCK, SUB):
-        idx = pid * BLOCK + sub + tl.arange(0, SUB)
-        mask = idx < n
-        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        bits = x.to(tl.int32, bitcast=True)
-        key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
-        key += (key >> 31) & 1
-        lo = tl.zeros((SUB,), tl.int32)
-        hi = tl.zeros((SUB,), tl.int32) + n_edges
-        for _ in tl.static_range(STEPS):
-            active = lo < hi
-            mid = (lo + hi) >> 1
-            e = tl.load(edges_ptr + mid, mask=active, other=0)
-            le = e <= key
-            lo = tl.where(active & le, mid + 1, lo)
-            hi = tl.where(active & (e > key), mid, hi)
-        bucket = tl.where(mask, lo, 0)
-        store_codes(out_ptr, bucket, (pid * BLOCK + sub) // SUB, n, SUB, BITS)
-        hit = (bucket[:, None] == bins[None, :]) & mask[:, None]
-        sums += tl.sum(tl.where(hit, x[:, None], 0.0), axis=0)
-        counts += tl.sum(hit.to(tl.float32), axis=0)
-    tl.store(part_ptr + pid * 2 * Q + bins, sums)
-    tl.store(part_ptr + pid * 2 * Q + Q + bins, counts)
-
-
-# ------------------------------------------------------------------ generic codes and magnitudes
-@triton.jit
-def pack(codes_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """uint8 codes (below ``2**BITS``) packed ``BITS`` each."""
-    pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    code = tl.load(codes_ptr + idx, mask=idx < n, other=0).to(tl.int32)
-    store_codes(out_ptr, code, pid, n, BLOCK, BITS)
-
-
-@triton.jit
-def unpack(packed_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """The first ``n`` codes of a ``BITS``-bit packed stream, as uint8."""
-    pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + idx, load_codes(packed_ptr, idx, n, BITS).to(tl.uint8), mask=idx < n)
-
-
-@triton.jit
-def magnitudes(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """``|x|`` as float32, with NaN ranked below every number (-1)."""
+    ``STEPS`` rounds), packed ``BITS`` each, and its value and a count added into this
+    program's row of per-bucket sums (``part[pid] = [sums(Q), counts(Q)]``)."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    m = tl.abs(x)
-    tl.store(out_ptr + idx, tl.where(m == m, m, -1.0), mask=mask)
+    bits = x.to(tl.int32, bitcast=True)
+    key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
+    key += (key >> 31) & 1
+    lo = tl.zeros((BLOCK,), tl.int32)
+    hi = tl.zeros((BLOCK,), tl.int32) + n_edges
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        e = tl.load(edges_ptr + mid, mask=active, other=0)
+        le = e <= key
+        lo = tl.where(active & le, mid + 1, lo)
+        hi = tl.where(active & (e > key), mid, hi)
+    bucket = tl.where(mask, lo, 0)
+    store_codes(out_ptr, bucket, pid, n, BLOCK, BITS)
+    row = part_ptr + pid * 2 * Q
+    tl.atomic_add(row + bucket, x, mask=mask)
+    tl.atomic_add(row + Q + bucket, tl.where(mask, 1.0, 0.0), mask=mask)

@@ -114,15 +114,17 @@ def choice(key, step: int, n: int, k: int, like):
     else:
         draws = math.ceil(n * math.log(n / (n - j)) + 12 * math.sqrt(2 * j) + 64)
         w = words(key, step, 0, 2 * draws, like).reshape(draws, 2)
-        values = scaled(w[:, 0], w[:, 1], n)
+        values = scaled(w[:, 0], w[:, 1], n).to(torch.int32)     # n < 2**31
         ranked, order = torch.sort(values, stable=True)
         first = torch.ones_like(ranked, dtype=torch.bool)
         first[1:] = ranked[1:] != ranked[:-1]
+        # each value's first draw, ranked in draw order; the j earliest kept, in value order
         in_draw_order = torch.empty_like(first).scatter_(0, order, first)
-        rank = torch.cumsum(in_draw_order, 0) - 1
-        slot = torch.where(in_draw_order & (rank < j), rank, j)
-        kept = torch.zeros(j + 1, dtype=torch.int64, device=device).scatter_(0, slot, values)
-        kept = torch.sort(kept[:j]).values
+        rank = (torch.cumsum(in_draw_order, 0) - 1).index_select(0, order)
+        keep = first & (rank < j)
+        slot = torch.where(keep, torch.cumsum(keep, 0) - 1, j)
+        kept = torch.zeros(j + 1, dtype=torch.int64, device=device).scatter_(
+            0, slot, ranked.to(torch.int64))[:j]
     if not complement:
         return kept
     left = torch.ones(n, dtype=torch.bool, device=device)
