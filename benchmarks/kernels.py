@@ -25,10 +25,12 @@ from benchmarks.report import _table, kernels, machine
 from grace_dl import native, seeding
 from grace_dl.compressors import sparse
 from grace_dl.compressors.base import LOCAL
+from grace_dl.compressors.paths import Paths
 from grace_dl.compressors.qsgd import QSGDCompressor
 from grace_dl.compressors.signsgd import SignSGDCompressor
 from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
+from grace_dl.native.paths import _top_positions
 from grace_dl.torch import ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,17 +44,20 @@ def cases(n: int) -> dict:
     err, dec, out = torch.empty(n), torch.empty(n), torch.empty(n)
     a = x.numpy()
     thr = float(np.quantile(np.abs(a[: 1 << 16]), 0.986))   # ~1.4% candidates, as topk 1% scans
-    sign, qsgd = SignSGDCompressor(), QSGDCompressor(quantum_num=64)
-    s_payload, s_ctx = sign.compress(x, "s")
-    q_payload, q_ctx = qsgd.compress(x, "q")
-    q_other, _ = qsgd.compress(x.flip(0).contiguous(), "q2")
-    topk, threshold = TopKCompressor(0.01), ThresholdCompressor(2.576)
-    s_other, _ = sign.compress(x.flip(0).contiguous(), "s2")
+    # the CPU path of each method (``grace_dl.native.paths``): with the kernels off, each of
+    # its calls falls back to the reference's torch code
+    sign, qsgd, topk, threshold = (Paths(c).on(x) for c in (
+        SignSGDCompressor(), QSGDCompressor(quantum_num=64), TopKCompressor(0.01),
+        ThresholdCompressor(2.576)))
+    s_payload, s_ctx = sign.compress(x, "s", LOCAL)
+    q_payload, q_ctx = qsgd.compress(x, "q", LOCAL)
+    q_other, _ = qsgd.compress(x.flip(0).contiguous(), "q2", LOCAL)
+    s_other, _ = sign.compress(x.flip(0).contiguous(), "s2", LOCAL)
     slot = torch.zeros(n)
     small = x[: min(n, 20480)]                 # the size of the MLP's output layer
     cand = ops.positions_at_least(x, thr)
-    t_payload, t_ctx = topk.compress(x, "t")
-    t_other, _ = topk.compress(x.flip(0).contiguous(), "t2")
+    t_payload, t_ctx = topk.compress(x, "t", LOCAL)
+    t_other, _ = topk.compress(x.flip(0).contiguous(), "t2", LOCAL)
 
     def server_step():
         """two-phase signSGD's server step: fused, or (kernels off) the steps one by one"""
@@ -63,14 +68,15 @@ def cases(n: int) -> dict:
 
     return {
         "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: native.positions_at_least(a, thr),
-        "topk 1% compress": lambda: topk.compress(x, "t"),
-        "threshold 2.576 compress": lambda: threshold.compress(x, "h"),
+        "topk 1% compress": lambda: topk.compress(x, "t", LOCAL),
+        "threshold 2.576 compress": lambda: threshold.compress(x, "h", LOCAL),
         "topk combine into the gradient, 2 ranks (sparse sum)":
             lambda: topk.combine([t_payload, t_other], t_ctx, out),
         "exact top 1% of 20K (topk below its sampling size)":
-            lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100)),
+            lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100),
+                                     fast_top=_top_positions),
         "top 1% of x among the scan's candidates (topk's last step)":
-            lambda: sparse.top_among(ops, x, cand, max(1, n // 100)),
+            lambda: sparse.top_among(ops, x, cand, max(1, n // 100), fast_top=_top_positions),
         "signsgd compress with error": lambda: sign.compress_with_error(x, "s", LOCAL, err),
         "signsgd decompress into": lambda: sign.decompress_into(s_payload, s_ctx, out),
         "signsgd two-phase server step, 2 ranks": server_step,

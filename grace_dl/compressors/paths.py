@@ -31,7 +31,7 @@ import logging
 LOG = logging.getLogger("grace_dl.paths")
 
 #: device kind -> the module whose import registers that kind's speed paths
-PROVIDERS = {"cuda": "grace_dl.torch.device"}
+PROVIDERS = {"cuda": "grace_dl.torch.device", "cpu": "grace_dl.native.paths"}
 
 _REGISTRY: dict = {}
 _LOADED: set = set()

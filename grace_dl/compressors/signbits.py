@@ -53,8 +53,8 @@ def status(ops, flat):
     element makes it non-finite. The only false alarm is a finite tensor whose sum exceeds
     float range (|sum| > 3.4e38 in float32); decoding then gives NaN, loudly, not a wrong
     number. A sum costs one read of the tensor, much less than ``isfinite`` plus a count.
-    (signsgd's compiled encoder, ``ops.sign_planes``, tests each element instead: no false
-    alarm there.)"""
+    (signsgd's compiled encoder, on the CPU path, and the device path test each element
+    instead: no false alarm there.)"""
     total = ops.reshape(ops.sum(wide(ops, flat)), [1])
     return 1 - ops.cast(ops.isfinite(total), "uint8")
 
@@ -128,10 +128,6 @@ def ternary(ops, pos, neg, n, dtype: str, out=None):
     where neither: each byte pair interleaved into 2-bit codes (``pack_bits`` layout, code
     ``pos + 2 neg``) through a 256-entry table, then decoded by ``unpack_lookup``; one pass
     over the output, written into the 1-D ``out`` when given (torch)."""
-    if dtype == "float32":
-        fast = ops.ternary_signs(pos, neg, n, out)
-        if fast is not None:
-            return fast
     spread = ops.from_numpy(_SPREAD, like=pos)
     # int16 wraps at bit 15: only the bit pattern matters
     words = ops.bit_or(ops.gather(spread, ops.cast(pos, "int32")),

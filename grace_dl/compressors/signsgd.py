@@ -51,9 +51,6 @@ class SignSGDCompressor(Compressor):
 
     @staticmethod
     def _encode(ops, flat):
-        fast = ops.sign_planes(flat)
-        if fast is not None:
-            return [_from_full(ops, fast, ops.numel(flat))]
         return [signbits.pack_signs(ops, signbits.encode(ops, flat),
                                     ops.pack_compare(flat, "eq", 0), signbits.status(ops, flat))]
 
@@ -68,21 +65,17 @@ class SignSGDCompressor(Compressor):
         if outs is None:
             return None
         flat = ops.flatten(tensor)
-        fast = ops.sign_planes(flat, *outs)
-        if fast is not None:
-            payload = [_from_full(ops, fast, ops.numel(flat))]
-        else:
-            payload = self._encode(ops, flat)
+        payload = self._encode(ops, flat)
 
-            def error_of(xc, *dc):
-                v = ops.sign(xc)
-                if dc:
-                    ops.assign(dc[0], v)
-                return xc - v
+        def error_of(xc, *dc):
+            v = ops.sign(xc)
+            if dc:
+                ops.assign(dc[0], v)
+            return xc - v
 
-            ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
+        ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
         if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):   # torch only here
-            _all_nan(ops, outs)     # as decoding gives
+            all_nan(ops, outs)      # as decoding gives
         return payload, (ops.shape(tensor), ops.dtype(tensor))
 
     def decompress(self, payload, ctx):
@@ -106,30 +99,7 @@ class SignSGDCompressor(Compressor):
         shape, dtype = ctx
         ops = ops_for(payloads[0][0])
         pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(shape))
-        return self._signs(ops, pos, neg, _statuses(ops, payloads), shape, dtype, out)
-
-    def combine_with_feedback(self, payloads, ctx, slot, out):
-        """The vote (``combine``), added to the server's residual ``slot`` and re-encoded,
-        its error left in ``slot`` and its signs in ``out``, in one compiled pass over the
-        chunk (``ops.sign_vote_feedback``): the same floats as the three steps. None where
-        that does not apply (not float32 CPU tensors with flat views, TF, or a rank's status
-        byte set: the steps then spell out the NaN)."""
-        shape, dtype = ctx
-        ops = ops_for(payloads[0][0])
-        slot_flat, out_flat = ops.flat_view(slot), ops.flat_view(out)
-        if dtype != "float32" or slot_flat is None or out_flat is None:
-            return None
-        if bool(signbits.flagged(ops, _statuses(ops, payloads))):
-            return None
-        n = math.prod(shape)
-        payload = ops.sign_vote_feedback([_to_full(ops, p[0], n) for p in payloads], n,
-                                         slot_flat, out_flat)
-        if payload is None:
-            return None
-        payload = _from_full(ops, payload, n)
-        if bool(signbits.flagged(ops, signbits.flag(ops, payload))):   # as compress_with_error
-            _all_nan(ops, (slot_flat, out_flat))
-        return [payload]
+        return self._signs(ops, pos, neg, statuses(ops, payloads), shape, dtype, out)
 
     @staticmethod
     def _signs(ops, pos, neg, status, shape, dtype, out):
@@ -161,7 +131,7 @@ class SignSGDCompressor(Compressor):
         return math.ceil(numel / 8) + 1
 
 
-def _statuses(ops, payloads):
+def statuses(ops, payloads):
     """The sum of the ranks' status bytes (int32): non-zero when any rank had a NaN or Inf."""
     status = None
     for (packed,) in payloads:
@@ -170,7 +140,7 @@ def _statuses(ops, payloads):
     return status
 
 
-def _from_full(ops, full, n):
+def from_full(ops, full, n):
     """The payload (``signbits.pack_signs``) of both planes and a status byte laid out one
     after the other (the compiled kernels' output: ``2 ceil(n/8) + 1`` bytes)."""
     nbytes = -(-n // 8)
@@ -179,13 +149,13 @@ def _from_full(ops, full, n):
                                ops.slice(full, 2 * nbytes, 2 * nbytes + 1))
 
 
-def _to_full(ops, packed, n):
+def to_full(ops, packed, n):
     """A payload with both planes, as the compiled server step reads it."""
     neg, zero = signbits.planes(ops, packed, n)
     return ops.cat([neg, zero, signbits.flag(ops, packed)])
 
 
-def _all_nan(ops, outs) -> None:
+def all_nan(ops, outs) -> None:
     """Set every element of the tensors ``outs`` to NaN."""
     for o in outs:
         ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))

@@ -339,15 +339,6 @@ def positions_at_least(flat, thr, sign=None):
     return nonzero(flat >= thr if sign > 0 else flat <= -thr)
 
 
-def assign_sparse_sum(var, positions: list, values: list):
-    """Always None: TF scatters the joined payloads (``assign_scatter``)."""
-    return None
-
-
-def top_positions(flat, k, sign=None):
-    """Always None: the sparsifiers' exact top-k runs as TF ops (``sparse.top_of``)."""
-    return None
-
 
 def sort(x):
     """The elements of a 1-D tensor in ascending order."""
@@ -607,30 +598,9 @@ def assign_sub(var, value):
     return var
 
 
-def sign_planes(flat, error=None, decoded=None):
-    """Always None: the compiled sign code writes into buffers, which TF tensors are not
-    (``signbits`` computes the payload with TF ops)."""
-    return None
 
 
-def ternary_signs(pos, neg, n: int, out=None):
-    """Always None: see ``sign_planes`` (``signbits.ternary`` decodes with TF ops)."""
-    return None
 
-
-def sign_vote_feedback(payloads, n: int, slot, decoded):
-    """Always None: see ``sign_planes`` (the two-phase server step runs as separate ops)."""
-    return None
-
-
-def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
-    """Always None: see ``sign_planes`` (qsgd quantizes with TF ops)."""
-    return None
-
-
-def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
-    """Always None: see ``sign_planes`` (qsgd decodes with TF ops)."""
-    return None
 
 
 def flat_view(var):
@@ -661,13 +631,6 @@ def assign_sub_at(var, idx, values):
                            values)
     return var
 
-
-def take_at(var, idx):
-    """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those values
-    there (``assign_sub_at`` of the gathered values)."""
-    values = tf.gather(tf.reshape(var, [-1]), idx)
-    assign_sub_at(var, idx, values)
-    return values
 
 
 def counter(start: int, name: str | None = None):

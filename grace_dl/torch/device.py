@@ -339,14 +339,6 @@ class TopKOnDevice(Reference):
     (the reference gives them to the lowest) and the positions are not sorted."""
 
     def compress(self, tensor, name, call):
-        return self._compress(tensor, name, take=False)
-
-    def compress_with_error(self, tensor, name, call, error, decoded=None):
-        if decoded is not None or error is not tensor:
-            return None
-        return self._compress(tensor, name, take=True)
-
-    def _compress(self, tensor, name, take):
         c = self.compressor
         n = tensor.numel()
         sparse.check_numel(n, "topk")
@@ -355,7 +347,7 @@ class TopKOnDevice(Reference):
         k = sparse.count_for(c.compress_ratio, n)
         flat = tensor.reshape(-1)
         positions = torch.topk(codes.magnitudes(flat), k, sorted=False).indices
-        return c.pack(ops, tensor, positions, take)
+        return c.pack(ops, tensor, positions)
 
 
 @register(DgcCompressor, KIND)

@@ -393,17 +393,6 @@ def positions_at_least(flat, thr, sign=None):
     return torch.from_numpy(native.positions_at_least(flat.detach().numpy(), t, sign))
 
 
-def top_positions(flat, k, sign=None):
-    """int64 positions of the ``k`` (an int) largest magnitudes of the 1-D ``flat``, those of
-    ``sparse.top_of(magnitudes(flat, sign), k)`` (ascending), by compiled passes and a
-    compiled radix select (``grace_dl.native.top_positions``; fp32 on CPU); None where it does
-    not apply."""
-    if not _host(flat) or flat.dtype != torch.float32 or torch.is_tensor(k):
-        return None
-    got = native.top_positions(flat.detach().numpy(), int(k), sign)
-    return None if got is None else torch.from_numpy(got)
-
-
 def sort(x):
     """The elements of a 1-D tensor in ascending order."""
     return torch.sort(x).values
@@ -668,72 +657,6 @@ def pack_mask(mask):
     return (v & 0xFF).to(torch.uint8)
 
 
-def _cpu_numpy(*tensors):
-    """NumPy views of CPU tensors (None stays None); None if any tensor is elsewhere or of a
-    dtype NumPy lacks (bfloat16): the compiled kernels' inputs."""
-    if any(t is not None and not _host(t) for t in tensors):
-        return None
-    try:
-        return [None if t is None else t.detach().numpy() for t in tensors]
-    except TypeError:
-        return None
-
-
-def sign_planes(flat, error=None, decoded=None):
-    """signsgd's payload of the 1-D ``flat`` (negative plane, zero plane, status byte: see
-    ``signbits``) in one compiled pass, writing ``decoded <- sign(flat)`` and ``error <- flat -
-    decoded`` into the 1-D tensors given; None where the kernel does not apply (not CPU
-    float32 tensors, no compiled library: ``grace_dl.native.sign_planes``)."""
-    arrays = _cpu_numpy(flat, error, decoded)
-    got = None if arrays is None else native.sign_planes(*arrays)
-    return None if got is None else torch.from_numpy(got)
-
-
-def ternary_signs(pos, neg, n: int, out=None):
-    """float32 +1 / -1 / 0 from the bit planes ``pos`` and ``neg`` (``signbits.ternary``) in one
-    compiled pass, into the 1-D ``out`` when given; None where the kernel does not apply."""
-    planes = _cpu_numpy(pos, neg)
-    if planes is None:
-        return None
-    if out is None:
-        out = torch.empty(n, dtype=torch.float32)
-    target = _cpu_numpy(out)
-    got = None if target is None else native.ternary(planes[0], planes[1], n, target[0])
-    return None if got is None else out
-
-
-def sign_vote_feedback(payloads, n: int, slot, decoded):
-    """signsgd's two-phase server step (the ranks' ``payloads`` voted, added to ``slot``,
-    re-encoded, its error left in ``slot`` and its signs in ``decoded``) in one compiled
-    pass; the payload, or None where it does not apply (``grace_dl.native``)."""
-    arrays = _cpu_numpy(slot, decoded, *payloads)
-    got = None if arrays is None else native.sign_vote_feedback(arrays[2:], n, arrays[0],
-                                                                arrays[1])
-    return None if got is None else torch.from_numpy(got)
-
-
-def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
-    """qsgd's uint8 levels of the rows of ``x`` (and its error and decoded values, when given)
-    in one compiled pass (``grace_dl.native.qsgd_levels``); None where it does not apply."""
-    arrays = _cpu_numpy(x, scale, step, k, error, decoded)
-    if arrays is None:
-        return None
-    x_, scale_, step_, k_, err_, dec_ = arrays
-    got = native.qsgd_levels(x_, scale_.reshape(-1), step_.reshape(-1), k_, s, hi, err_, dec_)
-    return None if got is None else torch.from_numpy(got)
-
-
-def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
-    """qsgd's decoded rows ``(codes - s) * step`` into ``out`` (added when ``accumulate``) in
-    one compiled pass (``grace_dl.native.qsgd_values``); returns ``out``, or None where that
-    does not apply."""
-    arrays = _cpu_numpy(codes, step, out)
-    if arrays is None:
-        return None
-    got = native.qsgd_values(arrays[0], arrays[1].reshape(-1), s, arrays[2], accumulate)
-    return None if got is None else out
-
-
 COMPARISONS = {"lt": (torch.lt, np.less), "eq": (torch.eq, np.equal)}
 
 
@@ -852,19 +775,6 @@ def assign_scatter(var, idx, values):
     return var
 
 
-def assign_sparse_sum(var, positions: list, values: list):
-    """In place: ``var`` = the sum of the sparse tensors ``values[r]`` at ``positions[r]``
-    (flat, each ascending), zeroed and summed block by block in one compiled pass
-    (``grace_dl.native.sparse_sum``; the bits of ``assign_scatter`` of them joined); returns
-    var, or None where it does not apply (the caller then joins them and scatters)."""
-    arrays = _cpu_numpy(var.view(-1), *positions, *values) if var.is_contiguous() else None
-    if arrays is None:
-        return None
-    ranks = len(positions)
-    got = native.sparse_sum(arrays[0], arrays[1:1 + ranks], arrays[1 + ranks:])
-    return None if got is None else var
-
-
 def assign_add(var, value):
     """In place: ``var += value``; returns var."""
     var.add_(value)
@@ -899,23 +809,6 @@ def assign_sub_at(var, idx, values):
     """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
     var.view(-1).index_add_(0, idx, values, alpha=-1)
     return var
-
-
-def take_at(var, idx):
-    """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those values
-    there (``assign_sub_at`` of the gathered values: +0.0, or NaN where not finite), in one
-    compiled pass over the entries where ``grace_dl.native.take`` applies."""
-    flat = var.view(-1) if var.is_contiguous() else var.reshape(-1)  # a copy: written back
-    arrays = _cpu_numpy(flat, idx)
-    got = None if arrays is None else native.take(*arrays)
-    if got is None:
-        values = gather(flat, idx)
-        flat.index_add_(0, idx, values, alpha=-1)
-    else:
-        values = torch.from_numpy(got)
-    if not var.is_contiguous():
-        var.copy_(flat.view(var.shape))
-    return values
 
 
 def counter(start: int, name: str | None = None):
