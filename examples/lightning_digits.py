@@ -82,9 +82,9 @@ def main(argv=None) -> int:
     strategy = DDPStrategy(process_group_backend="gloo" if not torch.cuda.is_available()
                            else "nccl", ddp_comm_state=state,
                            ddp_comm_hook=grace_ddp.comm_hook)
+    callbacks = [GraceHook(state)] if args.callback else []
     trainer = L.Trainer(accelerator="auto", devices="auto", strategy=strategy,
-                        max_epochs=args.epochs, callbacks=[GraceHook(state)] if args.callback else [],
-                        logger=False,
+                        max_epochs=args.epochs, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     x, y = data()
