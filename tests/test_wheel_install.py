@@ -74,11 +74,14 @@ def test_wheel_installs_beside_torch_and_runs_the_ddp_quickstart(tmp_path):
                     "-w", tmp_path / "dist", ROOT], check=True, timeout=timeout,
                    capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("grace_dl-*.whl")
+    # the fresh venv sees neither this checkout (PYTHONPATH) nor the test's own venv
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     venv = tmp_path / "venv"
     subprocess.run([python, "-m", "venv", venv], check=True, timeout=timeout)
     vpy = venv / "bin" / "python"
     site = Path(subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                "['purelib'])"], check=True, capture_output=True,
+                                "['purelib'])"], check=True, capture_output=True, env=env,
                                text=True).stdout.strip())
     existing = Path(subprocess.run([python, "-c", "import torch, pathlib; print(pathlib.Path("
                                     "torch.__file__).parent.parent)"], check=True,
@@ -86,9 +89,7 @@ def test_wheel_installs_beside_torch_and_runs_the_ddp_quickstart(tmp_path):
     _beside(existing, tmp_path / "existing")
     (site / "existing_torch.pth").write_text(str(tmp_path / "existing") + "\n")
     subprocess.run([vpy, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel],
-                   check=True, timeout=timeout, capture_output=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+                   check=True, timeout=timeout, capture_output=True, env=env, cwd=tmp_path)
     where = subprocess.run([vpy, "-c", "import grace_dl, importlib.util as u; "
                             "print(grace_dl.__file__, u.find_spec('horovod'))"], env=env,
                            cwd=tmp_path, check=True, capture_output=True, text=True).stdout
