@@ -5,7 +5,9 @@
 ``accelerator.prepare(model)`` wraps the model in DDP when the job has several processes;
 grace's hook is registered on that prepared model, before the first backward pass.
 (``DistributedDataParallelKwargs(comm_hook=...)`` takes only PyTorch's built-in hooks.) On one
-process ``prepare`` returns the model unwrapped and there is nothing to compress.
+process ``prepare`` returns the model unwrapped and there is nothing to compress; without a GPU,
+``Accelerator(cpu=True)`` (or ``ACCELERATE_USE_CPU=1``) is what makes the torchrun processes one
+gloo job.
 
 Prints, on rank 0, the final accuracy and the bytes grace sent; ``--out FILE`` also writes
 them with a checksum of the parameters, per rank (``FILE.<rank>``).
@@ -39,7 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    accelerator = Accelerator()
+    # Without a GPU, Accelerate runs a multi-process CPU job only when told it is on CPU;
+    # otherwise every torchrun process trains alone and prepare() wraps nothing.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
@@ -64,10 +68,10 @@ def main(argv=None) -> int:
         print(f"{args.compressor}: accuracy {accuracy:.3f}; grace sent {total['sent']} bytes "
               f"in {total['steps']} steps")
     if args.out:
+        checksum = float(sum(p.detach().double().sum() for p in net.parameters()))
         with open(f"{args.out}.{rank}", "w") as f:
             json.dump({"rank": rank, "accuracy": accuracy, "steps": total["steps"],
-                       "sent_bytes": total["sent"],
-                       "checksum": float(sum(p.double().sum() for p in net.parameters()))}, f)
+                       "sent_bytes": total["sent"], "checksum": checksum}, f)
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import lightning as L
 import torch
@@ -23,7 +24,6 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
 from grace_dl import grace_from_params
 from grace_dl.torch import ddp as grace_ddp
@@ -83,14 +83,17 @@ def main(argv=None) -> int:
                            else "nccl", ddp_comm_state=state,
                            ddp_comm_hook=grace_ddp.comm_hook)
     callbacks = [GraceHook(state)] if args.callback else []
-    trainer = L.Trainer(accelerator="auto", devices="auto", strategy=strategy,
+    # under torchrun: one process per device, as many as torchrun started on this node
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer = L.Trainer(accelerator="auto", devices=local,
+                        num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // local,
+                        strategy=strategy,
                         max_epochs=args.epochs, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     x, y = data()
     train = TensorDataset(x, y)
-    loader = DataLoader(train, batch_size=32,
-                        sampler=DistributedSampler(train, shuffle=True, seed=0))
+    loader = DataLoader(train, batch_size=32, shuffle=True)   # Lightning shards it per rank
     model = Digits()
     trainer.fit(model, loader)
     with torch.no_grad():
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     total = state.grace.bytes.total
     result = {"rank": trainer.global_rank, "accuracy": accuracy, "steps": total["steps"],
               "sent_bytes": total["sent"],
-              "checksum": float(sum(p.double().sum() for p in model.parameters()))}
+              "checksum": float(sum(p.detach().double().sum() for p in model.parameters()))}
     if trainer.global_rank == 0:
         print(f"{args.compressor}: accuracy {accuracy:.3f}; grace sent {total['sent']} bytes "
               f"in {total['steps']} steps")
