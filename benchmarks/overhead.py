@@ -113,8 +113,8 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.overhead " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
     out = Path(args.out) if args.out else records.default_out("overhead")
-    run = records.new_run(args.label, command, rows, note=args.note, bound=args.bind)
-    doc = records.record_run(out, "overhead", TITLE, run, about=ABOUT)
+    this = records.new_run(args.label, command, rows, note=args.note, bound=args.bind)
+    doc = records.record_run(out, "overhead", TITLE, this, about=ABOUT)
     print(tables.overhead(doc))
     print(f"wrote {out}")
     return 0
