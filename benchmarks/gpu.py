@@ -23,22 +23,22 @@ pipeline. ``overhead`` is the step minus DDP's; ``pays below`` is the link speed
 sending 32-bit gradients (2 x their bits per step, a ring allreduce's traffic) takes longer
 than that overhead, i.e. the fastest link on which the pipeline can pay at all.
 
-Each table is written as ``gpu_<table>.json`` with the machine, versions and command, and as
-``gpu_<table>.md``. ``--device cpu`` runs the same code on small CPU tensors under
-``emulate_device()`` (a dry run of the script; its numbers mean nothing).
+Each table is a run in ``gpu_<table>.json`` (``benchmarks/records.py``'s format: the machine,
+versions, commit and command with the rows), in the scratch folder unless ``--out`` names one;
+``python -m benchmarks.report`` renders the committed ones into ``docs/benchmarks.md``.
+``--device cpu`` runs the same code on small CPU tensors under ``emulate_device()`` (a dry run
+of the script; its numbers mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import gpu_textbook  # noqa: E402
+from benchmarks import gpu_textbook, records  # noqa: E402
 from grace_dl.compressors.base import LOCAL  # noqa: E402
 from grace_dl.compressors.paths import Paths  # noqa: E402
 from grace_dl.registry import lookup  # noqa: E402
@@ -103,36 +103,54 @@ class Clock:
         return 1e3 * (time.perf_counter() - t0), out
 
 
-def _machine(device) -> dict:
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform()}
+def _machine(device) -> str:
+    """The GPU (or the dry run's CPU) and the versions that shape a measurement, in one line."""
+    parts = [platform.platform(), f"Python {platform.python_version()}",
+             f"torch {torch.__version__}"]
     if device.type == "cuda":
-        info["device"] = torch.cuda.get_device_name(device)
         try:
             import triton
-            info["triton"] = triton.__version__
+            parts.append(f"Triton {triton.__version__}")
         except ImportError:
-            info["triton"] = None
-    else:
-        info["device"] = "cpu (dry run under emulate_device)"
-    # GRACE_DL_COMMIT: the commit whose tree was copied to a lent machine (its own checkout's
-    # git may say another)
-    info["commit"] = os.environ.get("GRACE_DL_COMMIT")
-    if not info["commit"]:
-        try:
-            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                            capture_output=True, text=True).stdout.strip()
-        except OSError:
-            info["commit"] = None
-    return info
+            parts.append("no Triton")
+        return f"{torch.cuda.get_device_name(device)}; " + "; ".join(parts)
+    return "CPU dry run under emulate_device (numbers mean nothing); " + "; ".join(parts)
 
 
-def _write(out_dir: Path, table: str, record: dict, markdown: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"gpu_{table}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out_dir / f"gpu_{table}.md").write_text(markdown)
-    print(markdown, flush=True)
+def _commit() -> str:
+    """GRACE_DL_COMMIT: the commit whose tree was copied to a lent machine (its own checkout's
+    git may say another); else this checkout's."""
+    return os.environ.get("GRACE_DL_COMMIT") or records.commit()
+
+
+ABOUT = {
+    "compressors": "Compress + decompress of standard normal fp32 on one GPU through grace_dl's "
+                   "path for the device (`Paths(compressor).on(x)`; `path` names it), CUDA-event "
+                   "medians, grace_dl and the textbook torch version of the method "
+                   "(`benchmarks/gpu_textbook.py`) alternating. x memcpy: over one device copy "
+                   "of the tensor; x textbook: over the textbook version, below 1 where grace_dl "
+                   "is faster.",
+    "steps": "One GPU, NCCL at world size 1 (the collectives move nothing: a step minus DDP's "
+             "is the pipeline's own cost), bf16 autocast, SGD; the median of the timed steps "
+             "after 5 warm-ups. overhead: the step minus DDP's; pays below: the link speed "
+             "under which a step's 32-bit gradient traffic (2 x its bits) takes longer than "
+             "that overhead.",
+}
+TITLES = {"compressors": "Compressors on a GPU", "steps": "DDP steps on a GPU"}
+COLUMNS = {
+    "compressors": ["size", "method", "path", "bits_per_element", "compress_ms",
+                    "decompress_ms", "textbook_ms", "memcpy_ms", "x_memcpy", "x_textbook"],
+    "steps": ["model", "pipeline", "step_ms", "x_ddp", "overhead_ms", "pays_below_gbit"],
+}
+
+
+def _write(out_dir: Path, table: str, device, command: str, rows: list) -> None:
+    """Add this run to ``<out_dir>/gpu_<table>.json`` (``benchmarks/records.py``'s format)."""
+    run = {"id": f"{_commit()}-{device.type}", "machine": _machine(device), "commit": _commit(),
+           "when": records.now(), "command": command, "records": rows}
+    records.record_run(Path(out_dir) / f"gpu_{table}.json", f"gpu_{table}", TITLES[table], run,
+                       about=ABOUT[table], columns=COLUMNS[table])
+    print(f"wrote {Path(out_dir) / f'gpu_{table}.json'}", flush=True)
 
 
 # ------------------------------------------------------------------ compressors
@@ -204,34 +222,7 @@ def compressor_table(device, sizes, repeats: int) -> dict:
             print(json.dumps(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {"table": "compressors", "rows": rows}
-
-
-def compressor_markdown(record: dict) -> str:
-    m = record["machine"]
-    lines = [f"# grace_dl compressors on {m['device']}", "",
-             f"Made with `{record['command']}` ({m['date']}; torch {m['torch']}, Triton "
-             f"{m.get('triton')}, commit {m['commit']}). Compress + decompress of standard "
-             "normal fp32; medians of CUDA-event times, grace_dl and the textbook version "
-             "alternating. x memcpy: over one device copy of the tensor; x textbook: over the "
-             "plain-torch version (`benchmarks/gpu_textbook.py`), below 1 where grace_dl is "
-             "faster.", ""]
-    for size in dict.fromkeys(r["size"] for r in record["rows"]):
-        rows = [r for r in record["rows"] if r["size"] == size]
-        memcpy = next((r["memcpy_ms"] for r in rows if "memcpy_ms" in r), float("nan"))
-        lines += [f"## {size} elements (memcpy {memcpy:.3f} ms)", "",
-                  "| method | path | bits/elem | compress ms | decompress ms | textbook ms | "
-                  "x memcpy | x textbook |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| {r['method']} | error: {r['error']} | | | | | | |")
-                continue
-            book = "" if r["x_textbook"] is None else f"{r['x_textbook']:.2f}"
-            lines.append(f"| {r['method']} | {r['path']} | {r['bits_per_element']:.3f} | "
-                         f"{r['compress_ms']:.3f} | {r['decompress_ms']:.3f} | "
-                         f"{r['textbook_ms']:.3f} | {r['x_memcpy']:.2f} | {book} |")
-        lines.append("")
-    return "\n".join(lines)
+    return rows
 
 
 # ------------------------------------------------------------------ steps
@@ -345,9 +336,8 @@ def step_table(device, models, steps: int, small: bool) -> dict:
                     if i >= 5:
                         times.append(1e3 * (time.perf_counter() - t0))
                 row = {"model": kind, "pipeline": label, "params": params,
-                       "step_ms": statistics.median(times),
-                       "spread_ms": [min(times), max(times)],
-                       "finite": bool(torch.isfinite(loss).item())}
+                       "step_ms": statistics.median(times), "fastest_ms": min(times),
+                       "slowest_ms": max(times), "finite": bool(torch.isfinite(loss).item())}
             except Exception as err:  # noqa: BLE001
                 row = {"model": kind, "pipeline": label, "error": repr(err)[:300]}
             rows.append(row)
@@ -364,29 +354,7 @@ def step_table(device, models, steps: int, small: bool) -> dict:
                 over = r["overhead_ms"] / 1e3
                 r["pays_below_gbit"] = (2 * 32 * r["params"] / over / 1e9) if over > 0 \
                     else None
-    return {"table": "steps", "rows": rows}
-
-
-def step_markdown(record: dict) -> str:
-    m = record["machine"]
-    lines = [f"# grace_dl DDP steps on {m['device']}", "",
-             f"Made with `{record['command']}` ({m['date']}; torch {m['torch']}, Triton "
-             f"{m.get('triton')}, commit {m['commit']}). One GPU, NCCL at world size 1, bf16 "
-             "autocast, SGD; median step of the timed steps after 5 warm-ups. overhead: the "
-             "step minus DDP's; pays below: the link speed under which a step's 32-bit "
-             "gradient traffic (2 x its bits) takes longer than that overhead.", "",
-             "| model | pipeline | step ms | x DDP | overhead ms | pays below Gbit/s |",
-             "|---|---|---:|---:|---:|---:|"]
-    for r in record["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['pipeline']} | error: {r['error']} | | | |")
-            continue
-        pays = r.get("pays_below_gbit")
-        pays = "any" if pays is None else f"{pays:.0f}"
-        lines.append(f"| {r['model']} | {r['pipeline']} | {r['step_ms']:.1f} | "
-                     f"{r.get('x_ddp', float('nan')):.2f} | {r.get('overhead_ms', 0):.1f} | "
-                     f"{pays} |")
-    return "\n".join(lines) + "\n"
+    return rows
 
 
 # ------------------------------------------------------------------ main
@@ -394,25 +362,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("compressors", "steps", "all"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder of the results files (default: the scratch folder, "
+                             "benchmarks.records.scratch_dir(); make bench-gpu passes "
+                             "benchmarks/results)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--models", nargs="+", default=["resnet50", "gpt"],
                         choices=("resnet50", "gpt"))
     args = parser.parse_args(argv)
+    out = args.out or records.scratch_dir()
     command = "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     from grace_dl.torch.kernels import emulate_device
     with emulate_device() if device.type == "cpu" else contextlib.nullcontext():
         if args.what in ("compressors", "all"):
             sizes = SIZES if device.type == "cuda" else CPU_SIZES
-            record = compressor_table(device, sizes, args.repeats)
-            record.update(machine=_machine(device), command=command)
-            _write(args.out, "compressors", record, compressor_markdown(record))
+            _write(out, "compressors", device, command,
+                   compressor_table(device, sizes, args.repeats))
         if args.what in ("steps", "all"):
-            record = step_table(device, args.models, args.steps, small=device.type == "cpu")
-            record.update(machine=_machine(device), command=command)
-            _write(args.out, "steps", record, step_markdown(record))
+            _write(out, "steps", device, command,
+                   step_table(device, args.models, args.steps, small=device.type == "cpu"))
     return 0
 
 
