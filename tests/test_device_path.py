@@ -120,7 +120,7 @@ def test_the_device_path_covers_every_builtin_compressor_it_speeds_up():
 @pytest.mark.parametrize("comp,mem,comm", COMBOS)
 def test_device_path_runs_without_host_synchronisation(comp, mem, comm):
     reference, device = _build(comp, mem, comm), _build(comp, mem, comm)
-    steps = [_gradients(i) for i in range(3)]
+    steps = [_gradients(i) for i in range(2)]   # a warm-up step (state is made), one watched
     expected = [_step(reference, g) for g in steps]
     sized = comp in SIZED and comm in ("allgather", "broadcast", "twophase")
     on_device = [{k: v.to(DEVICE) for k, v in g.items()} for g in steps]
