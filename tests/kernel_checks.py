@@ -38,11 +38,12 @@ def twin(fn, *args, **kwargs):
 def equal(a, b, what):
     """Bit for bit, except that any NaN equals any NaN (a GPU's negation may leave a NaN's
     sign bit as it was)."""
-    if a.dtype == b.dtype == torch.float32:
+    if a.dtype == b.dtype and a.is_floating_point():
         nan = a.isnan()
         if not torch.equal(nan, b.isnan()):
             raise AssertionError(f"{what}: kernel and twin have NaN at other places")
-        a, b = a.view(torch.int32)[~nan], b.view(torch.int32)[~nan]
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(bits)[~nan], b.view(bits)[~nan]
     if not torch.equal(a, b):
         diff = (a != b).nonzero()[:5].reshape(-1).tolist()
         raise AssertionError(f"{what}: kernel and twin differ at {diff}")
@@ -122,6 +123,16 @@ def check(device, n: int) -> None:
     y = x.clone()
     y[n // 2] = float("nan")
     equal(codes.magnitudes(y), twin(codes.magnitudes, y), "magnitudes")
+    from grace_dl.torch.device import _positions
+    y = x * 2.0 ** -6           # every class: |x| / d below 1, below 2**7, below 2**15, above
+    y[: min(n, 3)] = torch.tensor([40.0, float("nan"), -1e-6], device=device)[: min(n, 3)]
+    for raw in (y, y.to(torch.float16)):
+        a = codes.inceptionn_encode(y, raw, 2.0**-10, _positions)
+        b = twin(codes.inceptionn_encode, y, raw, 2.0**-10, _positions)
+        for got, want, what in zip(a, b, ("tags", "v1", "v2", "v3")):
+            equal(got, want, f"inceptionn {what}")
+        equal(codes.inceptionn_decode(*a, n, 2.0**-10, _positions),
+              twin(codes.inceptionn_decode, *a, n, 2.0**-10, _positions), "inceptionn decode")
     for q, bits in ((2, 1), (10, 4), (64, 6)):
         edges = torch.sort(torch.randn(q - 1, device=device, generator=gen)).values
         a, b = codes.sketch_encode(x, edges, q, bits), twin(codes.sketch_encode, x, edges, q,
@@ -201,6 +212,19 @@ SIGNATURES = [
     ("jit_codes", "unpack", {"packed_ptr": "*u8", "out_ptr": "*u8", "n": "i32"},
      {"BITS": 6, "BLOCK": 4096}),
     ("jit_codes", "magnitudes", {"x_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32"},
+     {"BLOCK": 4096}),
+    ("jit_codes", "inceptionn_classify", {"x_ptr": "*fp32", "tags_ptr": "*u8",
+                                          "counts_ptr": "*i64", "n": "i32", "inv_d": "fp32"},
+     {"BLOCK": 4096}),
+    ("jit_codes", "inceptionn_compact", {"x_ptr": "*fp32", "raw_ptr": "*fp16",
+                                         "offsets_ptr": "*i64", "v1_ptr": "*i8",
+                                         "v2_ptr": "*i16", "v3_ptr": "*fp16", "n": "i32",
+                                         "inv_d": "fp32"}, {"BLOCK": 4096}),
+    ("jit_codes", "inceptionn_counts", {"tags_ptr": "*u8", "counts_ptr": "*i64", "n": "i32"},
+     {"BLOCK": 4096}),
+    ("jit_codes", "inceptionn_expand", {"tags_ptr": "*u8", "offsets_ptr": "*i64",
+                                        "v1_ptr": "*i8", "v2_ptr": "*i16", "v3_ptr": "*fp32",
+                                        "out_ptr": "*fp32", "n": "i32", "d": "fp32"},
      {"BLOCK": 4096}),
 ]
 

@@ -476,35 +476,18 @@ def _quantile_points(m: int, q: int):
 
 @register(InceptionnCompressor, KIND)
 class InceptionnOnDevice(Reference):
-    """inceptionn: the tags in one pass; the three classes' counts (the payload's sizes) are
-    the one read-back, then each class is gathered with a selection of that static size."""
+    """inceptionn: one kernel for the tags and each program's class counts, one that writes
+    every element into its class's list; the classes' sizes (the payload's, data-dependent by
+    definition) are the one read-back. Decoding: the counts from the tags, then one pass."""
 
     def compress(self, tensor, name, call):
-        c = self.compressor
         _, x, layout = flat_f32(tensor)
-        d = c._step
-        q = x.abs() * (1.0 / d)
-        tag = (~(q < 1.0)).to(torch.uint8) + (~(q < 128.0)).to(torch.uint8) \
-            + (~(q < 32768.0)).to(torch.uint8)
-        counts = torch.stack([(tag == t).sum() for t in (1, 2, 3)]).tolist()
-        i1, i2, i3 = (_positions(tag == t, count) for t, count in zip((1, 2, 3), counts))
-        v1 = (x.index_select(0, i1) * (1.0 / d)).to(torch.int8)
-        v2 = (x.index_select(0, i2) * (1.0 / d)).to(torch.int16)
-        v3 = tensor.reshape(-1).index_select(0, i3)
-        return [codes.pack(tag, 2), v1, v2, v3], layout
+        return list(codes.inceptionn_encode(x.contiguous(), tensor.reshape(-1).contiguous(),
+                                            self.compressor._step, _positions)), layout
 
     def decompress(self, payload, ctx):
-        packed, v1, v2, v3 = payload
-        n, d = ctx.numel, self.compressor._step
-        tag = codes.unpack(packed, 2, n)
-        out = torch.zeros(n, dtype=torch.float32, device=packed.device)
-        out.index_copy_(0, _positions(tag == 1, v1.numel()), v1.to(torch.float32) * d)
-        out.index_copy_(0, _positions(tag == 2, v2.numel()), v2.to(torch.float32) * d)
-        out = restore(ops, out, ctx)
-        raw = torch.zeros(n, dtype=v3.dtype, device=packed.device)
-        raw.index_copy_(0, _positions(tag == 3, v3.numel()), v3)
-        return out + raw.reshape(ctx.shape)
-
+        out = codes.inceptionn_decode(*payload, ctx.numel, self.compressor._step, _positions)
+        return restore(ops, out, ctx)
 
     def decompress_into(self, payload, ctx, out=None):
         return self.decompress(payload, ctx)

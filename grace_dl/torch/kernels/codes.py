@@ -422,3 +422,60 @@ def sketch_encode(x, edges, q: int, bits: int):
     counts = torch.zeros(q, dtype=torch.float32, device=x.device).index_add_(
         0, bucket, torch.ones_like(x))
     return out.copy_(pack_twin(bucket, bits)), sums, counts
+
+
+# ------------------------------------------------------------------ inceptionn
+def _offsets(counts):
+    """Each program's first slot in each class's list (exclusive running sums over the
+    programs, per class) and the classes' totals."""
+    return torch.cumsum(counts, 0) - counts, counts.sum(0)
+
+
+def inceptionn_encode(x, raw, d: float, positions):
+    """``(packed tags, v1 int8, v2 int16, v3 raw)`` of INCEPTIONN for the 1-D float32 ``x``
+    (``raw``: the same elements in the input's dtype, ``d`` the fixed-point step). The
+    classes' sizes are the one value read back; ``positions(mask, count)`` gives the twin's
+    static-size selections."""
+    n = x.numel()
+    if n == 0:
+        return (x.new_zeros(0, dtype=torch.uint8), x.new_zeros(0, dtype=torch.int8),
+                x.new_zeros(0, dtype=torch.int16), raw[:0])
+    if triton_for(x):
+        programs = grid(n)[0]
+        tags = torch.empty(packed_size(n, 2), dtype=torch.uint8, device=x.device)
+        counts = torch.zeros(programs, 4, dtype=torch.int64, device=x.device)
+        _launch(_jit().inceptionn_classify, programs, x, tags, counts, n, 1.0 / d, BLOCK=BLOCK)
+        offsets, totals = _offsets(counts)
+        _, n1, n2, n3 = totals.tolist()        # the one read-back: the payload's sizes
+        v1 = torch.empty(n1, dtype=torch.int8, device=x.device)
+        v2 = torch.empty(n2, dtype=torch.int16, device=x.device)
+        v3 = torch.empty(n3, dtype=raw.dtype, device=x.device)
+        _launch(_jit().inceptionn_compact, programs, x, raw, offsets, v1, v2, v3, n, 1.0 / d,
+                BLOCK=BLOCK)
+        return tags, v1, v2, v3
+    q = x.abs() * (1.0 / d)
+    tag = (~(q < 1.0)).to(torch.uint8) + (~(q < 128.0)).to(torch.uint8) \
+        + (~(q < 32768.0)).to(torch.uint8)
+    counts = torch.stack([(tag == t).sum() for t in (1, 2, 3)]).tolist()
+    i1, i2, i3 = (positions(tag == t, count) for t, count in zip((1, 2, 3), counts))
+    v1 = (x.index_select(0, i1) * (1.0 / d)).to(torch.int8)
+    v2 = (x.index_select(0, i2) * (1.0 / d)).to(torch.int16)
+    return pack(tag, 2), v1, v2, raw.index_select(0, i3)
+
+
+def inceptionn_decode(tags, v1, v2, v3, n: int, d: float, positions):
+    """INCEPTIONN's float32 values of ``n`` elements (tags 1 and 2 times ``d``, tag 3 the raw
+    value cast, tag 0 zero)."""
+    out = torch.zeros(n, dtype=torch.float32, device=tags.device)
+    if triton_for(tags) and n:
+        programs = grid(n)[0]
+        counts = torch.zeros(programs, 4, dtype=torch.int64, device=tags.device)
+        _launch(_jit().inceptionn_counts, programs, tags, counts, n, BLOCK=BLOCK)
+        offsets, _ = _offsets(counts)
+        _launch(_jit().inceptionn_expand, programs, tags, offsets, v1, v2, v3, out, n, float(d),
+                BLOCK=BLOCK)
+        return out
+    tag = unpack(tags, 2, n)
+    out.index_copy_(0, positions(tag == 1, v1.numel()), v1.to(torch.float32) * d)
+    out.index_copy_(0, positions(tag == 2, v2.numel()), v2.to(torch.float32) * d)
+    return out.index_copy_(0, positions(tag == 3, v3.numel()), v3.to(torch.float32))

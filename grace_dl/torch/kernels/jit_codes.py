@@ -411,3 +411,82 @@ def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.cons
     row = part_ptr + pid * 2 * Q
     tl.atomic_add(row + bucket, x, mask=mask)
     tl.atomic_add(row + Q + bucket, tl.where(mask, 1.0, 0.0), mask=mask)
+
+
+# ------------------------------------------------------------------ inceptionn
+@triton.jit
+def inception_tag(x, inv_d):
+    """INCEPTIONN's tag of each float32 ``x``: 0, 1, 2 by ``|x| / d`` against 1, 2**7, 2**15;
+    3 above, and for NaN (which is below nothing)."""
+    q = tl.abs(x) * inv_d
+    return tl.where(q < 1.0, 0, 1) + tl.where(q < 128.0, 0, 1) + tl.where(q < 32768.0, 0, 1)
+
+
+@triton.jit
+def inceptionn_classify(x_ptr, tags_ptr, counts_ptr, n, inv_d, BLOCK: tl.constexpr):
+    """Packed 2-bit tags, and this program's count of each tag (``counts[pid, t]``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    tag = tl.where(mask, inception_tag(tl.load(x_ptr + idx, mask=mask, other=0.0)
+                                       .to(tl.float32), inv_d), 0)
+    store_codes(tags_ptr, tag, pid, n, BLOCK, 2)
+    for t in tl.static_range(1, 4):
+        tl.store(counts_ptr + pid * 4 + t, tl.sum((tag == t).to(tl.int32), axis=0))
+
+
+@triton.jit
+def inceptionn_compact(x_ptr, raw_ptr, offsets_ptr, v1_ptr, v2_ptr, v3_ptr, n, inv_d,
+                       BLOCK: tl.constexpr):
+    """Each element into its class's list at this program's offset plus its rank among the
+    program's elements of that class: ``x / d`` as int8 (tag 1), as int16 (tag 2), the raw
+    value (tag 3)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tag = tl.where(mask, inception_tag(x, inv_d), 0)
+    scaled = x * inv_d
+    for t in tl.static_range(1, 4):
+        hit = tag == t
+        rank = tl.cumsum(hit.to(tl.int32), axis=0) - hit.to(tl.int32)
+        at = tl.load(offsets_ptr + pid * 4 + t) + rank
+        if t == 1:
+            tl.store(v1_ptr + at, scaled.to(tl.int8), mask=hit)
+        elif t == 2:
+            tl.store(v2_ptr + at, scaled.to(tl.int16), mask=hit)
+        else:
+            tl.store(v3_ptr + at, tl.load(raw_ptr + idx, mask=hit), mask=hit)
+
+
+@triton.jit
+def inceptionn_counts(tags_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    """This program's count of each tag, from the packed tags."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    tag = tl.where(idx < n, load_codes(tags_ptr, idx, n, 2), 0)
+    for t in tl.static_range(1, 4):
+        tl.store(counts_ptr + pid * 4 + t, tl.sum((tag == t).to(tl.int32), axis=0))
+
+
+@triton.jit
+def inceptionn_expand(tags_ptr, offsets_ptr, v1_ptr, v2_ptr, v3_ptr, out_ptr, n, d,
+                      BLOCK: tl.constexpr):
+    """float32 ``out``: 0 (tag 0), ``v1 * d``, ``v2 * d``, the raw value (tag 3), each read
+    from its class's list at this program's offset plus its rank there."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    tag = tl.where(mask, load_codes(tags_ptr, idx, n, 2), 0)
+    v = tl.zeros((BLOCK,), tl.float32)
+    for t in tl.static_range(1, 4):
+        hit = tag == t
+        rank = tl.cumsum(hit.to(tl.int32), axis=0) - hit.to(tl.int32)
+        at = tl.load(offsets_ptr + pid * 4 + t) + rank
+        if t == 1:
+            v = tl.where(hit, tl.load(v1_ptr + at, mask=hit, other=0).to(tl.float32) * d, v)
+        elif t == 2:
+            v = tl.where(hit, tl.load(v2_ptr + at, mask=hit, other=0).to(tl.float32) * d, v)
+        else:
+            v = tl.where(hit, tl.load(v3_ptr + at, mask=hit, other=0.0).to(tl.float32), v)
+    tl.store(out_ptr + idx, v, mask=mask)
