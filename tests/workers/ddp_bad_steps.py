@@ -16,7 +16,10 @@ Modes:
   pickled (``torch.save``) and deep-copied, the model and DDP rebuilt, k more steps with each
   copy; also on a ``new_group`` process group.
 - ``sparse``: a model with ``nn.Embedding(sparse=True)``: the error each rank gets.
-- ``some_ranks``: rank 0 registers the grace hook, rank 1 trains with plain DDP.
+- ``some_ranks`` (alone in its job): rank 0 registers the grace hook, rank 1 trains with plain
+  DDP; each rank prints its error and when it came, and the job exits non-zero.
+
+``ddp_bad_steps.py MODE ARGS... [-- MODE ARGS...]`` runs several modes in one job.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mp
 from grace_dl import grace_from_params
 from grace_dl.torch import ddp as grace_ddp
+from support import parse_pipeline
 
 #: the pipelines by name (GRACE keys)
 PIPELINES = {
@@ -62,10 +66,7 @@ PIPELINES = {
 
 def pipeline_params(name: str) -> dict:
     """GRACE keys of ``name``: a ``PIPELINES`` entry, or ``compressor+memory+communicator``."""
-    if name in PIPELINES:
-        return dict(PIPELINES[name])
-    c, m, k = name.split("+")
-    return {"compressor": c, "memory": m, "communicator": k}
+    return dict(PIPELINES[name]) if name in PIPELINES else parse_pipeline(name)
 
 
 def mlp():
@@ -296,25 +297,29 @@ def mode_some_ranks() -> None:
     raise SystemExit(0)
 
 
+MODES = {"nonfinite": lambda args: mode_nonfinite(args),
+         "amp": lambda args: mode_amp(args),
+         "reload": lambda args: mode_reload(args[1:], int(args[0])),
+         "pickle": lambda args: mode_pickle(args[1:], int(args[0])),
+         "sparse": lambda args: mode_sparse()}
+
+
 def main() -> None:
+    """``ddp_bad_steps.py MODE ARGS... [-- MODE ARGS...]``: each mode's result under its name
+    (``some_ranks`` runs alone)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    mode = sys.argv[1]
-    if mode == "nonfinite":
-        result = mode_nonfinite(sys.argv[2:])
-    elif mode == "amp":
-        result = mode_amp(sys.argv[2:])
-    elif mode == "reload":
-        result = mode_reload(sys.argv[3:], int(sys.argv[2]))
-    elif mode == "pickle":
-        result = mode_pickle(sys.argv[3:], int(sys.argv[2]))
-    elif mode == "sparse":
-        result = mode_sparse()
-    elif mode == "some_ranks":
+    args = sys.argv[1:]
+    if args == ["some_ranks"]:
         mode_some_ranks()
         return
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
+    result = {}
+    while args:
+        cut = args.index("--") if "--" in args else len(args)
+        mode, rest, args = args[0], args[1:cut], args[cut + 1:]
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}")
+        result[mode] = MODES[mode](rest)
     mp.report(result, rank=dist.get_rank())
     del result
     gc.collect()
