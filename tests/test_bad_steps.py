@@ -128,7 +128,8 @@ def test_reset_zeroes_accumulated_state_and_keeps_counters():
     for key, value in after["compressor"].items():      # step counters are kept
         np.testing.assert_array_equal(value, before["compressor"][key], err_msg=key)
     grc.reset()
-    assert not any(v.any() for part in ("memory", "server") for v in grc.state_dict()[part].values())
+    state = grc.state_dict()
+    assert not any(v.any() for part in ("memory", "server") for v in state[part].values())
     # signum's momentum is accumulated state of the compressor
     sig = grace_from_params({"compressor": "signum", "communicator": "allgather"})
     sig.synchronize(torch.randn(10), "w", collectives=coll)
@@ -393,3 +394,15 @@ def test_ddp_hook_on_some_ranks_only_fails_within_a_minute():
     assert elapsed < 60, (elapsed, out)
     assert re.search(r"rank 0 after [\d.]+ s: ValueError: ranks \[1\] of the process group did "
                      r"not reach the grace DDP hook", out), out
+
+
+def test_grace_state_pickled_before_its_first_step_with_names_refuses_to_guess():
+    from grace_dl.torch import ddp as grace_ddp
+
+    w = torch.nn.Parameter(torch.ones(3))
+    state = grace_ddp.GraceState(grace_from_params({"compressor": "topk",
+                                                    "communicator": "allgather"}),
+                                 named_parameters=[("w", w)])
+    copied = copy.deepcopy(state)
+    with pytest.raises(ValueError, match="pickled before its first step with named_parameters"):
+        copied._name_of(w)

@@ -211,6 +211,7 @@ class GraceState:
         # a pickled copy's names in the order the original met them (its parameters are
         # other objects): the i-th parameter met is named _resume[i] (see __setstate__)
         self._resume: list[str] | None = None
+        self._named_unmet = False   # pickled with named_parameters before meeting any
         self._units: list = []                  # this step's grace tensors (see _send)
         self._buckets: list = []                # this step's (future, buffer)
         self._views: dict = {}                  # name -> its gradient's view of its bucket
@@ -263,6 +264,10 @@ class GraceState:
                                      f"{list(p.shape)}; the pickled GraceState's parameter "
                                      f"{name!r} there had {want}: it was pickled from another "
                                      f"model (or another bucket layout)")
+            elif self._given_names is None and self._named_unmet:
+                raise ValueError("this GraceState was pickled before its first step with "
+                                 "named_parameters, whose parameters do not pickle: build a "
+                                 "new GraceState(..., named_parameters=...) instead")
             elif self._given_names is not None:
                 name = self._given_names.get(id(p))
                 if name is None:
@@ -287,6 +292,7 @@ class GraceState:
         state.pop("collectives")
         state["_group_ranks"] = self._group_ranks if group is None else \
             list(dist.get_process_group_ranks(group))
+        state["_named_unmet"] = self._given_names is not None and not self._order
         state["_names"], state["_given_names"] = {}, None
         return state
 
