@@ -100,7 +100,7 @@ def registry_round_trip() -> list[str]:
                   "efsignsgd+efsignsgd+allgather", "powersgd+powersgd+allreduce",
                   "randomk+residual+allreduce", "qsgd+residual+twophase",
                   "signsgd+residual+twophase", "threshold+residual+broadcast",
-                  "topk+residual+ps"]
+                  "topk+residual+ps", "fp16+none+allreduce"]
 
 
 def parse_pipeline(name: str) -> dict:

@@ -272,7 +272,7 @@ def test_horovod_grad_scaler_skips_the_overflow_and_goes_on(horovod_ranks, pipel
         got = res["amp"][pipeline]
         assert got["scales"] == [1024.0] * 2 + [512.0] * 4, got
         assert got["moved"] == [True, True, False, True, True, True], got
-        assert got["params_finite"]
+        assert got["params_finite"] and got["state_finite"], got
 
 
 @pytest.mark.multiproc
@@ -333,7 +333,7 @@ def test_ddp_grad_scaler_skips_the_overflow_and_goes_on(ddp_ranks, pipeline):
         got = res["amp"][pipeline]
         assert got["scales"] == [1024.0] * 2 + [512.0] * 4, got
         assert got["moved"] == [True, True, False, True, True, True], got
-        assert got["params_finite"]
+        assert got["params_finite"] and got["state_finite"], got
 
 
 @pytest.mark.multiproc
@@ -362,6 +362,7 @@ def test_ddp_pickled_state_resumes_bit_for_bit_on_a_rebuilt_model(ddp_ranks, pip
     group or to the one the user sets."""
     for res in ddp_ranks:
         got = res["pickle"][f"{pipeline}/{group}"]
+        assert got["error"] is None, got["error"]
         for how in ("pickled", "deepcopy", "rebound"):
             for k, v in got["straight"].items():
                 np.testing.assert_array_equal(got[how][k], v, err_msg=f"{how} {k}")

@@ -73,6 +73,17 @@ def finite_params(model) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+def state_finite(grace) -> bool:
+    """Whether every entry of ``grace``'s training state is finite."""
+    def leaves(tree):
+        if isinstance(tree, dict):
+            for v in tree.values():
+                yield from leaves(v)
+        else:
+            yield np.asarray(tree)
+    return all(np.isfinite(v).all() for v in leaves(grace.state_dict()))
+
+
 def mode_nonfinite(pipelines) -> dict:
     out = {}
     bad = {1: float("nan"), 3: float("inf")}
@@ -117,7 +128,8 @@ def mode_amp(pipelines) -> dict:
             scales.append(float(scaler.get_scale()))
             after = C.params(model)
             moved.append(any(not np.array_equal(before[k], after[k]) for k in after))
-        out[pipeline] = {"scales": scales, "moved": moved, "params_finite": finite_params(model)}
+        out[pipeline] = {"scales": scales, "moved": moved, "params_finite": finite_params(model),
+                         "state_finite": state_finite(opt.grace)}
     return out
 
 
