@@ -407,3 +407,15 @@ def test_grace_state_pickled_before_its_first_step_with_names_refuses_to_guess()
     copied = copy.deepcopy(state)
     with pytest.raises(ValueError, match="pickled before its first step with named_parameters"):
         copied._name_of(w)
+
+
+def test_grace_state_reset_zeroes_the_grace_state():
+    from grace_dl.torch import ddp as grace_ddp
+
+    grc = grace_from_params({"compressor": "topk", "memory": "residual",
+                             "communicator": "allgather", "compress_ratio": 0.2})
+    grc.synchronize(torch.randn(10), "bucket0", collectives=OneRankSplits())
+    state = grace_ddp.GraceState(grc)
+    assert state.state_dict()["grace"]["memory"]["bucket0"].any()
+    state.reset()
+    assert not state.state_dict()["grace"]["memory"]["bucket0"].any()
