@@ -419,3 +419,23 @@ def test_grace_state_reset_zeroes_the_grace_state():
     assert state.state_dict()["grace"]["memory"]["bucket0"].any()
     state.reset()
     assert not state.state_dict()["grace"]["memory"]["bucket0"].any()
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_finite_tensor_is_sent_bit_for_bit(framework):
+    """The mark of a finite tensor is -0.0: the result has the bits of the unmarked payload's
+    decompression (-0.0 included)."""
+    x = np.array([[1.5, -0.0], [0.0, -2.0]], np.float32)
+    grc = grace_from_params({"compressor": "topk", "compress_ratio": 1.0,
+                             "communicator": "allgather"})
+    if framework == "torch":
+        tensor, coll = torch.from_numpy(x), OneRankSplits()
+    else:
+        import tensorflow as tf
+
+        tf.constant(0.0) * 1    # TF's constant cache then holds a +0.0
+        tensor, coll = tf.constant(x), _TFOneRank()
+    want = grc.compressor.decompress(*grc.compressor.compress(tensor, "v")).numpy()
+    out = grc.synchronize(tensor, "w", collectives=coll).numpy()
+    np.testing.assert_array_equal(np.signbit(out), np.signbit(want))
+    np.testing.assert_array_equal(out, want)

@@ -304,14 +304,14 @@ def divided_payloads(handle: Handle, payloads: list) -> list:
 
 
 def nonfinite_mark(tensor):
-    """A 0-d tensor of ``tensor``'s dtype and device: 0 when every entry is finite, else NaN
-    (one pass, ``ops.abs_max``; an empty tensor gives None)."""
+    """A 0-d tensor of ``tensor``'s dtype and device: -0.0 when every entry is finite (adding
+    it leaves every value's bits alone, a -0.0 included), else NaN (one pass,
+    ``ops.abs_max``; an empty tensor gives None)."""
     ops = ops_for(tensor)
     n = ops.numel(tensor)
     if isinstance(n, int) and n == 0:
         return None
-    m = ops.abs_max(tensor)
-    return m * 0
+    return -(ops.abs_max(tensor) * 0)     # (TF caches the constant -0.0 as 0.0)
 
 
 def _finish(handle: Handle, into=None):

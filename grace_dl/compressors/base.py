@@ -100,7 +100,7 @@ class Compressor(Stateful, ABC):
         return self.sparse
 
     def marked(self, payload, mark):
-        """``payload`` with the 0-d ``mark`` (0, or NaN when the input held a non-finite
+        """``payload`` with the 0-d ``mark`` (-0.0, or NaN when the input held a non-finite
         entry) added to its floating-point parts (a sparsifier's k values, adaq's two means):
         O(k), and a NaN input decompresses to NaN wherever the payload carries a value."""
         ops = ops_for(mark)
