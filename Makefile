@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench bench-quick lint clean-venv
+.PHONY: setup test demo bench bench-quick bench-gpu lint clean-venv
 
 setup:
 	@bash scripts/setup.sh
@@ -23,6 +23,10 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m benchmarks.run --quick
+
+# On a machine with a CUDA GPU and Triton (no Horovod needed): the compressor and step tables.
+bench-gpu:
+	PYTHONPATH=. python3 -m benchmarks.gpu all --out benchmarks/results
 
 clean-venv:
 	rm -rf $(VENV)

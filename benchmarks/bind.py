@@ -3,8 +3,8 @@
 The benchmarks emulate one host per rank on one machine (``benchmarks/network.py``), but the
 ranks share its cores. Unbound, the scheduler moves both ranks' training threads and their
 Horovod and gloo threads across the shared cores, one rank's backward pass falls behind the
-other's and every collective waits for it (``benchmarks/results/overhead.md``, "round 10":
-the grace pipelines' wait on the MLP fell by 1.7-14 ms a step when bound). Real
+other's and every collective waits for it (``docs/DECISIONS.md``, "Each rank bound to a core
+of its own"). Real
 hosts have cores of their own, and ``mpirun`` binds a rank to a core by default for 2 ranks.
 
 Each rank (``HOROVOD_RANK``, ``OMPI_COMM_WORLD_RANK`` or torchrun's ``RANK``, out of the

@@ -14,24 +14,21 @@ matrix). Each time is the median of ``--repeats`` runs after one warm-up; "x cop
 pass over memory with no page faults (torch's CPU allocator maps a fresh 64 MB buffer for every
 16M clone, so the plain copy's time swings with page faults; TF's allocator reuses memory, so
 there the two baselines are alike). A compressor whose module is not importable is reported as
-missing. The table is written to benchmarks/results/compressors.md (or ``--out``) with the
-machine, versions and date.
+missing. The run is added to ``--out`` (``benchmarks/records.py`` format; default: the
+cache, ``benchmarks.records.scratch_dir``) with the machine, versions and date.
 
 ``--device cuda`` (torch only) puts the inputs on the GPU and synchronises the device around
 every timed call; the table then adds *of copy bw*, the fraction of the GPU's copy bandwidth a
-compress + decompress round trip reaches (memcpy time / its time, i.e. 1 / *x memcpy*), and is
-written to benchmarks/results/compressors_cuda.md.
+compress + decompress round trip reaches (memcpy time / its time, i.e. 1 / *x memcpy*); its
+run's id is ``torch-cuda``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import kernels  # noqa: E402
+from benchmarks import records, tables  # noqa: E402
 from grace_dl.backend import ops_for  # noqa: E402
 from grace_dl.registry import BUILTIN, lookup  # noqa: E402
 
@@ -176,85 +173,53 @@ def fmt_row(r):
             f"{r['ratio_memcpy']:6.2f} x memcpy")
 
 
-def environment(framework):
-    import numpy as np
+TITLE = "Compressor micro-benchmark: bits on the wire, compress and decompress time"
+ABOUT = (
+    "Standard normal fp32 matrices (1024 x 1024 and 4096 x 4096, so PowerSGD has a matrix); "
+    "each time is the median of the repeats after a warm-up. *x copy* = (compress + "
+    "decompress) / a plain copy of the tensor into a new buffer (the median of copies timed "
+    "next to every compressor); the target for quantizers (marked q) is <= 3. *x memcpy* = "
+    "the same over a copy into a buffer allocated once: one pass over memory, no page "
+    "faults. On a GPU, *of copy bw* is the fraction of the device's copy bandwidth a compress "
+    "+ decompress round trip reaches.")
+COLUMNS = ["elements", "compressor", "params", "bits/elem", "compress ms", "decompress ms",
+           "x copy", "x memcpy", "of copy bw"]
 
-    lines = [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"]
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    lines.append(f"- machine: {cpu}, {os.cpu_count()} logical CPUs, {platform.system()} "
-                 f"{platform.release()}")
-    versions = [f"Python {platform.python_version()}", f"NumPy {np.__version__}"]
+
+def rows_of(blocks) -> list[dict]:
+    """``measure``'s blocks as one record per size and compressor (formatted cells)."""
+    out = []
+    for label, block in blocks.items():
+        for name, r in block["results"].items():
+            row = {"elements": label, "compressor": f"{name} (q)" if name in QUANTIZERS else name}
+            if "missing" in r:
+                out.append({**row, "bits/elem": f"missing: {r['missing']}"})
+                continue
+            row.update({"params": ", ".join(f"{k}={v}" for k, v in r["params"].items()),
+                        "bits/elem": f"{r['bits']:.3f}", "compress ms": f"{r['compress']:.2f}",
+                        "decompress ms": f"{r['decompress']:.2f}", "x copy": f"{r['ratio']:.2f}",
+                        "x memcpy": f"{r['ratio_memcpy']:.2f}"})
+            if DEVICE != "cpu":
+                row["of copy bw"] = f"{1 / r['ratio_memcpy']:.1%}"
+            out.append(row)
+    return out
+
+
+def machine(framework) -> str:
+    """``benchmarks.records.machine()`` plus the framework's threads and the GPU, if any."""
+    extra = []
     if framework == "torch":
         import torch
 
-        versions.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+        extra.append(f"{torch.get_num_threads()} torch threads")
         if DEVICE != "cpu":
-            versions.append(f"device {torch.cuda.get_device_name()}")
+            extra.append(f"device {torch.cuda.get_device_name()}")
     else:
         import tensorflow as tf
 
         intra = tf.config.threading.get_intra_op_parallelism_threads()
-        versions.append(f"TensorFlow {tf.__version__} (eager"
-                        + (f", {intra} intra-op threads" if intra else "") + ")")
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.strip()
-        versions.append(f"grace_dl {rev}")
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    lines.append("- versions: " + ", ".join(versions))
-    lines.append(f"- grace_dl kernels: {kernels()}")
-    try:
-        load = os.getloadavg()
-        lines.append(f"- load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
-    except OSError:
-        pass
-    return lines
-
-
-def markdown(framework, rows, repeats):
-    gpu = DEVICE != "cpu"
-    out = [f"# Compressor micro-benchmark ({framework}{', ' + DEVICE if gpu else ''})", "",
-           "Generated by `python benchmarks/compressors.py"
-           + (" --framework tf" if framework == "tf" else "")
-           + (f" --device {DEVICE}" if gpu else "")
-           + (f" --threads {THREADS}" if THREADS else "")
-           + (f" --repeats {repeats}" if repeats != 5 else "") + "`.", ""]
-    out += environment(framework)
-    out += ["", f"Input: standard normal fp32; times are medians of {repeats} runs after a "
-            "warm-up. *x copy* = (compress + decompress) / plain copy of the tensor into a new "
-            "buffer (the median of copies timed next to every compressor); target for "
-            "quantizers (marked q): <= 3. *x memcpy* = the same over a copy into a buffer "
-            "allocated once: one pass over memory, no page faults. Compressors allocate fresh "
-            "buffers, so their times include page faults where the allocator maps new memory "
-            "(large tensors); so does the plain copy, whose time therefore varies, while "
-            "*x memcpy* counts memory passes against a steady floor.", ""]
-    for label, block in rows.items():
-        lo, hi = block["copy_range"]
-        out += [f"## {label} elements (copy: median {block['copy']:.2f} ms, "
-                f"range {lo:.2f} to {hi:.2f} ms; memcpy: median {block['memcpy']:.2f} ms)", "",
-                "| compressor | params | bits/elem | compress ms | decompress ms | x copy "
-                "| x memcpy |" + (" of copy bw |" if gpu else ""),
-                "|---|---|---:|---:|---:|---:|---:|" + ("---:|" if gpu else "")]
-        for name, r in block["results"].items():
-            mark = f"{name} (q)" if name in QUANTIZERS else name
-            if "missing" in r:
-                out.append(f"| {mark} | | missing: {r['missing']} | | | | |"
-                           + (" |" if gpu else ""))
-                continue
-            params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
-            out.append(f"| {mark} | {params} | {r['bits']:.3f} | {r['compress']:.2f} | "
-                       f"{r['decompress']:.2f} | {r['ratio']:.2f} | {r['ratio_memcpy']:.2f} |"
-                       + (f" {1 / r['ratio_memcpy']:.1%} |" if gpu else ""))
-        out.append("")
-    return "\n".join(out)
+        extra.append(f"TensorFlow eager, {intra or 'default'} intra-op threads")
+    return "; ".join([records.machine(), *extra])
 
 
 def main(argv=None) -> int:
@@ -263,8 +228,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="64K and 256K elements, 2 repeats")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--names", nargs="+", default=sorted(BUILTIN["compressor"]))
-    ap.add_argument("--out", default=None, help="markdown file (default: "
-                    "benchmarks/results/compressors[_tf].md; --quick prints only)")
+    ap.add_argument("--out", default=None,
+                    help="results file (default: compressors.json in the cache, "
+                         "benchmarks.records.scratch_dir; --quick prints only)")
+    ap.add_argument("--id", default=None,
+                    help="the run's id (default: the framework, and the device if not the "
+                         "CPU); a run of the same id in --out is replaced")
     ap.add_argument("--device", default="cpu", help="torch device of the inputs (cpu, cuda)")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads (torch.set_num_threads; TF intra-op parallelism); "
@@ -290,15 +259,16 @@ def main(argv=None) -> int:
     sizes = QUICK_SIZES if args.quick else SIZES
     repeats = args.repeats or (2 if args.quick else 5)
     rows = measure(args.framework, args.names, sizes, repeats)
-    text = markdown(args.framework, rows, repeats)
-    out = args.out
-    if out is None and not args.quick:
-        suffix = "" if args.framework == "torch" else "_tf"
-        suffix = "_cuda" if DEVICE.startswith("cuda") else suffix
-        out = str(ROOT / f"benchmarks/results/compressors{suffix}.md")
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
+    rows = rows_of(rows)
+    print(tables.table([c for c in COLUMNS if any(c in r for r in rows)], rows))
+    if not args.quick:
+        out = Path(args.out) if args.out else records.default_out("compressors")
+        run_id = args.id or "-".join([args.framework, *([DEVICE] if DEVICE != "cpu" else [])])
+        command = " ".join(["python benchmarks/compressors.py",
+                            *(sys.argv[1:] if argv is None else argv)])
+        run = records.new_run(run_id, command, rows, repeats=repeats)
+        run["machine"] = machine(args.framework)
+        records.record_run(out, "compressors", TITLE, run, about=ABOUT, columns=COLUMNS)
         print(f"wrote {out}")
     return 0
 

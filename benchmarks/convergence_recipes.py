@@ -5,9 +5,10 @@ each link speed.
     python -m benchmarks.convergence_recipes --tasks digits mixture --seeds 0 1 2 \\
         --out benchmarks/results/recipes.json
 
-writes ``recipes.json`` (one record per pipeline, task and seed: accuracy per epoch, bytes per
-step, wall time) and ``recipes.md`` (the tables and the command that made them). Runs on this
-machine's loopback (``horovodrun --gloo -H localhost:2``).
+writes one run (``benchmarks/records.py`` format; default file: the cache) with one record per
+pipeline, task and seed: accuracy per epoch, bytes per step, wall time; it prints the tables
+the benchmarks page shows. Runs on this machine's loopback (``horovodrun --gloo -H
+localhost:2``).
 
 **Time to accuracy** is an estimate, not a measurement over shaped links: for each link speed
 B it is ``steps to target x (measured wall seconds per step on loopback + max(sent, received)
@@ -27,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import records as results
+from benchmarks import tables
 from benchmarks.jobs import local_horovodrun, worker_env
 from grace_dl.recipes import recipe
 
@@ -61,9 +64,18 @@ PIPELINES: dict[str, tuple[dict | None, float, str]] = {
     "qsgd-2phase": (*recipe("qsgd"), "recipe (unchanged)"),
     "powersgd-r2": (*recipe("powersgd"), "recipe (unchanged)"),
 }
-TARGETS = {"digits": 0.95, "mixture": 0.85}
 EPOCHS = {"topk1-dgc-20ep": 2}     # multiple of --epochs
-LINKS_MBIT = (100, 1000, 10000)
+TITLE = "Recipes: accuracy under momentum SGD (2 ranks)"
+ABOUT = (
+    "SGD lr 0.05, batch 32 per rank, 2 ranks on loopback; digits (3 seeds) and a synthetic "
+    "100-class Gaussian mixture. *opt mom.* is the optimizer's momentum (0 where the memory "
+    "holds the momentum). *final* is the test accuracy after the last epoch, mean over seeds "
+    "(each seed: model initialisation and batch order); *vs none* its difference to "
+    "uncompressed Horovod in points. **Time to target is an estimate, not a run over a shaped "
+    "link**: steps to the target x (s/step measured on loopback + bytes/step / link speed); "
+    "'> N ep' where a seed did not reach it. On these small models (digits 26k, mixture 108k "
+    "parameters) per-tensor Python work dominates the step; the end-to-end section measures "
+    "step times over shaped links on larger models.")
 
 
 def run_one(label, task, seed, epochs, env) -> dict:
@@ -84,93 +96,6 @@ def run_one(label, task, seed, epochs, env) -> dict:
     return record
 
 
-def steps_to(acc, target, steps_per_epoch):
-    for epoch, a in enumerate(acc, 1):
-        if a >= target:
-            return epoch * steps_per_epoch
-    return None
-
-
-def tables(records, command: str) -> str:
-    from benchmarks.report import machine
-
-    reused = sum(1 for r in records if r.get("reused"))
-    lines = ["# Recipes: accuracy under momentum SGD, 2 ranks", "",
-             f"Machine: {machine()}", "", f"Command: `{command}`", ""]
-    if reused:
-        lines += [f"{reused} of the {len(records)} records were taken from `--reuse`'s file "
-                  f"(same pipeline, spec, optimizer momentum, task, seed and epochs; a run is "
-                  f"deterministic per seed), the rest were run now.", ""]
-    lines += [
-             "SGD lr 0.05, batch 32 per rank; the optimizer's momentum is the column *opt "
-             "mom.* (0 where the memory holds the momentum). *final* is the test accuracy "
-             "after the last epoch, mean over seeds (each seed: model initialisation and batch "
-             "order); *vs none* is its difference to uncompressed Horovod in points. "
-             "**Time to target is an estimate, not a run over a shaped link**: steps to the "
-             "target x (s/step measured on this machine's loopback + bytes/step / link "
-             "speed), from the mean over seeds of the steps needed; '> N ep' where a seed did "
-             "not reach it in its N epochs (see `benchmarks/convergence_recipes.py`). On these "
-             "small models (digits 26k, mixture 108k parameters) the bytes are few and "
-             "per-tensor Python work dominates the step on this shared 2-core machine; "
-             "`e2e.md` measures step times over `tc`-shaped links on larger models.", ""]
-    for task in sorted({r["task"] for r in records}):
-        rows = [r for r in records if r["task"] == task and "error" not in r]
-        target = TARGETS.get(task, 0.9)
-        by = {}
-        for r in rows:
-            by.setdefault(r["pipeline"], []).append(r)
-        base = by.get("none")
-        base_final = (sum(r["accuracy"][-1] for r in base) / len(base)) if base else None
-        lines += [f"## {task} (target {target})", "",
-                  "| pipeline | opt mom. | epochs | final (mean) | vs none | final per seed | "
-                  "best (mean) | mean sent KB/step | s/step | "
-                  + " | ".join(f"est. time to {target} @ {m / 1000:g} Gbit/s (s)"
-                               for m in LINKS_MBIT) + " | role |",
-                  "|" + "---|" * (10 + len(LINKS_MBIT))]
-        for label in PIPELINES:
-            rs = by.get(label)
-            if not rs:
-                continue
-            finals = [r["accuracy"][-1] for r in rs]
-            final = sum(finals) / len(finals)
-            best = sum(max(r["accuracy"]) for r in rs) / len(rs)
-            sent = [r["sent_bytes_per_step"][-1] for r in rs if r.get("sent_bytes_per_step")]
-            sent_b = sum(sent) / len(sent) if sent else _dense_bytes(rs[0])
-            per_step = sum(r["seconds"] / (r["epochs"] * r["steps_per_epoch"]) for r in rs) \
-                / len(rs)
-            reach = [steps_to(r["accuracy"], target, r["steps_per_epoch"]) for r in rs]
-            times = []
-            for mbit in LINKS_MBIT:
-                if any(s is None for s in reach):
-                    times.append(f"> {rs[0]['epochs']} ep")
-                else:
-                    steps = sum(reach) / len(reach)
-                    times.append(f"{steps * (per_step + sent_b * 8 / (mbit * 1e6)):.1f}")
-            diff = "" if base_final is None else f"{(final - base_final) * 100:+.1f}"
-            lines.append(
-                f"| {label} | {rs[0]['momentum']:g} | {rs[0]['epochs']} | {final:.4f} | {diff} | "
-                f"{' '.join(f'{f:.3f}' for f in finals)} | {best:.4f} | {sent_b / 1e3:.1f} | "
-                f"{per_step * 1e3:.1f} ms | " + " | ".join(times)
-                + f" | {PIPELINES[label][2]} |")
-        lines.append("")
-        lines += [f"Accuracy per epoch ({task}, seed {min(r['seed'] for r in rows)}):", "",
-                  "| pipeline | " + " | ".join(f"ep{i + 1}" for i in range(
-                      max(len(r["accuracy"]) for r in rows))) + " |",
-                  "|" + "---|" * (1 + max(len(r["accuracy"]) for r in rows))]
-        first = min(r["seed"] for r in rows)
-        for label in PIPELINES:
-            for r in by.get(label, []):
-                if r["seed"] == first:
-                    lines.append(f"| {label} | " + " | ".join(f"{a:.3f}" for a in r["accuracy"])
-                                 + " |")
-        lines.append("")
-    failed = [r for r in records if "error" in r]
-    if failed:
-        lines += ["## Failed runs", ""] + [f"- {r['pipeline']} {r['task']} seed {r['seed']}"
-                                           for r in failed]
-    return "\n".join(lines) + "\n"
-
-
 def _reusable(records, label, task, seed, epochs) -> dict | None:
     spec, momentum, _ = PIPELINES[label]
     for r in records:
@@ -181,12 +106,6 @@ def _reusable(records, label, task, seed, epochs) -> dict | None:
     return None
 
 
-def _dense_bytes(record) -> float:
-    """Uncompressed Horovod (grace=None) counts nothing: the ring allreduce of every fp32
-    parameter, 2(N-1)/N of the model's bytes with N = 2."""
-    return float(record.get("dense_bytes", 0))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["digits", "mixture"])
@@ -195,14 +114,18 @@ def main(argv=None) -> int:
     ap.add_argument("--mixture-seeds", nargs="+", type=int, default=None,
                     help="seeds for the mixture task (default: --seeds)")
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/recipes.json"))
+    ap.add_argument("--out", default=None,
+                    help="results file (default: recipes.json in the cache, "
+                         "benchmarks.records.scratch_dir)")
+    ap.add_argument("--id", default="recipes", help="the run's id in the file")
     ap.add_argument("--reuse", default=None,
-                    help="a recipes.json whose records are taken instead of a run where "
+                    help="a recipes results file whose records are taken instead of a run where "
                          "pipeline, spec, optimizer momentum, task, seed and epochs are the "
                          "same (runs are deterministic per seed)")
     args = ap.parse_args(argv)
     env = worker_env()
-    old = json.loads(Path(args.reuse).read_text()) if args.reuse else []
+    old = [r for run in results.load(Path(args.reuse))["runs"] for r in run["records"]] \
+        if args.reuse else []
     records = []
     for task in args.tasks:
         seeds = args.mixture_seeds if task == "mixture" and args.mixture_seeds else args.seeds
@@ -214,13 +137,13 @@ def main(argv=None) -> int:
                 records.append(r)
                 status = r.get("error", "")[-300:] or " ".join(f"{a:.3f}" for a in r["accuracy"])
                 print(f"{task} seed {seed} {label}: {status}", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1))
+    out = Path(args.out) if args.out else results.default_out("recipes")
     command = "python -m benchmarks.convergence_recipes " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    out.with_suffix(".md").write_text(tables(records, command))
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    doc = results.record_run(out, "recipes", TITLE, results.new_run(args.id, command, records),
+                             about=ABOUT)
+    print(tables.recipes(doc))
+    print(f"wrote {out}")
     return 0
 
 

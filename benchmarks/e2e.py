@@ -1,6 +1,7 @@
 """End-to-end runs over emulated hosts: every (bandwidth, model, pipeline), side by side.
 
-    python -m benchmarks.e2e --mbit 100 1000 --models mlp resnet18 --out benchmarks/results/e2e.json
+    python -m benchmarks.e2e --mbit 100 1000 --models mlp resnet18          # into the cache
+    python -m benchmarks.e2e ... --merge --out benchmarks/results/e2e.json  # into the page
 
 Models (benchmarks/e2e_worker.py has their parameter and tensor counts): ``mlp`` (6 large
 tensors), ``cnn``, ``resnet18`` (62 tensors, batch norm) and ``transformer`` (103 tensors), all
@@ -12,16 +13,23 @@ back to back, so ratios against uncompressed Horovod are taken in one run on one
 
 Before the pipelines of a link speed, the job measures itself on that link (``python -m
 grace_dl strategy measure`` on the same hosts: collectives, every pipeline end to end,
-compression; ``grace_dl.strategy.calibrate``) into ``--calibration-dir``; Auto chooses from that
-measurement and every row's ``predicted_s`` is the step model's time from it (the row's
-``calibration`` names the file). ``--reuse-calibration`` takes a link's existing file instead of
-measuring again, so that a re-run row (Auto after a change to the step model) is predicted from
-the same measurement as the rows beside it.
+compression; ``grace_dl.strategy.calibrate``) into ``--calibration-dir`` (default: a cache
+directory, ``benchmarks.records.scratch_dir``); Auto chooses from that measurement and every
+row's ``predicted_s`` is the step model's time from it. The run keeps each link's measurement
+(its ``calibration``), so the results file alone can re-predict its rows.
+``--reuse-calibration`` takes a link's existing file instead of measuring again, so that a
+re-run row (Auto after a change to the step model) is predicted from the same measurement as
+the rows beside it.
+
+The results (``benchmarks/records.py`` format, one run per invocation) go to ``--out``, by
+default the cache; ``--merge`` keeps the file's other runs and drops their rows of the same
+model, link speed and pipeline, so the page shows one row for each.
 
 ``--repredict`` runs nothing: it recomputes ``predicted_s`` of the fixed pipelines' rows in
-``--out`` with the current step model, from each row's own measurement and its recorded compute
-and update times (what the worker computes), and marks them ``predicted_at`` this commit.
-Auto's rows are left as they are: their step belongs to the strategy chosen when they ran.
+``--out`` with the current step model, from each run's own measurement and each row's recorded
+compute and update times (what the worker computes), and marks them ``predicted_at`` this
+commit. Auto's rows are left as they are: their step belongs to the strategy chosen when they
+ran.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import records, tables
 from benchmarks.jobs import worker_env
 from benchmarks.network import EmulatedCluster
 from benchmarks.pipelines import GRACE, PIPELINES
@@ -78,15 +87,38 @@ def run_one(cluster: EmulatedCluster, launcher: str, model: str, pipeline: str, 
     return record
 
 
+TITLE = "End-to-end step time over emulated links"
+ABOUT = (
+    "Two hosts made of network namespaces on one machine (`benchmarks/network.py`), each link "
+    "shaped with `tc tbf` in both directions (bandwidth only, no added delay), one rank per "
+    "host bound to a core of its own, launched by stock `horovodrun`. Models with synthetic "
+    "data (`benchmarks/e2e_worker.py`): an MLP (5.8M parameters in 6 tensors), a plain CNN "
+    "(2.5M, 10), ResNet-18 with batch norm (11.2M, 62) and a ViT-style transformer encoder "
+    "(6.4M, 103). Every pipeline (`benchmarks/pipelines.py`; `-bucket`: `bucket_bytes=25 << "
+    "20`, `-fused`: `groups=1`) ran back to back at each link speed; with `--rounds N` each "
+    "ran N times round-robin and the row is its median run. *speedup vs none* = uncompressed "
+    "(fp32) Horovod's step / the pipeline's, *vs hvd-fp16* the same against Horovod's own fp16 "
+    "compression. compute and compress are timed apart in the same process; communicate = "
+    "step - compute - compress (\"hidden\" where those two alone exceed the step); "
+    "bytes/bandwidth = max(sent, received) bytes per step / link speed. *predicted* = the step "
+    "model's time (`grace_dl.strategy.step_model`) from the job's own measurement on that link, "
+    "kept in the run.")
+
+
 def _key(record: dict) -> tuple:
     return record["model"], record["mbit"], record["pipeline"]
 
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` with each record that ``new`` re-ran replaced in place; new ones appended."""
-    fresh = {_key(r): r for r in new}
-    merged = [fresh.pop(_key(r), r) for r in old]
-    return merged + [r for r in new if _key(r) in fresh]
+    """``old`` runs with every row that a ``new`` run re-ran dropped (runs left empty go), then
+    ``new``: one row per model, link speed and pipeline across the file."""
+    fresh = {_key(r) for run in new for r in run["records"]}
+    kept = []
+    for run in old:
+        rows = [r for r in run["records"] if _key(r) not in fresh]
+        if rows and run["id"] not in {n["id"] for n in new}:
+            kept.append({**run, "records": rows})
+    return kept + new
 
 
 def median_runs(records: list[dict]) -> list[dict]:
@@ -108,25 +140,8 @@ def median_runs(records: list[dict]) -> list[dict]:
     return out
 
 
-def _relative(path: Path) -> str:
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
-def calibration_of(record: dict) -> Path:
-    """The measurement a row was predicted from: its ``calibration``, else (rows from before
-    it was recorded) ``benchmarks/results/calibration/<model>/`` where that exists, else the
-    directory's own file for the link."""
-    if record.get("calibration"):
-        return ROOT / record["calibration"]
-    base = ROOT / "benchmarks/results/calibration"
-    if (base / record["model"]).is_dir():
-        base = base / record["model"]
-    return base / f"e2e-{record['mbit']:g}mbit.json"
-
-
-def repredict(records: list[dict]) -> list[dict]:
-    """``records`` with every fixed pipeline's ``predicted_s`` recomputed (module docstring)."""
+def repredict(runs: list[dict]) -> list[dict]:
+    """``runs`` with every fixed pipeline's ``predicted_s`` recomputed (module docstring)."""
     import os
 
     import torch
@@ -134,61 +149,39 @@ def repredict(records: list[dict]) -> list[dict]:
     from benchmarks.e2e_worker import build_model
     from benchmarks.pipelines import PIPELINES, predict_step
 
-    commit, out = _commit(), []
-    for r in records:
-        if "error" in r or PIPELINES.get(r["pipeline"]) == "auto" or "compute_s" not in r:
-            out.append(r)
-            continue
-        saved = {k: os.environ.get(k) for k in ("GRACE_BENCH_CALIBRATION", "GRACE_BENCH_MBIT")}
-        os.environ["GRACE_BENCH_CALIBRATION"] = str(calibration_of(r))
-        os.environ["GRACE_BENCH_MBIT"] = str(r["mbit"])
-        try:
-            torch.manual_seed(0)
-            model = build_model(r["model"])[0]
-            predicted = predict_step(r["pipeline"], model, compute_s=r["compute_s"])
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        out.append({**r, "predicted_s": None if predicted is None
-                    else predicted + r["update_s"], "predicted_at": commit})
+    commit, out = records.commit(), []
+    saved = {k: os.environ.get(k) for k in ("GRACE_BENCH_CALIBRATION", "GRACE_BENCH_MBIT")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in runs:
+            rows = []
+            for r in run["records"]:
+                measured = run.get("calibration", {}).get(f"{r.get('mbit', 0):g}")
+                if ("error" in r or PIPELINES.get(r["pipeline"]) == "auto"
+                        or "compute_s" not in r or measured is None):
+                    rows.append(r)
+                    continue
+                path = Path(tmp) / f"{run['id']}-{r['mbit']:g}.json"
+                path.write_text(json.dumps(measured))
+                os.environ["GRACE_BENCH_CALIBRATION"] = str(path)
+                os.environ["GRACE_BENCH_MBIT"] = str(r["mbit"])
+                try:
+                    torch.manual_seed(0)
+                    model = build_model(r["model"])[0]
+                    predicted = predict_step(r["pipeline"], model, compute_s=r["compute_s"])
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+                rows.append({**r, "predicted_s": None if predicted is None
+                             else predicted + r["update_s"], "predicted_at": commit})
+            out.append({**run, "records": rows})
     return out
 
 
-def markdown(records: list[dict], command: str) -> str:
-    """This run's rows (``benchmarks.report``'s e2e table) and each variant's step against its
-    base pipeline's, per model and link speed. ``command``: what wrote the table (the run, or
-    a ``--repredict`` of it: the rows' own ``command`` says what measured them)."""
-    from benchmarks.pipelines import VARIANTS
-    from benchmarks.report import E2E_COLUMNS, _table, e2e_rows, machine
-
-    ok = [r for r in records if "error" not in r]
-    step = {(r["model"], r["mbit"], r["pipeline"]): r["step_s"] for r in ok}
-    ratios = [{"model": model, "Mbit/s": f"{mbit:g}", "variant": pipeline,
-               "variant ms": f"{1000 * s:.1f}",
-               "base ms": f"{1000 * step[(model, mbit, VARIANTS[pipeline][0])]:.1f}",
-               "variant / base": f"{s / step[(model, mbit, VARIANTS[pipeline][0])]:.2f}"}
-              for (model, mbit, pipeline), s in step.items()
-              if pipeline in VARIANTS and (model, mbit, VARIANTS[pipeline][0]) in step]
-    measured = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
-    made = "; ".join(f"`{c}`" for c in measured or [command])
-    if measured and command not in measured:
-        made += f", predictions recomputed with `{command}`"
-    return (f"# End-to-end step time over emulated hosts\n\nMachine: {machine()}\n\n"
-            f"Made with {made}; columns as in `e2e.md`.\n\n"
-            + _table(E2E_COLUMNS, e2e_rows(records))
-            + "\n\n## Variants against their base pipeline\n\nStep time of each variant "
-              "(`benchmarks.pipelines.VARIANTS`) over its base pipeline's, same run.\n\n"
-            + _table(["model", "Mbit/s", "variant", "variant ms", "base ms", "variant / base"],
-                     ratios) + "\n")
-
-
-def _commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=str(ROOT))
-    return proc.stdout.strip() or "unknown commit"
+def _run_id(args) -> str:
+    return f"{records.commit().split('+')[0]}-{args.prefix}-{time.strftime('%m%d%H%M')}"
 
 
 def main(argv=None) -> int:
@@ -206,50 +199,51 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--prefix", default="gracebench",
                     help="namespace name prefix; a run removes stale namespaces of its prefix")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/e2e.json"))
-    ap.add_argument("--md", default=None,
-                    help="also write this run's table (and its -bucket/-whole variants against "
-                         "their base pipelines) to this markdown file")
+    ap.add_argument("--out", default=None,
+                    help="results file (default: e2e.json in the cache, "
+                         "benchmarks.records.scratch_dir; the page's is "
+                         "benchmarks/results/e2e.json)")
     ap.add_argument("--merge", action="store_true",
-                    help="keep --out's other records; replace those of the same model, link "
+                    help="keep --out's other runs, less their rows of the same model, link "
                          "speed and pipeline")
-    ap.add_argument("--calibration-dir", default=str(ROOT / "benchmarks/results/calibration"),
-                    help="where each link's measurement is written (e2e-<mbit>mbit.json)")
+    ap.add_argument("--calibration-dir", default=None,
+                    help="where each link's measurement is written (e2e-<mbit>mbit.json; "
+                         "default: the cache's calibration/ directory)")
     ap.add_argument("--reuse-calibration", action="store_true",
                     help="use a link's existing measurement in --calibration-dir, if any")
     ap.add_argument("--no-bind", dest="bind", action="store_false",
-                    help="leave the ranks to the scheduler on the shared cores (every row "
-                         "before the binding was); by default each rank runs on cores of its "
-                         "own (benchmarks/bind.py)")
+                    help="leave the ranks to the scheduler on the shared cores; by default each "
+                         "rank runs on cores of its own (benchmarks/bind.py)")
     ap.add_argument("--repredict", action="store_true",
                     help="recompute the fixed pipelines' predictions in --out; run nothing")
     args = ap.parse_args(argv)
+    out = Path(args.out) if args.out else records.default_out("e2e")
     command = "python -m benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.repredict:
-        records = repredict(json.loads(Path(args.out).read_text()))
-        Path(args.out).write_text(json.dumps(records, indent=1))
-        if args.md:
-            Path(args.md).write_text(markdown(records, command))
-        print(f"re-predicted {sum('predicted_at' in r for r in records)} of {len(records)} "
-              f"rows in {args.out}")
+        doc = records.load(out)
+        doc["runs"] = repredict(doc["runs"])
+        out.write_text(records.dump(doc))
+        rows = [r for run in doc["runs"] for r in run["records"]]
+        print(f"re-predicted {sum('predicted_at' in r for r in rows)} of {len(rows)} rows "
+              f"in {out}")
         return 0
 
     from tqdm import tqdm
 
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    calibration_dir = Path(args.calibration_dir or records.scratch_dir("calibration"))
+    calibration_dir.mkdir(parents=True, exist_ok=True)
     runs = [(m, model, p) for m in args.mbit for _ in range(args.rounds)
             for model in args.models for p in args.pipelines]
-    records, measured = [], {}
-    run = f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} {_commit()}"
-    Path(args.calibration_dir).mkdir(parents=True, exist_ok=True)
+    rows, measured = [], {}
     with EmulatedCluster(args.hosts, mbit=args.mbit[0], prefix=args.prefix,
                          bind=args.bind) as cluster:
         bar = tqdm(runs, desc="e2e", unit="run")
         for mbit, model, pipeline in bar:
             if cluster.mbit != mbit:
                 cluster.set_bandwidth(mbit)
-            path = Path(args.calibration_dir) / f"e2e-{mbit:g}mbit.json"
+            path = calibration_dir / f"e2e-{mbit:g}mbit.json"
             if mbit not in measured and args.reuse_calibration and path.exists():
                 measured[mbit] = path
             if mbit not in measured:
@@ -259,19 +253,19 @@ def main(argv=None) -> int:
             rec = run_one(cluster, args.launcher, model, pipeline, args.steps, args.warmup,
                           args.timeout, measured[mbit])
             rec.update({"mbit": mbit, "hosts": args.hosts, "launcher": args.launcher,
-                        "run": run, "calibration": _relative(measured[mbit]),
-                        "command": command, "bound": args.bind})
-            records.append(rec)
+                        "bound": args.bind})
+            rows.append(rec)
             if "error" in rec:
                 tqdm.write(f"FAILED {mbit:g} {model} {pipeline}: {rec['error'][-400:]}")
-    records = median_runs(records)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    if args.merge and Path(args.out).exists():
-        records = merge(json.loads(Path(args.out).read_text()), records)
-    Path(args.out).write_text(json.dumps(records, indent=1))
-    if args.md:
-        Path(args.md).write_text(markdown(records, command))
-    print(f"wrote {args.out} ({len(records)} runs, {sum('error' in r for r in records)} failed)")
+    run = records.new_run(_run_id(args), command, median_runs(rows), calibration={
+        f"{mbit:g}": json.loads(Path(path).read_text()) for mbit, path in measured.items()})
+    doc = records.record_run(out, "e2e", TITLE, run, about=ABOUT, keep=args.merge)
+    if args.merge:
+        doc["runs"] = merge(doc["runs"][:-1], doc["runs"][-1:])
+        out.write_text(records.dump(doc))
+    print(tables.e2e({**doc, "runs": [run]}))
+    print(f"wrote {out} ({len(run['records'])} rows, "
+          f"{sum('error' in r for r in run['records'])} failed)")
     return 0
 
 

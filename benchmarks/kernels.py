@@ -1,7 +1,8 @@
 """grace_dl's compiled kernels against their twins, one process, one thread: the same call
 with ``grace_dl.native.use(True)`` and ``use(False)`` alternating, medians of the repeats.
 
-    python -m benchmarks.kernels            # 4M fp32, 25 repeats: benchmarks/results/kernels.md
+    python -m benchmarks.kernels            # 4M fp32, 25 repeats, into the cache
+    python -m benchmarks.kernels --out benchmarks/results/kernels.json   # into the page
     python -m benchmarks.kernels --quick    # 64K elements, 3 repeats, printed only
 
 *twin / kernel* is the speed-up; *x memcpy* is the kernel's time over one copy of the input
@@ -21,18 +22,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.report import _table, kernels, machine
+from benchmarks import records, tables
 from grace_dl import native, seeding
 from grace_dl.compressors import sparse
 from grace_dl.compressors.base import LOCAL
+from grace_dl.compressors.paths import Paths
 from grace_dl.compressors.qsgd import QSGDCompressor
 from grace_dl.compressors.signsgd import SignSGDCompressor
 from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
+from grace_dl.native.paths import _top_positions
 from grace_dl.torch import ops
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "benchmarks/results/kernels.md"
+TITLE = "Compiled kernels against their twins (one thread)"
+ABOUT = (
+    "One process, one thread, standard normal fp32 input; each call with grace_dl's compiled "
+    "kernels and with their twins (`native.use(False)`: the framework's or NumPy's ops) "
+    "alternating, each first in turn; medians of the repeats. *x memcpy* = the kernel's time "
+    "over a copy of the input into a buffer allocated once, timed in the same loop. The last "
+    "columns hold the same kernels to narrower SIMD paths (`native.limit_vector_bits`): what "
+    "an AVX2-only CPU and one with no SIMD path would run (on the latter the scan, the sign "
+    "code and the server step hand the work to their twins instead: `native._vectorized`).")
 
 
 def cases(n: int) -> dict:
@@ -42,17 +53,20 @@ def cases(n: int) -> dict:
     err, dec, out = torch.empty(n), torch.empty(n), torch.empty(n)
     a = x.numpy()
     thr = float(np.quantile(np.abs(a[: 1 << 16]), 0.986))   # ~1.4% candidates, as topk 1% scans
-    sign, qsgd = SignSGDCompressor(), QSGDCompressor(quantum_num=64)
-    s_payload, s_ctx = sign.compress(x, "s")
-    q_payload, q_ctx = qsgd.compress(x, "q")
-    q_other, _ = qsgd.compress(x.flip(0).contiguous(), "q2")
-    topk, threshold = TopKCompressor(0.01), ThresholdCompressor(2.576)
-    s_other, _ = sign.compress(x.flip(0).contiguous(), "s2")
+    # the CPU path of each method (``grace_dl.native.paths``): with the kernels off, each of
+    # its calls falls back to the reference's torch code
+    sign, qsgd, topk, threshold = (Paths(c).on(x) for c in (
+        SignSGDCompressor(), QSGDCompressor(quantum_num=64), TopKCompressor(0.01),
+        ThresholdCompressor(2.576)))
+    s_payload, s_ctx = sign.compress(x, "s", LOCAL)
+    q_payload, q_ctx = qsgd.compress(x, "q", LOCAL)
+    q_other, _ = qsgd.compress(x.flip(0).contiguous(), "q2", LOCAL)
+    s_other, _ = sign.compress(x.flip(0).contiguous(), "s2", LOCAL)
     slot = torch.zeros(n)
     small = x[: min(n, 20480)]                 # the size of the MLP's output layer
     cand = ops.positions_at_least(x, thr)
-    t_payload, t_ctx = topk.compress(x, "t")
-    t_other, _ = topk.compress(x.flip(0).contiguous(), "t2")
+    t_payload, t_ctx = topk.compress(x, "t", LOCAL)
+    t_other, _ = topk.compress(x.flip(0).contiguous(), "t2", LOCAL)
 
     def server_step():
         """two-phase signSGD's server step: fused, or (kernels off) the steps one by one"""
@@ -63,14 +77,15 @@ def cases(n: int) -> dict:
 
     return {
         "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: native.positions_at_least(a, thr),
-        "topk 1% compress": lambda: topk.compress(x, "t"),
-        "threshold 2.576 compress": lambda: threshold.compress(x, "h"),
+        "topk 1% compress": lambda: topk.compress(x, "t", LOCAL),
+        "threshold 2.576 compress": lambda: threshold.compress(x, "h", LOCAL),
         "topk combine into the gradient, 2 ranks (sparse sum)":
             lambda: topk.combine([t_payload, t_other], t_ctx, out),
         "exact top 1% of 20K (topk below its sampling size)":
-            lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100)),
+            lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100),
+                                     fast_top=_top_positions),
         "top 1% of x among the scan's candidates (topk's last step)":
-            lambda: sparse.top_among(ops, x, cand, max(1, n // 100)),
+            lambda: sparse.top_among(ops, x, cand, max(1, n // 100), fast_top=_top_positions),
         "signsgd compress with error": lambda: sign.compress_with_error(x, "s", LOCAL, err),
         "signsgd decompress into": lambda: sign.decompress_into(s_payload, s_ctx, out),
         "signsgd two-phase server step, 2 ranks": server_step,
@@ -138,8 +153,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="64K elements, 3 repeats, printed only")
     ap.add_argument("--numel", type=int, default=1 << 22)
     ap.add_argument("--repeats", type=int, default=25)
-    ap.add_argument("--out", default=None, help=f"markdown file (default {OUT.relative_to(ROOT)}"
-                                                "; --quick prints only)")
+    ap.add_argument("--out", default=None,
+                    help="results file (default: kernels.json in the cache, "
+                         "benchmarks.records.scratch_dir; --quick prints only)")
+    ap.add_argument("--id", default="kernels",
+                    help="the run's id (a run of the same id in --out is replaced)")
     args = ap.parse_args(argv)
     if not native.available():
         raise SystemExit("grace_dl's compiled kernels are not built here "
@@ -149,27 +167,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"--numel and --repeats must be >= 1, got {n} and {repeats}")
     torch.set_num_threads(1)
     rows = measure(n, repeats)
-    text = "\n".join([
-        "# Compiled kernels against their twins", "",
-        f"Machine: {machine()}", "",
-        f"Made with `{' '.join(['python -m benchmarks.kernels', *(argv or sys.argv[1:])])}`"
-        f": {n} fp32 elements ({n * 4 / 2**20:.1f} MB), standard normal, one thread, each "
-        f"call with the kernels ({kernels()}) and with their twins (`native.use(False)`) "
-        f"alternating (each one first in turn), {repeats} repeats, medians. x memcpy = the "
-        f"kernel's time over a copy of the input into a buffer allocated once, timed in the "
-        f"same loop."
-        + (" The last columns time the same kernels held to narrower SIMD paths "
-           "(`native.limit_vector_bits`), in the same alternation: what an AVX2-only CPU and "
-           "one with no SIMD path would run (on the latter the scan, the sign code and the "
-           "server step hand the work to their twins instead: `native._vectorized`)."
-           if narrower_paths() else ""), "",
-        _table(["case", "kernel ms", "twin ms", "twin / kernel", "x memcpy",
-                *map(path_column, narrower_paths())], rows), ""])
-    print(text)
+    columns = ["case", "kernel ms", "twin ms", "twin / kernel", "x memcpy",
+               *map(path_column, narrower_paths())]
+    print(f"{n} fp32 elements, {repeats} repeats, kernels: {records.kernels()}\n")
+    print(tables.table(columns, rows))
     if not args.quick:
-        path = Path(args.out) if args.out else OUT
-        path.write_text(text)
-        print(f"wrote {path}")
+        out = Path(args.out) if args.out else records.default_out("kernels")
+        command = " ".join(["python -m benchmarks.kernels", *(argv or sys.argv[1:])])
+        run = records.new_run(args.id, command, rows, elements=n, repeats=repeats)
+        records.record_run(out, "kernels", TITLE, run, about=ABOUT, columns=columns)
+        print(f"wrote {out}")
     return 0 if all(math.isfinite(float(r["twin / kernel"])) for r in rows) else 1
 
 

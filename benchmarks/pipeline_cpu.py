@@ -14,7 +14,10 @@ measurement imports ``grace_dl`` from that tree; trees and pipelines alternate w
 the first tree's.
 
     python -m benchmarks.pipeline_cpu --pipelines qsgd-2phase signsgd-2phase \\
-        --code /tmp/old . --out benchmarks/results/pipeline_cpu.json
+        --code /tmp/old . --out /tmp/pipeline_cpu.json
+
+An A/B tool for a change's CPU cost: its tables go into ``docs/DECISIONS.md`` with the change,
+not onto the benchmarks page, so ``--out`` (JSON, and the Markdown beside it) is a scratch path.
 """
 
 from __future__ import annotations

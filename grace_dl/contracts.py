@@ -212,14 +212,6 @@ class OpsBackend(Protocol):
 
     def positions_at_least(self, flat, thr, sign=None): ...
 
-    def assign_sparse_sum(self, var, positions: list, values: list):
-        """``assign_scatter`` of the sparse tensors (``values[r]`` at ``positions[r]``)
-        joined, by a faster path; None where there is none."""
-
-    def top_positions(self, flat, k, sign=None):
-        """``sparse.top_of(magnitudes(flat, sign), k)``'s positions by a faster path, or None
-        where there is none (the caller then runs ``top_of``)."""
-
     def nonzero(self, mask):
         """int64 indices where a 1-D bool tensor is true."""
 
@@ -231,6 +223,8 @@ class OpsBackend(Protocol):
     def uniform(self, seed: int, name: str, step, n: int, like=None, stream: int = 0): ...
 
     def choice(self, seed: int, name: str, step, n: int, k: int, like=None): ...
+
+    def normal(self, seed: int, name: str, step, shape, like=None): ...
 
     def dither(self, seed: int, name: str, step, n: int, bits: int = 16, like=None,
                stream: int = 0):
@@ -285,28 +279,10 @@ class OpsBackend(Protocol):
 
     def flat_view(self, var): ...
 
-    def sign_planes(self, flat, error=None, decoded=None):
-        """signsgd's payload in one compiled pass, or None (TF: always) where that does not
-        apply and ``signbits`` computes it."""
-
-    def ternary_signs(self, pos, neg, n, out=None):
-        """+1/-1/0 from two bit planes in one compiled pass, or None (TF: always)."""
-
-    def sign_vote_feedback(self, payloads, n, slot, decoded):
-        """signsgd's two-phase server step in one compiled pass, or None (TF: always)."""
-
-    def qsgd_levels(self, x, scale, step, k, s, hi, error=None, decoded=None):
-        """qsgd's levels (and error, decoded values) in one compiled pass, or None (TF:
-        always)."""
-
-    def qsgd_values(self, codes, step, s, out, accumulate=False):
-        """qsgd's decoded values into ``out`` in one compiled pass, or None (TF: always)."""
-
     def assign_sub_at(self, var, idx, values): ...
 
-    def take_at(self, var, idx):
-        """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those
-        values there."""
+    def counter(self, start: int, name: str | None = None):
+        """A step counter slot starting at ``start`` (``increment`` counts it)."""
 
     def increment(self, counter_var):
         """Add one to a counter slot; returns the new value (a Python int here)."""

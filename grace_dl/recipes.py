@@ -1,10 +1,11 @@
 """Which memory, and whether the optimizer keeps its momentum, per method family; and the
 warning for combinations known to diverge under momentum SGD.
 
-Measured in ``benchmarks/results/recipes.md`` (digits and a 100-class mixture, 2 ranks, SGD
-lr 0.05, momentum 0.9 for the baseline); the README's recipes table is this one with those
-numbers. ``RECIPES[family]`` is ``(spec, optimizer momentum)``; a spec is a
-``grace_from_params`` dict or, for top-k, a schedule over a size threshold, which
+Measured by ``python -m benchmarks.convergence_recipes`` (digits and a 100-class mixture, 2
+ranks, SGD lr 0.05, momentum 0.9 for the baseline; the recipes section of
+``docs/benchmarks.md``, the exploration behind it in ``docs/DECISIONS.md``).
+``RECIPES[family]`` is ``(spec, optimizer momentum)``; a spec is a ``grace_from_params`` dict
+or, for top-k, a schedule over a size threshold, which
 ``grace_dl.strategy.from_spec(spec, model.named_parameters(), steps_per_epoch)`` builds.
 
 Why the families differ (see ``grace_dl.memory.momentum``):
@@ -19,7 +20,7 @@ Why the families differ (see ``grace_dl.memory.momentum``):
   ``SizeThreshold(2000, ...)`` with momentum in their memory too). The sparse stage's memory
   momentum is 0.8, not the optimizer's 0.9: at 0.9 the late epochs swing by several points
   (0.8 point below uncompressed on digits' seeds 0-2, 2.3 over seeds 0-5), at 0.8 the
-  recipe is 0.9 point below over seeds 0-5 (``recipes_exploration.md``; 0.8 is the best of
+  recipe is 0.9 point below over seeds 0-5 (``docs/DECISIONS.md``; 0.8 is the best of
   0.5/0.7/0.8/0.9 tried on those same seeds, so it is chosen on the test set);
 * **random-k**: error feedback makes every coordinate wait a geometric number of steps (mean
   n/k) whatever its size and then arrive as one burst, which the optimizer's momentum keeps

@@ -53,8 +53,7 @@ class State:
         var = self._slots.get(key)
         if var is None:
             start = self._pending.pop(key, None)
-            var = ops.variable(np.asarray(0 if start is None else start, np.int64), "int64",
-                               name=key)
+            var = ops.counter(0 if start is None else int(np.asarray(start)), name=key)
             self._slots[key] = var
             self._owner[key] = ops.__name__
             self._inits[key] = _COUNTER
@@ -189,6 +188,8 @@ def _ops_of(module: str):
 
 
 def _to_numpy(var) -> np.ndarray:
+    if isinstance(var, np.ndarray):     # a host counter
+        return var.copy()
     if hasattr(var, "detach"):  # torch
         t = var.detach()
         if str(t.dtype) == "torch.bfloat16":
@@ -203,7 +204,9 @@ def _to_numpy(var) -> np.ndarray:
 
 
 def _assign_numpy(var, value: np.ndarray) -> None:
-    if hasattr(var, "copy_"):  # torch
+    if isinstance(var, np.ndarray):     # a host counter
+        var[...] = value
+    elif hasattr(var, "copy_"):  # torch
         import torch
 
         # np.array, not np.ascontiguousarray, which makes a 0-d array (a step counter) 1-d

@@ -14,6 +14,7 @@ PYTHON="${PYTHON:-python3.11}"
 VENV="$ROOT/.venv"
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
+TRITON_VERSION=3.6.0     # the GPU machines' Triton; here its interpreter runs the kernels' tests
 TF_VERSION=2.21.0
 PATCH="$ROOT/scripts/horovod-${HOROVOD_VERSION}-cpu.patch"
 CACHE_ROOT="${GRACE_DL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/grace_dl}"
@@ -25,7 +26,7 @@ die() { printf '\033[1;31m[setup] ERROR:\033[0m %s\n' "$*" >&2; exit 1; }
 # there is nothing to do.
 inputs_hash() {
   cat "$ROOT/scripts/setup.sh" "$PATCH" "$ROOT/pyproject.toml" "$ROOT/setup.py" \
-    "$ROOT/grace_dl/native/kernels.c" | sha256sum | cut -c1-16
+    "$ROOT/scripts/constraints.txt" "$ROOT/grace_dl/native/kernels.c" | sha256sum | cut -c1-16
 }
 STAMP="$VENV/.grace_dl_setup"
 
@@ -87,12 +88,23 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 export PIP_NO_INPUT=1
+# Every install below is held to this machine's versions (torch's CPU build first of all).
+CONSTRAINTS=(-c "$ROOT/scripts/constraints.txt")
+grep -qx "torch==$TORCH_VERSION" "$ROOT/scripts/constraints.txt" \
+  && grep -qx "tensorflow-cpu==$TF_VERSION" "$ROOT/scripts/constraints.txt" \
+  || die "scripts/constraints.txt must pin torch==$TORCH_VERSION and tensorflow-cpu==$TF_VERSION"
 
 log "installing torch==$TORCH_VERSION (CPU build; pinned exactly so no CUDA wheels are pulled)"
-"${PIP[@]}" install "torch==$TORCH_VERSION"
-log "installing tensorflow-cpu==$TF_VERSION, mpi4py (built against Debian's Open MPI), and grace_dl"
+"${PIP[@]}" install "${CONSTRAINTS[@]}" "torch==$TORCH_VERSION"
+log "installing tensorflow-cpu==$TF_VERSION, mpi4py (built against Debian's Open MPI), grace_dl"
+log "and its test clients (lightning, accelerate; pinned in the dev extra)"
 # mpi4py from source so that it links the same libmpi as Horovod (hvd.init(comm=...) needs that).
-"${PIP[@]}" install --no-binary mpi4py -e "$ROOT[torch,tensorflow,dev]"
+# The tensorflow extra names the `tensorflow` distribution; this machine runs tensorflow-cpu,
+# the same package without GPU support, so it is installed by name instead of by the extra.
+"${PIP[@]}" install "${CONSTRAINTS[@]}" --no-binary mpi4py "tensorflow-cpu==$TF_VERSION" \
+  -e "$ROOT[torch,dev]"
+log "installing triton==$TRITON_VERSION (the device path's kernels, tested in its interpreter)"
+"${PIP[@]}" install "${CONSTRAINTS[@]}" "triton==$TRITON_VERSION"
 
 # ---------------------------------------------------------------- Horovod
 PYTAG="$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"

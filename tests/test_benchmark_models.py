@@ -4,7 +4,6 @@ table shows each pipeline against fp32 Horovod and Horovod's fp16; the demo's ne
 skips with one line without root. (The part that launches jobs is in
 test_benchmarks_smoke.py.)"""
 
-import json
 import os
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from benchmarks import demo_link, network, report
+from benchmarks import demo_link, network, records, tables
 from benchmarks.e2e_worker import MODELS, build_model
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -65,10 +64,10 @@ def _rec(pipeline, step_s, model="m", mbit=100):
 
 
 def test_e2e_rows_show_speedup_against_fp32_and_fp16():
-    records = [_rec("none", 2.0), _rec("hvd-fp16", 1.0), _rec("topk", 0.25),
+    rows_in = [_rec("none", 2.0), _rec("hvd-fp16", 1.0), _rec("topk", 0.25),
                _rec("none", 0.3, mbit=1000), _rec("topk", 0.2, mbit=1000),
                {"model": "m", "mbit": 100, "pipeline": "randomk", "error": "boom"}]
-    rows = {(r["pipeline"], r["Mbit/s"]): r for r in report.e2e_rows(records)}
+    rows = {(r["pipeline"], r["Mbit/s"]): r for r in tables.e2e_rows(rows_in)}
     assert rows["topk", "100"]["speedup vs none"] == "8.00x"
     assert rows["topk", "100"]["speedup vs hvd-fp16"] == "4.00x"
     assert rows["hvd-fp16", "100"]["speedup vs hvd-fp16"] == "1.00x"
@@ -79,21 +78,16 @@ def test_e2e_rows_show_speedup_against_fp32_and_fp16():
     assert rows["randomk", "100"]["step ms"] == "failed"
 
 
-def test_committed_e2e_results_render_with_both_ratios(tmp_path):
-    (tmp_path / "e2e.json").write_text((RESULTS / "e2e.json").read_text())
-    report.write(tmp_path)
-    table = (tmp_path / "e2e.md").read_text()
-    header = next(line for line in table.splitlines() if line.startswith("| model"))
-    assert [c.strip() for c in header.strip("|").split("|")] == report.E2E_COLUMNS
-    main = table.split("\n## ")[0]     # the per-run table; Auto's comparison follows it
-    rows = [line for line in main.splitlines() if line.startswith("| ") and line != header]
-    assert len(rows) == len(json.loads((RESULTS / "e2e.json").read_text()))
-    vs_fp16 = report.E2E_COLUMNS.index("speedup vs hvd-fp16")
-    assert all(r.strip("|").split("|")[vs_fp16].strip().endswith("x") for r in rows)
-    # the committed md is this rendering of the committed json (all but the machine line)
-    committed = (RESULTS / "e2e.md").read_text().splitlines()
-    assert [ln for ln in committed if not ln.startswith("Machine:")] == \
-        [ln for ln in table.splitlines() if not ln.startswith("Machine:")]
+def test_committed_e2e_results_render_with_both_ratios():
+    doc = records.load(RESULTS / "e2e.json")
+    rows = tables.e2e_rows(tables.records_of(doc))
+    assert len(rows) == sum(len(run["records"]) for run in doc["runs"])
+    assert all(r["speedup vs none"].endswith("x") and r["speedup vs hvd-fp16"].endswith("x")
+               for r in rows)
+    # every row's baseline is its own run's uncompressed step at that model and link
+    top = next(r for r in rows if (r["model"], r["Mbit/s"], r["pipeline"]) == ("mlp", "100",
+                                                                              "topk"))
+    assert top["speedup vs none"] == "32.75x" and top["run"].startswith("7a090af-gpm")
 
 
 def test_demo_link_skips_with_one_line_without_root(monkeypatch, capsys):

@@ -104,6 +104,8 @@ def test_payload_bytes_follow_the_formula(name, fw):
         if formula is None:  # data-dependent size (threshold, inceptionn): checked per method
             assert nbytes(payload) > 0
             continue
+        if name in ("signsgd", "signum") and np.any(x == 0):   # their zero plane, only then
+            formula += -(-x.size // 8)
         slack.add(nbytes(payload) - formula)
     # At most a fixed few bytes above the formula per tensor, the same at every size.
     assert len(slack) <= 1 and all(0 <= s <= 16 for s in slack), slack

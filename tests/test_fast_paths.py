@@ -10,7 +10,7 @@ import torch
 
 from grace_dl import grace_from_params
 from grace_dl.communicators.base import accumulator, nonfinite_mark
-from grace_dl.compressors.base import LOCAL, Call, Compressor
+from grace_dl.compressors.base import Call, Compressor
 from grace_dl.registry import lookup
 from support import OneRank
 
@@ -411,9 +411,9 @@ def test_error_written_while_compressing_equals_decoding_after(compressor, commu
     cls = type(plain.compressor)
     plain.compressor.__class__ = type("Plain", (_DecodesAfter, cls), {})
     calls = []
-    real = cls.compress_with_error
-    fused.compressor.compress_with_error = lambda *a, **k: calls.append(1) or real(
-        fused.compressor, *a, **k)
+    path = fused.paths.on(torch.empty(1))         # the CPU path's fusion, or the reference's
+    real = path.compress_with_error
+    path.compress_with_error = lambda *a, **k: calls.append(1) or real(*a, **k)
     for step in range(3):
         x = _tensor(40 + step, shape)
         if step == 2:   # a finite step too (the Inf's NaN stays in the residual otherwise)
@@ -428,105 +428,6 @@ def test_error_written_while_compressing_equals_decoding_after(compressor, commu
         for k in sa.get("server", {}):
             np.testing.assert_array_equal(sa["server"][k], sb["server"][k])
     assert calls    # the fused path ran
-
-
-@pytest.mark.parametrize("key,taken", [("topk", True), ("randomk", True),
-                                       ("randomk-unbiased", False), ("threshold", False),
-                                       ("dgc", False)])
-@pytest.mark.parametrize("kernels", [True, False], ids=["compiled", "torch"])
-def test_sparse_entries_taken_while_compressing_equal_the_memory_update(key, taken, kernels):
-    """topk and randomk take the k entries they send out of the residual's slot as they
-    gather them (``compress_with_error`` with the slot itself, ``ops.take_at``): the same
-    payloads, results and residuals, bit for bit, as gathering and then the residual
-    memory's subtraction, with an Inf and a -0.0 in every input (their residuals: NaN and
-    +0.0 where sent); the other sparsifiers keep the memory's update."""
-    from grace_dl import native
-
-    params = {"compressor": key.split("-")[0], **SPARSE[key], "memory": "residual",
-              "communicator": "allreduce" if key.startswith("randomk") else "allgather"}
-    fused, plain = grace_from_params(dict(params)), grace_from_params(dict(params))
-    cls = type(plain.compressor)
-    plain.compressor.__class__ = type("Plain", (_DecodesAfter, cls), {})
-    got = []
-    real = cls.compress_with_error
-    fused.compressor.compress_with_error = lambda *a, **k: got.append(real(
-        fused.compressor, *a, **k)) or got[-1]
-    was = native._enabled
-    native.use(kernels)
-    try:
-        for step in range(3):
-            x = _tensor(60 + step)
-            a = fused.receive(fused.send(x.clone(), "w", collectives=_Mirror()))
-            b = plain.receive(plain.send(x.clone(), "w", collectives=_Mirror()))
-            np.testing.assert_array_equal(a.numpy(), b.numpy())
-            np.testing.assert_array_equal(fused.memory.state_dict()["w"],
-                                          plain.memory.state_dict()["w"])
-    finally:
-        native.use(was)
-    assert all((g is not None) == taken for g in got) and got
-    assert not fused.memory._in_slot
-
-
-@pytest.mark.parametrize("key", ["topk", "randomk"])
-def test_sparse_take_is_refused_where_it_would_not_be_the_memory_update(key):
-    """``compress_with_error`` takes nothing (None, the residual untouched) for another error
-    tensor, a decompression asked for, or a subclass that overrides ``compress``."""
-    comp = _compressor(key)
-    x = _tensor(3)
-    kept = x.clone()
-    assert comp.compress_with_error(x, "w", Call(0, 1), x.clone()) is None
-    assert comp.compress_with_error(x, "w", Call(0, 1), x, torch.empty_like(x)) is None
-
-    class Doubled(type(comp)):
-        def compress(self, tensor, name, call=LOCAL):
-            return super().compress(tensor * 2, name, call)
-
-    assert Doubled(**SPARSE[key]).compress_with_error(x, "w", Call(0, 1), x) is None
-    np.testing.assert_array_equal(x.numpy(), kept.numpy())
-    assert comp.compress_with_error(x, "w", Call(0, 1), x) is not None   # the slot itself
-
-
-def test_take_at_equals_gather_then_subtract_in_torch_and_tf():
-    """``ops.take_at``: the values at the positions, and those entries minus themselves
-    (NaN for Inf and NaN, +0.0 for -0.0), compiled and not, torch and TensorFlow alike; a
-    non-contiguous tensor and int32 positions take the framework path."""
-    import tensorflow as tf
-
-    from grace_dl import native
-    from grace_dl.tensorflow import ops as tf_ops
-    from grace_dl.torch import ops as torch_ops
-
-    x = _tensor(7)
-    x[1, :3] = torch.tensor([float("nan"), float("-inf"), 0.0])
-    pos = torch.tensor([0, 1, 2, 29, 30, 31, 500, 1072])
-    want = x.clone()
-    values = want.view(-1)[pos].clone()
-    want.view(-1).index_add_(0, pos, values, alpha=-1)
-    for kernels in (True, False):
-        was = native._enabled
-        native.use(kernels)
-        try:
-            for idx in (pos, pos.int()):
-                y = x.clone()
-                np.testing.assert_array_equal(torch_ops.take_at(y, idx).numpy(),
-                                              values.numpy())
-                np.testing.assert_array_equal(y.numpy(), want.numpy())
-        finally:
-            native.use(was)
-    for kernels in (True, False):
-        was = native._enabled
-        native.use(kernels)
-        try:
-            t = torch.zeros(37, 58)[:, ::2].copy_(x)   # the same values, not contiguous
-            assert not t.is_contiguous()
-            np.testing.assert_array_equal(torch_ops.take_at(t, pos).numpy(), values.numpy())
-            np.testing.assert_array_equal(t.numpy(), want.numpy())
-        finally:
-            native.use(was)
-    v = tf.Variable(x.numpy())
-    np.testing.assert_array_equal(tf_ops.take_at(v, tf.constant(pos.numpy())).numpy(),
-                                  values.numpy())
-    np.testing.assert_array_equal(v.numpy(), want.numpy())
 
 
 def test_signum_feeds_back_the_error_of_its_momentum_signs():

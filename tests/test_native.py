@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grace_dl import native
+from grace_dl.compressors.paths import Paths
 
 
 @pytest.fixture
@@ -164,14 +165,15 @@ def test_signsgd_through_torch_takes_the_kernel_and_matches_tensorflow():
 
 
 def _qsgd_everything(c, x, monkeypatch=None):
-    """Payload, error and decoded values, decode and 2-rank combine of qsgd on ``x``."""
+    """Payload, error and decoded values, decode and 2-rank combine of qsgd on ``x``, through
+    ``c`` (a compressor: the reference; or its CPU path)."""
     from grace_dl.compressors.base import LOCAL
 
     n = x.numel()
     err, dec = torch.empty(n), torch.empty(n)
-    payload, ctx = c.compress(x, "g")
+    payload, ctx = c.compress(x, "g", LOCAL)
     got = c.compress_with_error(x, "g", LOCAL, err, dec)
-    other, _ = c.compress(x.flip(0).contiguous(), "h")
+    other, _ = c.compress(x.flip(0).contiguous(), "h", LOCAL)
     out = torch.full((n,), 7.0)
     return ([t.clone() for t in payload] + [t.clone() for t in got[0]] + [err, dec]
             + [c.decompress_into(payload, ctx, out).clone(), c.combine([payload, other], ctx)])
@@ -184,7 +186,6 @@ def test_qsgd_kernels_give_the_torch_code_bits_on_every_path(every_path, monkeyp
     bit what torch's elementwise ops give, NaN and Inf buckets, rows of any length and the
     short last bucket included."""
     from grace_dl.compressors.qsgd import QSGDCompressor
-    from grace_dl.torch import ops
 
     x = torch.from_numpy(_mixed(5 * bucket_size + 37, quantum_num))   # NaN, +-Inf in bucket 0
     x[3 * bucket_size + 1] = 1e30                                     # a huge finite value
@@ -196,11 +197,10 @@ def test_qsgd_kernels_give_the_torch_code_bits_on_every_path(every_path, monkeyp
     results = {}
     for bits in every_path:
         native.limit_vector_bits(bits)
-        results[bits] = _qsgd_everything(QSGDCompressor(quantum_num, bucket_size), x)
+        results[bits] = _qsgd_everything(Paths(QSGDCompressor(quantum_num, bucket_size)).on(x),
+                                         x)
     assert {"qsgd_levels", "qsgd_values"} <= set(calls)     # the kernels did run
-    monkeypatch.setattr(ops, "qsgd_levels", lambda *a, **k: None)
-    monkeypatch.setattr(ops, "qsgd_values", lambda *a, **k: None)
-    want = _qsgd_everything(QSGDCompressor(quantum_num, bucket_size), x)
+    want = _qsgd_everything(QSGDCompressor(quantum_num, bucket_size), x)    # the reference
     for bits, got in results.items():
         for i, (g, w) in enumerate(zip(got, want)):
             assert g.dtype == w.dtype, (bits, i)
@@ -225,15 +225,16 @@ def test_qsgd_error_may_overwrite_its_input(every_path):
         np.testing.assert_array_equal(inplace, err)
 
 
-def test_torch_ops_leave_what_numpy_cannot_hold_to_the_framework():
-    """bfloat16 has no NumPy dtype: the kernels' torch wrappers say None, signsgd still runs."""
+def test_the_cpu_path_leaves_what_numpy_cannot_hold_to_the_reference():
+    """bfloat16 has no NumPy dtype: the CPU path's signsgd runs the reference there."""
+    from grace_dl.compressors.base import LOCAL
     from grace_dl.compressors.signsgd import SignSGDCompressor
-    from grace_dl.torch import ops
 
     x = torch.randn(100).to(torch.bfloat16)
-    assert ops.sign_planes(x) is None
-    payload, ctx = SignSGDCompressor().compress(x, "g")
-    assert torch.equal(SignSGDCompressor().decompress(payload, ctx), torch.sign(x))
+    path = Paths(SignSGDCompressor()).on(x)
+    assert type(path).__name__ == "SignSGDOnCpu"
+    payload, ctx = path.compress(x, "g", LOCAL)
+    assert torch.equal(path.decompress(payload, ctx), torch.sign(x))
 
 
 def test_use_false_gives_every_kernel_to_its_twin():
@@ -362,10 +363,11 @@ def test_the_fused_server_step_equals_the_steps_on_every_path(every_path, n, ran
         want_slot, want_dec = slot, dec
     finally:
         native.use(True)
+    path = Paths(c).on(start)
     for bits in every_path:
         native.limit_vector_bits(bits)
         slot, dec = start.clone(), torch.full((n,), 7.0)
-        got = c.combine_with_feedback(payloads, ctx, slot, dec)
+        got = path.combine_with_feedback(payloads, ctx, slot, dec)
         assert got is not None
         np.testing.assert_array_equal(got[0].numpy(), want_payload.numpy(), err_msg=f"{bits}")
         np.testing.assert_array_equal(slot.numpy().view(np.uint32),
@@ -558,19 +560,6 @@ def test_sparse_sum_equals_zeroing_and_index_add(n, ranks, dtype):
     np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))
 
 
-def test_take_leaves_what_it_cannot_take_untouched():
-    """Positions outside the array, or arrays of other kinds: None, nothing written."""
-    x = np.arange(6, dtype=np.float32)
-    for positions in (np.array([1, 6]), np.array([-1, 2], np.int32)):
-        assert native.take(x, positions) is None
-        np.testing.assert_array_equal(x, np.arange(6, dtype=np.float32))
-    assert native.take(x.astype(np.float64), np.array([1])) is None
-    assert native.take(x, np.array([1.0])) is None
-    got = native.take(x, np.array([4, 1], np.int32))
-    np.testing.assert_array_equal(got, [4.0, 1.0])
-    np.testing.assert_array_equal(x, [0, 0, 2, 3, 0, 5])
-
-
 def test_sparse_sum_leaves_what_it_cannot_take_untouched():
     """Unsorted or repeated positions, out of range, mixed dtypes: None, nothing written."""
     out = np.full(10, 7.0, np.float32)
@@ -606,27 +595,23 @@ def test_topk_combine_takes_the_kernel_with_the_same_bits():
     calls = []
     with pytest.MonkeyPatch.context() as mp_:
         mp_.setattr(native, "sparse_sum", lambda *a: calls.append(_sparse_sum(*a)) or calls[-1])
-        got = c.combine([pa, pb], ctx, torch.empty(300_000))
+        got = Paths(c).on(a).combine([pa, pb], ctx, torch.empty(300_000))
     assert len(calls) == 1 and calls[0] is not None    # applied: both rank's positions sorted
-    try:
-        native.use(False)
-        want = c.combine([pa, pb], ctx, torch.empty(300_000))
-    finally:
-        native.use(True)
+    want = c.combine([pa, pb], ctx, torch.empty(300_000))       # the reference
     np.testing.assert_array_equal(got.numpy().view(np.int32), want.numpy().view(np.int32))
 
 
-def test_torch_sparse_sum_falls_back_for_what_numpy_cannot_view():
+def test_cpu_sparse_sum_falls_back_for_what_numpy_cannot_view():
     """bfloat16 values (no NumPy dtype) and float64 gradients go to the framework scatter."""
-    from grace_dl.torch import ops
+    from grace_dl.native import paths
 
     pos = [torch.tensor([1, 2], dtype=torch.int32)]
-    assert ops.assign_sparse_sum(torch.empty(10), pos, [torch.ones(2, dtype=torch.bfloat16)]) \
+    assert paths._sparse_sum(torch.empty(10), pos, [torch.ones(2, dtype=torch.bfloat16)]) \
         is None
-    assert ops.assign_sparse_sum(torch.empty(10, dtype=torch.float64), pos,
-                                 [torch.ones(2, dtype=torch.float64)]) is None
+    assert paths._sparse_sum(torch.empty(10, dtype=torch.float64), pos,
+                             [torch.ones(2, dtype=torch.float64)]) is None
     out = torch.full((10,), 7.0)
-    assert ops.assign_sparse_sum(out, pos, [torch.ones(2)]) is out
+    assert paths._sparse_sum(out, pos, [torch.ones(2)]) is out
     assert out.tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
 
 

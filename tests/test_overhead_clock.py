@@ -94,7 +94,8 @@ def _job(base, topk, rounds):
 
 
 def test_several_jobs_pool_into_medians_with_each_jobs_ratio():
-    from benchmarks.overhead import pooled, spread
+    from benchmarks.overhead import pooled
+    from benchmarks.tables import spread
 
     rows = pooled([_job(0.050, 0.035, 2), _job(0.070, 0.042, 2), _job(0.060, 0.040, 2)])
     none, topk = rows

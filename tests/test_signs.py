@@ -19,7 +19,8 @@ from grace_dl.torch import ops as torch_ops
 FRAMEWORKS = ["torch", "tf"]
 METHODS = {"onebit": {}, "signsgd": {}, "signum": {"momentum": 0.9}, "efsignsgd": {"lr": 0.1}}
 SCALAR_BYTES = {"onebit": 8, "signsgd": 1, "signum": 1, "efsignsgd": 4}
-BIT_PLANES = {"onebit": 1, "signsgd": 2, "signum": 2, "efsignsgd": 1}  # signs (+ exact zeros)
+BIT_PLANES = {"onebit": 1, "signsgd": 1, "signum": 1, "efsignsgd": 1}  # tensors without zeros
+PURE_SIGN = ("signsgd", "signum")     # their tensors with exact zeros send a zero plane too
 
 
 def tensor(fw, arr, dtype="float32"):
@@ -122,7 +123,7 @@ def test_small_reductions_and_lerp_agree():
 def test_declared_properties():
     for name in METHODS:
         comp = make(name)
-        assert comp.allreduce_safe is False and comp.equal_sizes is True
+        assert comp.allreduce_safe is False and comp.equal_sizes is (name not in PURE_SIGN)
         assert comp.unbiased is False
     assert make("signsgd").average is False and make("signum").average is False
     assert make("onebit").average is True and make("efsignsgd").average is True
@@ -159,7 +160,7 @@ def test_grace_from_params_hands_lr_to_both():
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4099])
 def test_bytes_on_the_wire(fw, name, n):
     comp = make(name)
-    payload, _ = comp.compress(tensor(fw, np.linspace(-1, 1, n)), "w")
+    payload, _ = comp.compress(tensor(fw, np.linspace(-1, 1, n) + 1e-3), "w")   # no zeros
     sent = wire_bytes(payload)
     planes = BIT_PLANES[name]
     assert sent == comp.payload_nbytes(n) == planes * math.ceil(n / 8) + SCALAR_BYTES[name]
@@ -174,10 +175,28 @@ def test_bytes_on_the_wire(fw, name, n):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 def test_wire_is_the_same_for_every_input_dtype(fw, name, dtype):
     comp = make(name)
-    payload, decoded = round_trip(comp, tensor(fw, np.linspace(-3, 3, 21), dtype))
+    payload, decoded = round_trip(comp, tensor(fw, np.linspace(-3, 3, 21) + 0.1, dtype))
     assert wire_bytes(payload) == comp.payload_nbytes(21, dtype) == \
         3 * BIT_PLANES[name] + SCALAR_BYTES[name]
     assert ops_of(fw).dtype(decoded) == dtype
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("name", PURE_SIGN)
+@pytest.mark.parametrize("n", [1, 8, 9, 1000])
+def test_pure_signs_send_a_zero_plane_only_with_exact_zeros(fw, name, n):
+    """signsgd and signum: 1 bit per element, and the zero plane (with status bit 1) only for
+    a tensor that holds an exact zero, whose decoding then keeps the zeros."""
+    x = np.linspace(-1, 1, n) + 1e-3
+    x[n // 2] = 0.0
+    comp = make(name, **({"momentum": 0.0} if name == "signum" else {}))
+    payload, out = round_trip(comp, tensor(fw, x))
+    assert wire_bytes(payload) == 2 * math.ceil(n / 8) + 1 == comp.payload_nbytes(n) + \
+        math.ceil(n / 8)
+    assert int(np_of(payload[0])[-1]) == 2          # ZEROS set, NONFINITE clear
+    np.testing.assert_array_equal(np_of(out), np.sign(x))
+    payload, out = round_trip(make(name), tensor(fw, x + 1.0))    # no zeros: one plane
+    assert wire_bytes(payload) == comp.payload_nbytes(n) and int(np_of(payload[0])[-1]) == 0
 
 
 # ------------------------------------------------------------------ shapes, dtypes, edge cases
@@ -506,7 +525,9 @@ def test_sign_methods_through_allgather_on_two_ranks(mode, launcher):
     n = int(np.prod(SHAPE))
     for key, params in CONFIGS.items():
         expect = replay_allgather(params, grads)
-        nbytes = lookup("compressor", key)().payload_nbytes(n)
+        comp = lookup("compressor", key)()
+        # a payload whose size varies travels with its int32 length
+        nbytes = comp.payload_nbytes(n) + (0 if comp.equal_sizes else 4)
         for res in results:
             for step in range(STEPS):
                 got = res[key]["out"][step]

@@ -462,8 +462,8 @@ def test_bad_auto_arguments_are_rejected_at_construction():
 
 
 def test_auto_chooses_for_a_160_tensor_model():
-    """Choosing is a handful of simulated steps, not a search; the time is printed (see
-    benchmarks/results/e2e.md for the number), not asserted."""
+    """Choosing is a handful of simulated steps, not a search; the time is printed, not
+    asserted."""
     named = [(f"layer{i}.{'weight' if i % 2 == 0 else 'bias'}",
               torch.nn.Parameter(torch.zeros((256, 256 + i) if i % 2 == 0 else (256,))))
              for i in range(160)]

@@ -120,8 +120,8 @@ class Allreduce(Communicator):
             return Reducing(self._reduce(payload, handle, f"r{rnd}p"), ctx, rnd, sent=payload)
         # the average folded into the reduced payload where the compressor can (sparse values,
         # qsgd's norms, PowerSGD's Q: not a pass over the dense result)
-        out = self.compressor.decompress_into(divided_payloads(handle, [reduced])[0], phase.ctx,
-                                              handle.into)
+        payload = divided_payloads(handle, [reduced])[0]
+        out = self.paths.on(payload).decompress_into(payload, phase.ctx, handle.into)
         if self.compressor.rounds == 1 or own_share_first:
             return out
         average = None

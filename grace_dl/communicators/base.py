@@ -31,6 +31,7 @@ from grace_dl import validate
 from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators import wire
 from grace_dl.compressors.base import Call, Compressor
+from grace_dl.compressors.paths import Paths
 from grace_dl.counters import ByteCounter
 
 AVERAGE = "average"
@@ -383,6 +384,8 @@ class Communicator(Router, ABC):
             raise ValueError(f"memory {getattr(memory, 'registry_name', type(memory).__name__)!r}"
                              f" cannot serve compressor {wire.describe(compressor)}: {reason}")
         self.compressor = compressor
+        #: the path (reference or speed path) that runs the compressor on each device kind
+        self.paths = Paths(compressor)
         self.memory = memory
         self.process_set = validate.process_set(process_set)
         self.bytes = ByteCounter()
@@ -461,7 +464,7 @@ class Communicator(Router, ABC):
 
     def compress(self, compensated, name: str, call: Call):
         """``(payload, ctx)`` for one tensor; two-phase compresses chunk by chunk."""
-        return self.compressor.compress(compensated, name, call)
+        return self.paths.on(compensated).compress(compensated, name, call)
 
     def compress_with_error(self, compensated, name: str, call: Call, error):
         """``compress``, also writing what it loses (``compensated`` minus its
@@ -470,11 +473,11 @@ class Communicator(Router, ABC):
         (overrode ``compress``) without saying how its error is written."""
         if type(self).compress is not Communicator.compress:
             return None
-        return self.compressor.compress_with_error(compensated, name, call, error)
+        return self.paths.on(compensated).compress_with_error(compensated, name, call, error)
 
     def approximate(self, encoded: Encoded):
         """This rank's own payload decompressed: what its error feedback counts as sent."""
-        return self.compressor.decompress(encoded.payload, encoded.ctx)
+        return self.paths.on(encoded.payload).decompress(encoded.payload, encoded.ctx)
 
     # ------------------------------------------------------------------ phases 2 and 3
     @abstractmethod

@@ -25,8 +25,12 @@ and receives N-1 payloads of its chunk plus the other m-1 re-compressed chunks: 
 2 (N-1)/N of one whole-tensor payload each way, whatever N (allgather receives N-1 payloads).
 The byte counters record exactly these amounts.
 
-For compressors that compress any 1-D chunk on its own with payload shapes set by the chunk's
-length (``two_phase_safe`` and ``equal_sizes``: quantizers and signs, ``none``). Not unbiased in
+For compressors that compress any 1-D chunk on its own (``two_phase_safe``: quantizers and
+signs, ``none``). Where payload sizes are set by the chunk's length (``equal_sizes``) every
+rank knows every size up front; where they depend on the data (signsgd's zero plane,
+inceptionn's classes) each part travels in a collective of its own, the all-to-all's received
+splits say how long each rank's part is, and the gather carries an int32 vector of the parts'
+lengths (as the ``allgather`` communicator's). Not unbiased in
 general, since the aggregate is compressed twice; the server residual feeds the second
 compression's error back in the next step. Server residuals are training state: they are in
 ``state_dict`` under ``"server"``. Like the memories (``grace_dl.memory.base``) they never keep a
@@ -63,6 +67,8 @@ class Scattering(Phase):
     flat: list
     #: whether the payload parts travel packed (``wire.pack``): one collective, not one per part
     packed: bool = False
+    #: whether payload sizes differ across ranks: each part's all-to-all says how long it is
+    ragged: bool = False
 
     def waits_on(self) -> list:
         return self.exchanges
@@ -80,9 +86,11 @@ class Gathering(Phase):
     packed: bool = False
     #: ``own`` is already written in the handle's ``into`` (``_server_step`` fused)
     own_in_place: bool = False
+    #: for payload sizes that differ across ranks: the gather of the parts' lengths
+    lengths: object = None
 
     def waits_on(self) -> list:
-        return self.gathers
+        return self.gathers if self.lengths is None else [*self.gathers, self.lengths]
 
 
 @register_communicator("twophase")
@@ -104,8 +112,6 @@ class TwoPhase(PackingCommunicator):
         if not compressor.two_phase_safe:
             return ("it cannot compress tensor chunks independently and re-compress their "
                     "aggregate (two_phase_safe is False)")
-        if not compressor.equal_sizes:
-            return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
     # ------------------------------------------------------------------ encode: per chunk
@@ -119,7 +125,7 @@ class TwoPhase(PackingCommunicator):
         if numel == 0:  # nothing to move; every rank sees the same shape, so all skip
             return [], []
         chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(numel, call.size))
-        compressed = [self.compressor.compress(c, f"{name}/chunk{j}", call)
+        compressed = [self.paths.on(c).compress(c, f"{name}/chunk{j}", call)
                       for j, c in enumerate(chunks)]
         return [p for p, _ in compressed], [c for _, c in compressed]
 
@@ -135,7 +141,7 @@ class TwoPhase(PackingCommunicator):
         errors = ops.split(flat, sizes)
         compressed = []
         for j, (c, e) in enumerate(zip(chunks, errors)):
-            got = self.compressor.compress_with_error(c, f"{name}/chunk{j}", call, e)
+            got = self.paths.on(c).compress_with_error(c, f"{name}/chunk{j}", call, e)
             if got is None:
                 if j:   # the chunks differ only in length: cannot happen after the first
                     raise RuntimeError(f"twophase: chunk {j} of {name!r} could not write "
@@ -161,7 +167,8 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(encoded.compensated)
         flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
-        packed = self.packs(flat[0][0])
+        ragged = not self.compressor.equal_sizes
+        packed = not ragged and self.packs(flat[0][0])
         # every rank sends chunk j's payload of the same length: sizes known up front
         if packed:
             buffers = [wire.pack(flat[j][0]) for j in range(m)]
@@ -173,13 +180,14 @@ class TwoPhase(PackingCommunicator):
             for i in range(n_parts):
                 pieces = [flat[j][0][i] for j in range(m)]
                 splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
-                exchanges.append(coll.alltoall_known_async(
-                    ops.cat(pieces), splits, [splits] * size,
-                    self.wire_name(handle.name, f"a2a.p{i}")))
+                name = self.wire_name(handle.name, f"a2a.p{i}")
+                exchanges.append(coll.alltoall_async(ops.cat(pieces), splits, name) if ragged
+                                 else coll.alltoall_known_async(ops.cat(pieces), splits,
+                                                                [splits] * size, name))
         sent = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
-        received = (size - 1) * wire.nbytes(flat[me][0]) if me < m else 0
+        received = (size - 1) * wire.nbytes(flat[me][0]) if me < m and not ragged else 0
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Scattering(exchanges, flat, packed)
+        return Scattering(exchanges, flat, packed, ragged)
 
     # ------------------------------------------------------------------ phases 2 and 3
     def complete(self, phase: Phase, handle: Handle):
@@ -195,35 +203,48 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(flat[0][0][0])
         mine = own = None
         own_in_place = False
-        got = [coll.synchronize(h)[0] for h in phase.exchanges]
+        results = [coll.synchronize(h) for h in phase.exchanges]
+        got = [r[0] for r in results]
         if me < m:
-            # from each rank, part i of its payload for my chunk: the length of my own
+            # from each rank, part i of its payload for my chunk: the length of my own, or as
+            # the all-to-all says where sizes differ
             if phase.packed:
                 per_rank = wire.unpack_all(got[0], [wire.layout(flat[me][0])] * size)
+            elif phase.ragged:
+                per_rank = [_split_received(ops, g, r[1]) for g, r in zip(got, results)]
+                received = wire.nbytes(got) - wire.nbytes(flat[me][0])
+                wire.count(self, ops, handle.name, received=received)
             else:
                 per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
                             for i, g in enumerate(got)]
             lengths = wire.chunk_sizes(ops.numel(handle.encoded.compensated), m)
             start = sum(lengths[:me])
             like = ops.slice(ops.flatten(handle.encoded.compensated), start, start + lengths[me])
-            payloads = [[ops.reshape(per_rank[i][r], flat[me][1][i]) for i in range(n_parts)]
-                        for r in range(size)]
+            payloads = [[wire.unflatten(per_rank[i][r], flat[me][1][i], not phase.ragged)
+                         for i in range(n_parts)] for r in range(size)]
             key = f"{handle.name}/chunk{me}"
             fused = self._server_step(payloads, ctxs[me], like, handle, key, start)
             if fused is not None:
                 mine, own, own_in_place = fused
             else:
-                reduced = self.compressor.combine(payloads, ctxs[me],
+                reduced = self.paths.on(payloads).combine(payloads, ctxs[me],
                                                   self._buffer(f"{handle.name}/reduced", like))
                 mine, own = self._recompress(reduced, key, handle.encoded.call)
 
         # A rank that owns no chunk received nothing and contributes that empty piece;
         # using it keeps its alltoall alive in tf.function, which prunes unused ops.
+        lengths = None
         if phase.packed:
             piece = wire.pack(mine) if mine is not None else got[0]
             counts = [wire.nbytes(flat[j][0]) for j in range(m)] + [0] * (size - m)
             gathers = [coll.allgather_known_async(piece, counts,
                                                   self.wire_name(handle.name, "ag.p"))]
+        elif phase.ragged:
+            pieces = [mine[i] if mine is not None else got[i] for i in range(n_parts)]
+            gathers = [coll.allgather_async(p, self.wire_name(handle.name, f"ag.p{i}"))
+                       for i, p in enumerate(pieces)]
+            numels = ops.numels(pieces)
+            lengths = coll.allgather_async(numels, self.wire_name(handle.name, "ag.len"))
         else:
             gathers = []
             for i in range(n_parts):
@@ -232,9 +253,13 @@ class TwoPhase(PackingCommunicator):
                 gathers.append(coll.allgather_known_async(
                     piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
         sent = wire.nbytes(mine) if mine is not None else 0
-        received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
+        if lengths is not None:
+            sent = sent + ops.nbytes(numels)
+            received = 0        # counted when the gather is in (``_join``)
+        else:
+            received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Gathering(gathers, flat, own, phase.packed, own_in_place)
+        return Gathering(gathers, flat, own, phase.packed, own_in_place, lengths)
 
     def _join(self, phase: Gathering, handle: Handle):
         coll = handle.coll
@@ -246,11 +271,19 @@ class TwoPhase(PackingCommunicator):
         if phase.packed:
             pieces = wire.unpack_all(gathered[0], [wire.layout(flat[j][0]) for j in range(m)] +
                                      [[]] * (size - m))
+        elif phase.lengths is not None:
+            lengths = ops.reshape(coll.synchronize(phase.lengths), (size, n_parts))
+            by_part = ops.transpose(lengths)
+            pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
+            own = wire.nbytes([pieces[i][coll.rank()] for i in range(n_parts)])
+            wire.count(self, ops, handle.name, received=wire.nbytes(gathered) - own
+                       + ops.nbytes(lengths) // size * (size - 1))
         else:
             lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                        for i in range(n_parts)]
             pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
-        payloads = [[ops.reshape(pieces[i][j], flat[j][1][i]) for i in range(n_parts)]
+        equal = phase.lengths is None
+        payloads = [[wire.unflatten(pieces[i][j], flat[j][1][i], equal) for i in range(n_parts)]
                     for j in range(m)]
         known = {} if phase.own is None else {coll.rank(): phase.own}
         done = {coll.rank()} if phase.own_in_place else set()
@@ -274,7 +307,7 @@ class TwoPhase(PackingCommunicator):
         known = known or {}
         flat = None if out is None else ops.flat_view(out)
         if flat is None:
-            chunks = [known[j] if j in known else self.compressor.decompress(p, c)
+            chunks = [known[j] if j in known else self.paths.on(p).decompress(p, c)
                       for j, (p, c) in enumerate(zip(payloads, ctxs))]
             return ops.reshape(ops.cat([ops.flatten(c) for c in chunks]),
                                ops.shape(like if out is None else out))
@@ -289,7 +322,7 @@ class TwoPhase(PackingCommunicator):
             if j in known:
                 ops.assign_div(piece, ops.flatten(known[j]), divisor)
             else:
-                chunk = self.compressor.decompress_into(payload, ctx, piece)
+                chunk = self.paths.on(payload).decompress_into(payload, ctx, piece)
                 if not ops.aliases(chunk, piece):
                     ops.assign(piece, ops.flatten(chunk))
         return out
@@ -309,7 +342,7 @@ class TwoPhase(PackingCommunicator):
                     and average_divisor(handle) is None)
         out = (ops.slice(into, start, start + ops.numel(like)) if in_place
                else self._buffer(f"{handle.name}/reduced", like))
-        payload = self.compressor.combine_with_feedback(payloads, ctx, slot, out)
+        payload = self.paths.on(payloads).combine_with_feedback(payloads, ctx, slot, out)
         if payload is None:
             return None
         self.server.keep_finite(key)
@@ -322,7 +355,7 @@ class TwoPhase(PackingCommunicator):
         compensated (unless the payload would be that slot itself: ``none``)."""
         ops = ops_for(reduced)
         if not self.server_error_feedback:
-            payload = self.compressor.compress(reduced, f"{key}/server", call)[0]
+            payload = self.paths.on(reduced).compress(reduced, f"{key}/server", call)[0]
             return wire.flatten(payload)[0], None
         slot = self.server.zeros(key, ops, reduced)
         if self.compressor.sends_tensor:
@@ -331,18 +364,18 @@ class TwoPhase(PackingCommunicator):
             compensated = ops.read(ops.assign_add(slot, reduced))
         if not self.compressor.sends_tensor:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
-            got = self.compressor.compress_with_error(compensated, f"{key}/server", call,
-                                                      slot, reduced)
+            got = self.paths.on(compensated).compress_with_error(
+                compensated, f"{key}/server", call, slot, reduced)
             if got is not None:
                 self.server.keep_finite(key)
                 return wire.flatten(got[0])[0], reduced
-        payload, ctx = self.compressor.compress(compensated, f"{key}/server", call)
+        payload, ctx = self.paths.on(compensated).compress(compensated, f"{key}/server", call)
         if self.compressor.sends_tensor:
-            decoded = self.compressor.decompress(payload, ctx)
+            decoded = self.paths.on(payload).decompress(payload, ctx)
             ops.assign(slot, compensated - decoded)
         else:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
-            decoded = self.compressor.decompress_into(payload, ctx, reduced)
+            decoded = self.paths.on(payload).decompress_into(payload, ctx, reduced)
             ops.assign_sub(slot, decoded)
         self.server.keep_finite(key)
         return wire.flatten(payload)[0], decoded
@@ -380,3 +413,11 @@ class TwoPhase(PackingCommunicator):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.server.restore(state.get("server", {}))
+
+
+def _split_received(ops, tensor, splits):
+    """``tensor`` cut into each rank's segment by an all-to-all's received splits (a tensor,
+    or the list a one-process test's collectives give back)."""
+    if isinstance(splits, (list, tuple)):
+        return ops.split(tensor, [int(v) for v in splits])
+    return ops.split_by(tensor, ops.cast(ops.reshape(splits, [-1]), "int32"))

@@ -8,11 +8,10 @@ compressors' ``decompress`` can treat another rank's payload like its own.
 A payload of several parts whose sizes every rank knows in advance (``equal_sizes``) travels
 **packed** (``pack``): its parts' bytes one after another in one uint8 buffer, one collective
 instead of one per part. Horovod fuses only collectives of one dtype, so topk's float32 values
-and int64 indices went as two allgathers, each with its own negotiation, and two-phase's
-all-to-alls (never fused) as one per part: in a ResNet-18 step's Horovod timeline at 10 Gbit/s
-a tensor's index allgather sometimes waited 3-8 ms behind its values'. Packing moves the same
-bytes (no padding: a part that does not start on a multiple of its width is copied out, not
-viewed).
+and int64 indices went as two allgathers, each with its own negotiation (one part could
+wait behind the other), and two-phase's all-to-alls (never fused) as one per part. Packing
+moves the same bytes (no padding: a part that does not start on a multiple of its width is
+copied out, not viewed).
 """
 
 from __future__ import annotations
@@ -100,7 +99,7 @@ def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
                 for r in range(ranks)]
     if average:
         payloads = divided_payloads(handle, payloads)
-    return comm.compressor.combine(payloads, handle.encoded.ctx, handle.into)
+    return comm.paths.on(payloads).combine(payloads, handle.encoded.ctx, handle.into)
 
 
 def nbytes(tensors):

@@ -51,6 +51,10 @@ class DgcCompressor(SparseCompressor):
         return self.compress_ratio ** (min(step, span) / span)
 
     def compress(self, tensor, name, call=LOCAL):
+        return self._compress(tensor, name)
+
+    def _compress(self, tensor, name, fast_top=None):
+        """``compress``, with ``sparse.exact_top``'s ``fast_top`` (a speed path's selection)."""
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "dgc")
@@ -61,7 +65,7 @@ class DgcCompressor(SparseCompressor):
         ratio = self.ratio_at(ops, step)
         k = sparse.ceil_count(ops, ratio * n, n)
         if n < sparse.APPROX_MIN_NUMEL:
-            return self.pack(ops, tensor, sparse.exact_top(ops, flat, k))
+            return self.pack(ops, tensor, sparse.exact_top(ops, flat, k, fast_top=fast_top))
         s = sparse.sample_size(n)
         thr = sparse.sampled_threshold(ops, flat, self.seed, name, step,
                                        sparse.ceil_count(ops, ratio * s, s))

@@ -18,8 +18,8 @@ as two dense factors in two allreduce rounds (r = min(compress_rank, n, m)):
 Bytes: r * (n + m) * itemsize per step instead of n * m * itemsize (see
 ``payload_nbytes_for_shape``). Biased (a rank-r projection), so use it with error feedback:
 memory ``powersgd`` keeps each rank's M - P_hat Q_w^T (the paper's Algorithm 1). Allreduce-safe:
-both rounds are sums, and every rank starts from the same Q, drawn from (``seed``, name) through
-``grace_dl.seeding``, so every rank projects onto the same P_hat.
+both rounds are sums, and every rank starts from the same Q, drawn from (``seed``, name) where the
+tensor lives (``ops.normal``), so every rank projects onto the same P_hat.
 
 Uncompressed (payload ``[flat tensor]``, one round, exact): tensors with fewer than 2 axes,
 integer tensors, tensors where low rank saves less than ``min_compression_rate``
@@ -46,7 +46,7 @@ there: run the first ``start_step`` steps eagerly or use ``start_step=0`` in gra
 
 from __future__ import annotations
 
-from grace_dl import dtypes, seeding
+from grace_dl import dtypes
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import LOCAL, Compressor
 from grace_dl.registry import register_compressor
@@ -233,17 +233,19 @@ class PowerSGDCompressor(Compressor):
     # ------------------------------------------------------------------ helpers
     def _q_slot(self, ops, name, shape, like):
         m, r = shape
-        return self.state.slot(f"q/{name}", ops, lambda: self._initial_q(name, m, r),
+        return self.state.slot(f"q/{name}", ops, lambda: self._initial_q(ops, name, m, r, like),
                                ops.dtype(like), like)
 
-    def _initial_q(self, name, m, r):
-        return seeding.normal(self.seed, name, 0, (m, r))
+    def _initial_q(self, ops, name, m, r, like):
+        """The first Q, drawn where ``like`` lives (``ops.normal``): the same on every rank."""
+        return ops.normal(self.seed, name, 0, (m, r), like=like)
 
     def _warm_q(self, ops, name, m, r, like):
         """This step's Q: the stored (reduced) Q with zero columns refilled from the initial
         draw, orthonormalized (its scale would otherwise grow with the number of ranks)."""
         q = ops.read(self._q_slot(ops, name, (m, r), like))
-        q0 = ops.read(self.state.slot(f"q0/{name}", ops, lambda: self._initial_q(name, m, r),
+        q0 = ops.read(self.state.slot(f"q0/{name}", ops,
+                                      lambda: self._initial_q(ops, name, m, r, like),
                                       ops.dtype(like), like))
         q = ops.where(ops.norm(q, axis=0) > 0, q, q0)
         return orthonormalize(ops, q)

@@ -79,15 +79,22 @@ class QSGDCompressor(Compressor):
         decompression into ``decoded`` (when given) block by block, from the codes while they
         are in cache (the same float operations as ``decompress``, so the same values). Needs
         a float32 ``tensor`` and ``error``/``decoded`` with flat views (torch); else None."""
-        if ops_for(tensor).dtype(tensor) != "float32":
-            return None
-        outs = error_views(self, QSGDCompressor, tensor, error, decoded, "float32")
+        outs = self._error_outs(tensor, error, decoded)
         return None if outs is None else self._compress(tensor, name, call, outs)
 
-    def _compress(self, tensor, name, call, outs=()):
+    def _error_outs(self, tensor, error, decoded):
+        """``compress_with_error``'s 1-D outputs, or None where it does not apply."""
+        if ops_for(tensor).dtype(tensor) != "float32":
+            return None
+        return error_views(self, QSGDCompressor, tensor, error, decoded, "float32")
+
+    def _compress(self, tensor, name, call, outs=(), fast_levels=None):
         """``(payload, ctx)``; ``outs``: 1-D float32 tensors of the input's length, the first
         set to the error (input - decompression), the second (if any) to the decompression.
-        The first may be the input's own memory: each block is read before it is written."""
+        The first may be the input's own memory: each block is read before it is written.
+        ``fast_levels``: a faster way (a speed path's kernel) to the whole buckets' codes, called
+        as ``fast_levels(x, scale, step, k, s, hi, *outs)`` with the buckets as rows, returning
+        the codes (and writing ``outs``) or None where it does not apply."""
         ops, x, layout = flat_f32(tensor)
         n, b, s = layout.numel, self.bucket_size, float(self.quantum_num)
         nb = self._buckets(n)
@@ -132,7 +139,7 @@ class QSGDCompressor(Compressor):
             whole = i == 0 and full     # the whole buckets: views of the outputs row by row
             rows = [ops.reshape(ops.slice(o, 0, full * b), (full, b)) for o in outs] \
                 if whole else []
-            fast = ops.qsgd_levels(xr, sr, st, kr, s, hi, *rows) if whole else None
+            fast = fast_levels(xr, sr, st, kr, s, hi, *rows) if whole and fast_levels else None
             if fast is not None:        # in one compiled pass
                 codes.append(ops.flatten(fast))
             elif not outs:
@@ -170,12 +177,16 @@ class QSGDCompressor(Compressor):
         be written, as in ``decompress_into``): the first payload is decoded into it, each
         other one added block by block, in rank order (the same float sums as ``aggregate``
         of the decompressed tensors, without N dense tensors)."""
-        total = self._decode(payloads[0], ctx, out)
+        return self._combine(payloads, ctx, out)
+
+    def _combine(self, payloads, ctx, out=None, fast_values=None):
+        """``combine``, with ``_decode``'s ``fast_values``."""
+        total = self._decode(payloads[0], ctx, out, fast_values=fast_values)
         ops = ops_for(total)
         if len(payloads) == 1 or ctx.dtype != "float32" or ops.flat_view(total) is None:
             return self.aggregate([total, *(self.decompress(p, ctx) for p in payloads[1:])])
         for payload in payloads[1:]:
-            self._decode(payload, ctx, total, accumulate=True)
+            self._decode(payload, ctx, total, accumulate=True, fast_values=fast_values)
         return total
 
     def divided(self, payload, divisor):
@@ -184,10 +195,13 @@ class QSGDCompressor(Compressor):
         packed, norms = payload
         return [packed, norms / divisor]
 
-    def _decode(self, payload, ctx, out=None, accumulate=False):
+    def _decode(self, payload, ctx, out=None, accumulate=False, fast_values=None):
         """The payload's values (``norm / s * (code - s)``), into ``out``'s flat view when it
         has one and the values are float32 (added to what ``out`` holds when ``accumulate``),
-        else in a new tensor of ``ctx``'s shape and dtype."""
+        else in a new tensor of ``ctx``'s shape and dtype. ``fast_values``: a faster way (a
+        speed path's kernel) to the whole buckets' values, called as ``fast_values(codes, step,
+        s, out, accumulate)`` with the buckets as rows, returning ``out`` or None where it does
+        not apply."""
         packed, norms = payload
         ops, n, b = ops_for(packed), ctx.numel, self.bucket_size
         nb = self._buckets(n)
@@ -212,7 +226,8 @@ class QSGDCompressor(Compressor):
         steps = ops.split(step, [ops.shape(r)[0] for r in rows]) if len(rows) > 1 else [step]
         if full:
             into = ops.slice(flat, 0, full * b)
-            if ops.qsgd_values(rows[0], steps[0], s, into, accumulate) is None:
+            if fast_values is None or \
+                    fast_values(rows[0], steps[0], s, into, accumulate) is None:
                 acc = (ops.reshape(into, (full, b)),) if accumulate else ()
                 ops.blockwise(values, rows[0], steps[0], *acc, out=into)
         if n > full * b:

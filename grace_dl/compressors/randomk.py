@@ -44,19 +44,6 @@ class RandomKCompressor(Compressor):
 
     def compress(self, tensor, name, call=LOCAL):
         """Payload ``[values]``; ctx ``(shape, numel, positions)`` (int64, local only)."""
-        return self._compress(tensor, name, take=False)
-
-    def compress_with_error(self, tensor, name, call, error, decoded=None):
-        """Where ``error`` is ``tensor`` itself (residual error feedback compensating in its
-        slot) and the values go as they are (not ``unbiased``), the k entries are taken out of
-        it as they are gathered (``ops.take_at``): one pass over them instead of a gather and
-        then the memory's subtraction."""
-        if self.unbiased or not sparse.takes_sent(self, RandomKCompressor, tensor, error,
-                                                  decoded):
-            return None
-        return self._compress(tensor, name, take=True)
-
-    def _compress(self, tensor, name, take: bool):
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         flat = ops.flatten(tensor)
@@ -65,7 +52,7 @@ class RandomKCompressor(Compressor):
         k = sparse.count_for(self.compress_ratio, n)
         step = self.next_step(name, tensor)
         positions = ops.choice(self.seed, name, step, n, k, like=flat)
-        values = ops.take_at(tensor, positions) if take else ops.gather(flat, positions)
+        values = ops.gather(flat, positions)
         if self.unbiased and k < n:
             values = values * (n / k)
         return [values], (ops.shape(tensor), n, positions)

@@ -8,8 +8,9 @@ The sign of zero: a 1-bit code cannot carry -1, 0 and +1, so zero joins the posi
 to the positive value (+scale, or the mean of the non-negative entries). This is GRACE's
 ``tensor >= 0`` convention, costs one comparison per element, and is harmless where a scale or
 error feedback follows (efsignsgd, onebit: an all-zero tensor has scale 0, and the memory carries
-the difference to the next step). The pure-sign methods (signsgd, signum) have neither, so they
-send a second bit plane marking exact zeros: a parameter without a gradient must not move.
+the difference to the next step). The pure-sign methods (signsgd, signum) have neither, and a
+parameter without a gradient must not move, so a tensor that holds exact zeros also sends a
+second plane marking them (``pack_signs``); a tensor without zeros sends 1 bit per element.
 
 NaN cannot be told apart in one bit either; each method makes it propagate through what it sends
 besides the bits: the fp32 means/scale (a NaN or Inf input makes them non-finite), or, for the
@@ -52,16 +53,36 @@ def status(ops, flat):
     element makes it non-finite. The only false alarm is a finite tensor whose sum exceeds
     float range (|sum| > 3.4e38 in float32); decoding then gives NaN, loudly, not a wrong
     number. A sum costs one read of the tensor, much less than ``isfinite`` plus a count.
-    (signsgd's compiled encoder, ``ops.sign_planes``, tests each element instead: no false
-    alarm there.)"""
+    (signsgd's compiled encoder, on the CPU path, and the device path test each element
+    instead: no false alarm there.)"""
     total = ops.reshape(ops.sum(wide(ops, flat)), [1])
     return 1 - ops.cast(ops.isfinite(total), "uint8")
 
 
-def planes(ops, packed):
-    """A pure-sign payload's (negative, zero) bit planes, ``ceil(n/8)`` uint8 each."""
-    nbytes = (ops.numel(packed) - 1) // 2
-    return ops.slice(packed, 0, nbytes), ops.slice(packed, nbytes, 2 * nbytes)
+#: status byte bits of a pure-sign payload
+NONFINITE, ZEROS = 1, 2
+
+
+def pack_signs(ops, neg, zero, status):
+    """A pure-sign payload: the negative plane, then the zero plane only where it has a bit
+    set (the tensor holds an exact zero), then the status byte: bit 0 (``NONFINITE``) for a
+    NaN or Inf in the input, bit 1 (``ZEROS``) when the zero plane is there. ``ceil(n/8) + 1``
+    bytes, or ``2 ceil(n/8) + 1``: the size depends on the data (whether it has zeros)."""
+    if ops.numel(zero) == 0:        # (no elements: nothing to look at)
+        return ops.cat([neg, status])
+    return ops.cond(ops.count_nonzero(zero) > 0,
+                    lambda: ops.cat([neg, zero, ops.bit_or(status, ZEROS)]),
+                    lambda: ops.cat([neg, status]))
+
+
+def planes(ops, packed, n):
+    """A pure-sign payload's (negative, zero) bit planes for ``n`` elements, ``ceil(n/8)`` uint8
+    each; the zero plane all clear where the payload has none."""
+    nbytes = -(-n // 8)
+    neg = ops.slice(packed, 0, nbytes)
+    return neg, ops.cond(ops.numel(packed) > nbytes + 1,
+                         lambda: ops.slice(packed, nbytes, 2 * nbytes),
+                         lambda: ops.bit_xor(neg, neg))
 
 
 def positive(ops, neg, zero):
@@ -69,7 +90,7 @@ def positive(ops, neg, zero):
     return ops.bit_not(ops.bit_or(neg, zero))
 
 
-def vote(ops, packed_payloads):
+def vote(ops, packed_payloads, n):
     """The majority vote of pure-sign payloads as (positive, negative) bit planes, counted on
     the packed bytes, 8 elements per byte operation: ``D = #positive - #negative`` is kept
     bit-sliced in two's complement over ``w = bit_length(N) + 1`` planes (plane i holds bit i
@@ -79,7 +100,7 @@ def vote(ops, packed_payloads):
     width = len(packed_payloads).bit_length() + 1
     d = None
     for packed in packed_payloads:
-        neg, zero = planes(ops, packed)
+        neg, zero = planes(ops, packed, n)
         pos = positive(ops, neg, zero)
         if d is None:
             d = [ops.bit_xor(pos, pos)] * width
@@ -107,10 +128,6 @@ def ternary(ops, pos, neg, n, dtype: str, out=None):
     where neither: each byte pair interleaved into 2-bit codes (``pack_bits`` layout, code
     ``pos + 2 neg``) through a 256-entry table, then decoded by ``unpack_lookup``; one pass
     over the output, written into the 1-D ``out`` when given (torch)."""
-    if dtype == "float32":
-        fast = ops.ternary_signs(pos, neg, n, out)
-        if fast is not None:
-            return fast
     spread = ops.from_numpy(_SPREAD, like=pos)
     # int16 wraps at bit 15: only the bit pattern matters
     words = ops.bit_or(ops.gather(spread, ops.cast(pos, "int32")),
@@ -126,9 +143,10 @@ def ternary(ops, pos, neg, n, dtype: str, out=None):
 
 
 def flag(ops, packed):
-    """A pure-sign payload's status byte, as a 1-element uint8 (1: NaN or Inf in the input)."""
-    nbytes = (ops.numel(packed) - 1) // 2
-    return ops.slice(packed, 2 * nbytes, 2 * nbytes + 1)
+    """A pure-sign payload's NaN/Inf flag, as a 1-element uint8 (1: NaN or Inf in the input):
+    bit 0 of its last byte."""
+    size = ops.numel(packed)
+    return ops.bit_and(ops.slice(packed, size - 1, size), NONFINITE)
 
 
 def flagged(ops, status):

@@ -8,17 +8,20 @@ zero), and it is *not* divided by the number of ranks (``average = False``). Zer
 zero, not as +1: a parameter with no gradient (unused this step, frozen, an embedding row no
 sample looked up) gets a vote of 0 and does not move, as under plain Horovod.
 
-Wire, for ``n`` elements: one uint8 tensor of ``2 * ceil(n/8) + 1`` bytes: the packed sign bits
-(1 bit per element, bit 1 = negative: see ``signbits``), the packed zero bits (bit 1 = the element
-is exactly zero), then one status byte that is 1 when the input held a NaN or an Inf. So 2
-bits/element plus 8 bits per tensor; any dtype in, the same bytes out. Decompression gives
--1, 0, +1 in the input's dtype, or NaN everywhere when the status byte is set, and the vote keeps
-a NaN (in torch as in TF), so a NaN/Inf gradient is not silently turned into a vote.
+Wire, for ``n`` elements: one uint8 tensor (``signbits.pack_signs``): the packed sign bits
+(1 bit per element, bit 1 = negative: see ``signbits``), then, only if the tensor holds an
+exact zero, the packed zero bits (bit 1 = the element is exactly zero), then one status byte
+(bit 0: the input held a NaN or an Inf; bit 1: the zero plane is there). So **1 bit per element**
+plus 8 bits per tensor, ``ceil(n/8) + 1`` bytes, for a tensor without zeros, and 2 bits per
+element for one with zeros; any dtype in, the same bytes out. Decompression gives -1, 0, +1 in
+the input's dtype, or NaN everywhere when the status says NaN/Inf, and the vote keeps a NaN (in
+torch as in TF), so a NaN/Inf gradient is not silently turned into a vote.
 
 Biased (it keeps only signs); not allreduce-safe (signs must be gathered, not summed, for the
-vote); every rank sends the same size; two-phase safe: the vote is elementwise, so chunks vote
-independently (the second phase re-sends the voted signs, the parameter-server scheme of the
-paper; a tie travels as 0).
+vote); the payload's size depends on the data (``equal_sizes`` False: whether it has zeros), so
+on a GPU compressing reads one value back; two-phase safe: the vote is elementwise, so chunks
+vote independently (the second phase re-sends the voted signs, the parameter-server scheme of
+the paper; a tie travels as 0).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from grace_dl.registry import register_compressor
 @register_compressor("signsgd")
 class SignSGDCompressor(Compressor):
     allreduce_safe = False
-    equal_sizes = True
+    equal_sizes = False
     average = False
     two_phase_safe = True
     unbiased = False
@@ -48,11 +51,8 @@ class SignSGDCompressor(Compressor):
 
     @staticmethod
     def _encode(ops, flat):
-        fast = ops.sign_planes(flat)
-        if fast is not None:
-            return [fast]
-        return [ops.cat([signbits.encode(ops, flat), ops.pack_compare(flat, "eq", 0),
-                         signbits.status(ops, flat)])]
+        return [signbits.pack_signs(ops, signbits.encode(ops, flat),
+                                    ops.pack_compare(flat, "eq", 0), signbits.status(ops, flat))]
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
         """``compress``, with the error ``tensor - sign(tensor)`` (NaN everywhere when the
@@ -65,21 +65,17 @@ class SignSGDCompressor(Compressor):
         if outs is None:
             return None
         flat = ops.flatten(tensor)
-        fast = ops.sign_planes(flat, *outs)
-        if fast is not None:
-            payload = [fast]
-        else:
-            payload = self._encode(ops, flat)
+        payload = self._encode(ops, flat)
 
-            def error_of(xc, *dc):
-                v = ops.sign(xc)
-                if dc:
-                    ops.assign(dc[0], v)
-                return xc - v
+        def error_of(xc, *dc):
+            v = ops.sign(xc)
+            if dc:
+                ops.assign(dc[0], v)
+            return xc - v
 
-            ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
+        ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
         if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):   # torch only here
-            _all_nan(ops, outs)     # as decoding gives
+            all_nan(ops, outs)      # as decoding gives
         return payload, (ops.shape(tensor), ops.dtype(tensor))
 
     def decompress(self, payload, ctx):
@@ -92,7 +88,7 @@ class SignSGDCompressor(Compressor):
         shape, dtype = ctx
         packed = payload[0]
         ops = ops_for(packed)
-        neg, zero = signbits.planes(ops, packed)
+        neg, zero = signbits.planes(ops, packed, math.prod(shape))
         return self._signs(ops, signbits.positive(ops, neg, zero), neg,
                            signbits.flag(ops, packed), shape, dtype, out)
 
@@ -102,29 +98,8 @@ class SignSGDCompressor(Compressor):
         NaN everywhere when any rank's status byte is set."""
         shape, dtype = ctx
         ops = ops_for(payloads[0][0])
-        pos, neg = signbits.vote(ops, [p[0] for p in payloads])
-        return self._signs(ops, pos, neg, _statuses(ops, payloads), shape, dtype, out)
-
-    def combine_with_feedback(self, payloads, ctx, slot, out):
-        """The vote (``combine``), added to the server's residual ``slot`` and re-encoded,
-        its error left in ``slot`` and its signs in ``out``, in one compiled pass over the
-        chunk (``ops.sign_vote_feedback``): the same floats as the three steps. None where
-        that does not apply (not float32 CPU tensors with flat views, TF, or a rank's status
-        byte set: the steps then spell out the NaN)."""
-        shape, dtype = ctx
-        ops = ops_for(payloads[0][0])
-        slot_flat, out_flat = ops.flat_view(slot), ops.flat_view(out)
-        if dtype != "float32" or slot_flat is None or out_flat is None:
-            return None
-        if bool(signbits.flagged(ops, _statuses(ops, payloads))):
-            return None
-        payload = ops.sign_vote_feedback([p[0] for p in payloads], math.prod(shape), slot_flat,
-                                         out_flat)
-        if payload is None:
-            return None
-        if bool(signbits.flagged(ops, signbits.flag(ops, payload))):   # as compress_with_error
-            _all_nan(ops, (slot_flat, out_flat))
-        return [payload]
+        pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(shape))
+        return self._signs(ops, pos, neg, statuses(ops, payloads), shape, dtype, out)
 
     @staticmethod
     def _signs(ops, pos, neg, status, shape, dtype, out):
@@ -151,12 +126,12 @@ class SignSGDCompressor(Compressor):
         return ops.where(total == total, ops.sign(total), total)
 
     def payload_nbytes(self, numel, dtype="float32"):
-        """``ceil(numel / 8)`` sign bytes + as many zero bytes + 1 status byte, whatever the
-        input dtype."""
-        return 2 * math.ceil(numel / 8) + 1
+        """``ceil(numel / 8)`` sign bytes + 1 status byte, whatever the input dtype, for a
+        tensor without exact zeros (one with zeros sends ``ceil(numel / 8)`` more)."""
+        return math.ceil(numel / 8) + 1
 
 
-def _statuses(ops, payloads):
+def statuses(ops, payloads):
     """The sum of the ranks' status bytes (int32): non-zero when any rank had a NaN or Inf."""
     status = None
     for (packed,) in payloads:
@@ -165,7 +140,22 @@ def _statuses(ops, payloads):
     return status
 
 
-def _all_nan(ops, outs) -> None:
+def from_full(ops, full, n):
+    """The payload (``signbits.pack_signs``) of both planes and a status byte laid out one
+    after the other (the compiled kernels' output: ``2 ceil(n/8) + 1`` bytes)."""
+    nbytes = -(-n // 8)
+    return signbits.pack_signs(ops, ops.slice(full, 0, nbytes),
+                               ops.slice(full, nbytes, 2 * nbytes),
+                               ops.slice(full, 2 * nbytes, 2 * nbytes + 1))
+
+
+def to_full(ops, packed, n):
+    """A payload with both planes, as the compiled server step reads it."""
+    neg, zero = signbits.planes(ops, packed, n)
+    return ops.cat([neg, zero, signbits.flag(ops, packed)])
+
+
+def all_nan(ops, outs) -> None:
     """Set every element of the tensors ``outs`` to NaN."""
     for o in outs:
         ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))

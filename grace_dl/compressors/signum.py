@@ -7,9 +7,10 @@ the sign of ``m``; the aggregate is the majority vote over ranks, not averaged. 
 lives in ``self.state`` under ``"momentum/<name>"`` (the input's shape flattened, its dtype), so
 it survives ``state_dict``/``load_state_dict``. ``momentum = 0`` is plain ``signsgd``.
 
-Wire: exactly ``signsgd``'s, ``2 * ceil(n/8) + 1`` uint8 (the packed signs of ``m``, its packed
-zero bits, then a status byte set when ``m`` holds a NaN or an Inf): a parameter that has never
-had a gradient has ``m = 0`` and does not move. Biased, not allreduce-safe, equal sizes.
+Wire: exactly ``signsgd``'s, ``ceil(n/8) + 1`` uint8 (the packed signs of ``m``, then a status
+byte set when ``m`` holds a NaN or an Inf), with ``ceil(n/8)`` more (the packed zero bits of ``m``)
+where ``m`` has exact zeros: a parameter that has never had a gradient has ``m = 0`` and does not
+move. Biased, not allreduce-safe, sizes depend on the data (whether ``m`` has zeros).
 Not two-phase safe: compression updates the momentum, so the second phase's re-compression of
 the voted signs would fold them into a momentum of its own.
 """

@@ -84,18 +84,19 @@ def top_of(ops, mag, k):
     return keep_top(ops, cand, ops.gather(mag, cand), k)
 
 
-def exact_top(ops, flat, k, sign=None):
-    """Positions of the ``k`` largest ``magnitudes(flat, sign)`` (``0 < k <= numel``): the
-    compiled selection where it applies (``ops.top_positions``), else ``top_of``."""
-    fast = ops.top_positions(flat, k, sign)
+def exact_top(ops, flat, k, sign=None, fast_top=None):
+    """Positions of the ``k`` largest ``magnitudes(flat, sign)`` (``0 < k <= numel``):
+    ``top_of``, or ``fast_top(flat, k, sign)`` where a speed path gives one (a selection with
+    the same result, None where it does not apply)."""
+    fast = None if fast_top is None else fast_top(flat, k, sign)
     return top_of(ops, magnitudes(ops, flat, sign), k) if fast is None else fast
 
 
-def top_among(ops, flat, cand, k, sign=None):
+def top_among(ops, flat, cand, k, sign=None, fast_top=None):
     """``keep_top`` of the candidate positions ``cand`` (ascending) of ``flat``: the ``k``
     largest magnitudes among them, ascending."""
     values = ops.gather(flat, cand)
-    fast = ops.top_positions(values, k, sign)
+    fast = None if fast_top is None else fast_top(values, k, sign)
     if fast is None:
         return keep_top(ops, cand, magnitudes(ops, values, sign), k)
     return ops.gather(cand, fast)
@@ -112,7 +113,7 @@ def sampled_threshold(ops, flat, seed, name, step, above, sign=None):
     return ops.kth_largest(smag, above)
 
 
-def approx_top(ops, flat, k, seed, name, step, sign=None):
+def approx_top(ops, flat, k, seed, name, step, sign=None, fast_top=None):
     """The same positions as ``exact_top`` (same set, same tie rule), found faster; with
     ``sign`` the ``k`` largest ``magnitudes(flat, sign)`` (``k`` may be an int tensor).
 
@@ -131,17 +132,8 @@ def approx_top(ops, flat, k, seed, name, step, sign=None):
         above = min(s, math.ceil(mean_above + 4 * math.sqrt(mean_above) + 2))
     thr = sampled_threshold(ops, flat, seed, name, step, above, sign)
     cand = ops.positions_at_least(flat, thr, sign)
-    return ops.cond(ops.numel(cand) >= k, lambda: top_among(ops, flat, cand, k, sign),
-                    lambda: exact_top(ops, flat, k, sign))
-
-
-def takes_sent(compressor, owner: type, tensor, error, decoded) -> bool:
-    """For a sparsifier's ``compress_with_error``: whether it can take the entries it sends out
-    of ``error`` as it gathers them (``ops.take_at``): ``error`` is ``tensor`` itself (residual
-    error feedback compensating in its slot), no decompression is asked for, and
-    ``compressor``'s ``compress`` is ``owner``'s own (a subclass that overrides it sends
-    something else)."""
-    return decoded is None and error is tensor and type(compressor).compress is owner.compress
+    return ops.cond(ops.numel(cand) >= k, lambda: top_among(ops, flat, cand, k, sign, fast_top),
+                    lambda: exact_top(ops, flat, k, sign, fast_top))
 
 
 class SparseCompressor(Compressor):
@@ -151,12 +143,10 @@ class SparseCompressor(Compressor):
     two_phase_safe = False
     sparse = True
 
-    def pack(self, ops, tensor, positions, take: bool = False):
-        """Payload and ctx for sending ``tensor``'s flat entries at ``positions``; ``take``:
-        subtract them from ``tensor`` there too (``ops.take_at``: what residual error feedback
-        does after sending them)."""
+    def pack(self, ops, tensor, positions):
+        """Payload and ctx for sending ``tensor``'s flat entries at ``positions``."""
         flat = ops.flatten(tensor)
-        values = ops.take_at(tensor, positions) if take else ops.gather(flat, positions)
+        values = ops.gather(flat, positions)
         return ([values, ops.cast(positions, INDEX_DTYPE)],
                 (ops.shape(tensor), ops.numel(flat)))
 
@@ -193,14 +183,14 @@ class SparseCompressor(Compressor):
                            [p[0] for p in payloads], ctx, out)
 
 
-def scatter_sum(ops, positions: list, values: list, ctx, out=None):
+def scatter_sum(ops, positions: list, values: list, ctx, out=None, fast_sum=None):
     """The sum of N sparse tensors (rank r: ``values[r]`` at distinct ``positions[r]``) of
     the dense shape in ``ctx`` = ``(shape, numel, ...)``: one buffer (``out`` when given),
-    one scatter-add (into ``out``: one compiled pass where ``ops.assign_sparse_sum``
-    applies)."""
+    one scatter-add; into ``out`` by ``fast_sum(out, positions, values)`` where a speed path
+    gives one (the same sums, None where it does not apply)."""
     shape, n = ctx[0], ctx[1]
-    if out is not None:
-        fast = ops.assign_sparse_sum(out, positions, values)
+    if out is not None and fast_sum is not None:
+        fast = fast_sum(out, positions, values)
         if fast is not None:
             return fast
     idx, vals = (positions[0], values[0]) if len(values) == 1 else (ops.cat(positions),

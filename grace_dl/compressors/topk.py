@@ -40,17 +40,10 @@ class TopKCompressor(SparseCompressor):
         self.approximate = one_of("approximate", approximate, (False, True))
 
     def compress(self, tensor, name, call=LOCAL):
-        return self._compress(tensor, name, take=False)
+        return self._compress(tensor, name)
 
-    def compress_with_error(self, tensor, name, call, error, decoded=None):
-        """Where ``error`` is ``tensor`` itself (residual error feedback compensating in its
-        slot), the k entries are taken out of it as they are gathered (``ops.take_at``): one
-        pass over them instead of a gather and then the memory's subtraction."""
-        if not sparse.takes_sent(self, TopKCompressor, tensor, error, decoded):
-            return None
-        return self._compress(tensor, name, take=True)
-
-    def _compress(self, tensor, name, take: bool):
+    def _compress(self, tensor, name, fast_top=None):
+        """``compress``, with ``sparse.exact_top``'s ``fast_top`` (a speed path's selection)."""
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "topk")
@@ -60,10 +53,11 @@ class TopKCompressor(SparseCompressor):
         flat = ops.flatten(tensor)
         if self.approximate and n >= sparse.APPROX_MIN_NUMEL and k < n:
             step = self.next_step(name, tensor)
-            positions = sparse.approx_top(ops, flat, k, self.seed, name, step)
+            positions = sparse.approx_top(ops, flat, k, self.seed, name, step,
+                                          fast_top=fast_top)
         else:
-            positions = sparse.exact_top(ops, flat, k)
-        return self.pack(ops, tensor, positions, take)
+            positions = sparse.exact_top(ops, flat, k, fast_top=fast_top)
+        return self.pack(ops, tensor, positions)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * (sparse.itemsize(dtype) + 4)

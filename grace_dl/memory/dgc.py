@@ -65,11 +65,12 @@ class DgcMemory(Memory):
         ops.assign(self.state.zeros(f"velocity/{name}", ops, tensor), tensor - approximation)
         n = ops.numel(tensor)
         positions = compressor.sent_indices(payload, ctx)
-        if positions is None:
-            positions = ops.nonzero(ops.flatten(approximation) != 0)
-        hit = ops.scatter(positions, ops.ones_like(ops.cast(positions, "float32")), n)
+        if positions is None:   # a dense payload: what it carries is where it is nonzero
+            kept = ops.reshape(ops.flatten(approximation) == 0, ops.shape(tensor))
+        else:
+            hit = ops.scatter(positions, ops.ones_like(ops.cast(positions, "float32")), n)
+            kept = ops.reshape(hit == 0, ops.shape(tensor))
         momentum = self.state.zeros(f"momentum/{name}", ops, tensor)
         u = ops.read(momentum)
-        kept = ops.reshape(hit == 0, ops.shape(tensor))
         ops.assign(momentum, ops.where(kept, u, ops.zeros_like(u)))
         self.keep_finite(name)

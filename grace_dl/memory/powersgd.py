@@ -4,7 +4,7 @@ Gradient Compression for Distributed Optimization", Algorithm 1 / Algorithm 2).
     compensate: M_w = g_w + e_w
     update:     e_w = M_w - P_hat Q_w^T       (P_hat Q_w^T = this rank's share of the result)
 
-where Q_w = M_w^T P_hat is what this rank sent in round 2. The communicator's result is
+where Q_w = M_w^T P_hat is what this rank sent in the second round. The communicator's result is
 sum_w P_hat Q_w^T (divided by the number of ranks W for ``op=average``), so
 sum_w e_w = sum_w M_w - W * average: over all ranks, nothing sent is lost, and the residual is
 local (it does not depend on the other ranks' gradients beyond the shared P_hat). This follows

@@ -77,9 +77,6 @@ def _load():
                                               ctypes.POINTER(ctypes.c_void_p),
                                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                               ctypes.c_int]
-            lib.gd_take_f32.restype = ctypes.c_int
-            lib.gd_take_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                        ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -307,22 +304,6 @@ def sparse_sum(out: np.ndarray, positions: list, values: list):
                               int(dtype == np.int64)) != 0:
         return None
     return out
-
-
-def take(x: np.ndarray, positions: np.ndarray):
-    """The entries of ``x`` (1-D float32, written) at ``positions`` (1-D int32 or int64,
-    distinct, inside ``x``), each then left as itself minus itself (+0.0, or NaN where it is
-    not finite: what subtracting the sent values leaves) in one compiled pass; None, with
-    nothing written, where the kernel does not apply (the caller gathers and subtracts)."""
-    if not _enabled or not _f32(x) or positions.ndim != 1 or \
-            positions.dtype not in (np.int32, np.int64) or not positions.flags.c_contiguous:
-        return None
-    values = np.empty(positions.size, np.float32)
-    if _lib.gd_take_f32(x.ctypes.data, x.size, positions.ctypes.data,
-                        int(positions.dtype == np.int64), positions.size,
-                        values.ctypes.data) != 0:
-        return None
-    return values
 
 
 def sfc64_raw(state: np.ndarray, words: int):

@@ -630,27 +630,6 @@ int gd_sparse_sum_f32(float *out, int64_t n, int ranks, const void *const *idx,
     return 0;
 }
 
-/* ---------------------------------------------------------------- taking sent entries
- * values[j] = x[p] and x[p] = x[p] - values[j] for the k positions p = idx[j] (int32, or
- * int64 when wide; distinct, inside [0, n)): a sparsifier's gather and its error feedback's
- * update of the same entries (residual -= what was sent: +0.0, NaN where x[p] is not
- * finite, the bits of index_add_ with alpha -1) in one pass, each entry touched once while
- * it is in cache, where a gather and then a scatter missed the cache twice per entry.
- * Returns 0, or 1 with nothing written where a position leaves [0, n). */
-int gd_take_f32(float *x, int64_t n, const void *idx, int wide, int64_t k, float *values) {
-    for (int64_t j = 0; j < k; j++) {
-        int64_t p = position_at(idx, wide, j);
-        if (p < 0 || p >= n) return 1;
-    }
-    for (int64_t j = 0; j < k; j++) {
-        int64_t p = position_at(idx, wide, j);
-        float v = x[p];
-        values[j] = v;
-        x[p] = v - v;
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------- random bits
  * `words` outputs of Chris Doty-Humphrey's SFC64 from the state s = (a, b, c, counter), the
  * recurrence of NumPy's SFC64 bit generator: the same words as its random_raw(words) from

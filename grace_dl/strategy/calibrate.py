@@ -18,33 +18,28 @@ up to 8x as many where calls are cheap and Horovod's cycle makes single times no
   default, for compressors that take any chunk alone: ``grace_dl.communicators.pieces``), the
   sizes above one piece are timed again sent that way, pieces received in lockstep, and stored
   as the entry's ``pieces``: what the optimizer's gradient costs, where a strategy's
-  dispatcher (which sends whole) costs the whole tensor's. (Over a 100 Mbit/s token bucket
-  the two cost about the same in the committed measurements: an 8.4M-element two-phase
-  signSGD call took 222 ms whole and 231 ms in pieces in one job; whole, it took 222-388 ms
-  across jobs.)
+  dispatcher (which sends whole) costs the whole tensor's.
 
 * **overlap**: how much of an in-flight float32 allreduce a CPU-bound loop of matrix products
   hides, from 0 (none: communication and compute share the cores, as 2 ranks on 2 cores do) to
   1 (all: compute elsewhere, a GPU, or spare cores): ``(comm + work - both) / min(comm,
   work)``, clipped. Over a slow link that allreduce is mostly waiting on the link, which
   any loop hides. Its size is the largest allreduce measured under 0.1 s, 1 MB or more
-  (``overlap_bytes``): a fixed 2 MB call, 1.6 ms at 10 Gbit/s, read 0.51 and 0.78 in the
-  b74b43e calibrations (committed at b597e43) and 0.0 and 0.66 in two later jobs on the same
-  emulated link, a scatter as wide as the ratio's range.
+  (``overlap_bytes``): over a fast link a small fixed call is over too soon for the ratio to
+  mean anything (it scattered across the whole range from job to job; ``docs/DECISIONS.md``).
 * **fp16_overlap**: the same for a float16 allreduce, sized the same way. Horovod sums float16
   on the CPU while the bytes travel, so over a link slow enough to hide the sum the call takes
-  its bytes' time, yet the sum takes the core from the compute loop: at 1 Gbit/s the
-  committed calibrations (``benchmarks/results/calibration/*/e2e-1000mbit.json``, 2 ranks)
-  read 0.47-0.50 for 8 MB float16 calls where float32 (2 MB calls) read 0.84-0.88.
+  its bytes' time, yet the sum takes the core from the compute loop, so a loop hides much less
+  of it than of a float32 call.
 * **cpu_overlap**: the same ratio for a second thread's CPU work (copies of 4 MB, as Horovod's
   background thread copies and reduces) against the loop, on every rank at once: whether a
   rank's communication thread has a core of its own. The step model applies it to the part
   of the communication that is not bytes on the link.
 
 Sizes grow (collectives to 32 MB, tensors to 8.4M elements) while a call is expected to take
-under ``MAX_CALL_S``, so a measurement takes under 30 s on 2 ranks even over a 100 Mbit/s link,
-and the largest sizes are as large as a step's traffic where that is cheap: a token-bucket link
-(tc tbf, bursts of 10 ms of traffic) lets a lone 8 MB call through faster than a step's 23 MB.
+under ``MAX_CALL_S``, so a measurement stays short even over a slow link, and the largest sizes
+are as large as a step's traffic where that is cheap: a token-bucket link (tc tbf) lets a lone
+burst-sized call through faster than a step's traffic.
 """
 
 from __future__ import annotations
@@ -294,7 +289,7 @@ def overlap_bytes(collectives: list, dtype: str, most_s: float = 0.1) -> int:
 def measure_cpu_overlap(repeats: int = 4, nbytes: int = 4 << 20) -> float:
     """The fraction of a second thread's CPU work that a compute loop on this thread hides,
     on every rank at once (module docstring): NumPy copies, which release the GIL, against
-    single-threaded matrix products, about 20 ms of each (the thread's start a small part)."""
+    single-threaded matrix products, sized so that the thread's start is a small part."""
     import threading
 
     import horovod.torch as hvd

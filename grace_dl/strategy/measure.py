@@ -1,7 +1,7 @@
 """Measure compress/decompress cost on this machine for the ``Auto`` builder's cost model, and
 write it in the throughput file format (``grace_dl.strategy.cost_model``).
 
-    grace-dl strategy measure -o benchmarks/results/compression_throughput.json
+    grace-dl strategy measure -o compression_throughput.json
 
 For each candidate's compressor, random normal float32 tensors of two sizes are compressed and
 decompressed ``repeats`` times after a warm-up; the medians give a line ``overhead_s +

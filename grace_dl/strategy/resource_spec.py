@@ -9,7 +9,7 @@
         gpus: [0, 1]
         network_bandwidth: 25
     network_latency_us: 30      # optional, per message (default 25)
-    compression_throughput: benchmarks/results/compression_throughput.json   # optional
+    compression_throughput: compression_throughput.json   # optional: grace-dl strategy measure
 
 Workers per node: ``slots`` when given, else the number of ``gpus``, else 1. The network
 bandwidth of the job is the smallest node's (every ring passes through it); nodes without

@@ -1,6 +1,6 @@
 """Predicted time of one training **step** under a per-variable choice of pipelines.
 
-    calibration = Calibration.load("benchmarks/results/compression_throughput.json")
+    calibration = Calibration.load("compression_throughput.json")   # grace-dl strategy measure
     step = predict_step(variables, choices, calibration, network, compute_s=0.012)
 
 A step is simulated, not summed:
@@ -98,9 +98,10 @@ class Fit:
     size: each point is lowered to the cheapest measured at its size or above, so one slow
     small call does not inflate the rest. Between two points the cost is interpolated, beyond
     the largest it grows with the last two points' slope, below the smallest it is the
-    smallest's. The line alone is wrong in between where the cost is concave: topk's exchange
-    measured 1.6 ms at 262K elements, 7.5 ms at 2.1M and 9.9 ms at 8.4M, and the line put a
-    5.8M-element bucket at 3.8 ms, where the points say 8.9 ms. The points alone are wrong
+    smallest's. The line alone is wrong in between where the cost is concave (topk's exchange
+    rises steeply to a few million elements, then flattens: the line through the two largest
+    points put a bucket between them at less than half of what the points say). The points
+    alone are wrong
     where a shaped link let a lone small call through at burst speed (a 100 Mbit/s token
     bucket), which a step's many calls do not get: there the line is higher and holds.
 
@@ -367,8 +368,8 @@ def link_share_s(calib: Calibration, summed: str | None, link_s: float, busy_s: 
     travel, so over a link slow enough to hide that sum behind the transfer the exchange takes
     its bytes' time, yet the sum still takes the rank's core from the backward pass. The
     measured share a compute loop hides is then expressed as the link share that the step's
-    formula (module docstring, 5) turns into the same hidden time. (ResNet-18 at 1 Gbit/s:
-    Horovod fp16 measured 365-375 ms a step, predicted 273 ms from the bytes' time alone.)"""
+    formula (module docstring, 5) turns into the same hidden time. (From the bytes' time alone,
+    Horovod's fp16 steps were predicted well short of what they measured.)"""
     hides = calib.fp16_overlap
     if summed != "float16" or hides is None or calib.overlap <= calib.cpu_overlap:
         return link_s
@@ -381,7 +382,7 @@ def sent_raw(compressor, shape) -> bool:
     communicator: PowerSGD leaves vectors (biases, batch norm) and matrices too small to gain
     (``matrix_shape`` None) uncompressed. Such a tensor costs what the plain pipeline
     (``none+none+<communicator>``) costs, not what the job measured for PowerSGD's two-round
-    matrix exchange: on the MLP at 1 Gbit/s that was 3.9 ms a call against 1.1 ms."""
+    matrix exchange, which costs several times as much a call."""
     plan = getattr(compressor, "matrix_shape", None)
     return getattr(compressor, "rounds", 1) > 1 and plan is not None and plan(tuple(shape)) is None
 

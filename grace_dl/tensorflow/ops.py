@@ -339,15 +339,6 @@ def positions_at_least(flat, thr, sign=None):
     return nonzero(flat >= thr if sign > 0 else flat <= -thr)
 
 
-def assign_sparse_sum(var, positions: list, values: list):
-    """Always None: TF scatters the joined payloads (``assign_scatter``)."""
-    return None
-
-
-def top_positions(flat, k, sign=None):
-    """Always None: the sparsifiers' exact top-k runs as TF ops (``sparse.top_of``)."""
-    return None
-
 
 def sort(x):
     """The elements of a 1-D tensor in ascending order."""
@@ -383,6 +374,16 @@ def dither(seed: int, name: str, step, n: int, bits: int = 16, like=None, stream
     values as torch's (``seeding.dither``, which states the bias bound)."""
     dt = tf.uint8 if bits == 8 else tf.uint16
     return _draw(lambda s: seeding.dither(seed, name, s, n, bits, stream), dt, [n],
+                 seed, name, step)
+
+
+def normal(seed: int, name: str, step, shape, like=None):
+    """Standard normal float32 draws of ``shape`` (``seeding.normal``, as torch's on a CPU)."""
+    shape = [int(d) for d in shape]
+    if isinstance(step, (int, np.integer)):    # eager even while tracing: it may seed a slot
+        with tf.init_scope():
+            return tf.constant(seeding.normal(seed, name, int(step), shape))
+    return _draw(lambda s: seeding.normal(seed, name, s, shape), tf.float32, shape,
                  seed, name, step)
 
 
@@ -532,8 +533,9 @@ def unpack_lookup(packed, bits: int, n, table, out=None):
 
 # ------------------------------------------------------------------ state (training state slots)
 def variable(value, dt: str, like=None, name: str | None = None):
-    """A ``tf.Variable`` slot initialised from the NumPy array ``value``. It is created outside
-    any ``tf.function`` graph, so it may be created lazily during the first trace.
+    """A ``tf.Variable`` slot initialised from ``value`` (a NumPy array or a tensor). It is
+    created outside any ``tf.function`` graph, so it may be created lazily during the first
+    trace.
 
     It is built as a ``ResourceVariable`` directly, which skips variable-creator scopes:
     ``tf.function`` then does not see a variable created on its first call and does not trace
@@ -603,32 +605,6 @@ def assign_finite(var):
     return var
 
 
-def sign_planes(flat, error=None, decoded=None):
-    """Always None: the compiled sign code writes into buffers, which TF tensors are not
-    (``signbits`` computes the payload with TF ops)."""
-    return None
-
-
-def ternary_signs(pos, neg, n: int, out=None):
-    """Always None: see ``sign_planes`` (``signbits.ternary`` decodes with TF ops)."""
-    return None
-
-
-def sign_vote_feedback(payloads, n: int, slot, decoded):
-    """Always None: see ``sign_planes`` (the two-phase server step runs as separate ops)."""
-    return None
-
-
-def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
-    """Always None: see ``sign_planes`` (qsgd quantizes with TF ops)."""
-    return None
-
-
-def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
-    """Always None: see ``sign_planes`` (qsgd decodes with TF ops)."""
-    return None
-
-
 def flat_view(var):
     """Always None: TF tensors and variables have no writable views."""
     return None
@@ -658,12 +634,11 @@ def assign_sub_at(var, idx, values):
     return var
 
 
-def take_at(var, idx):
-    """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those values
-    there (``assign_sub_at`` of the gathered values)."""
-    values = tf.gather(tf.reshape(var, [-1]), idx)
-    assign_sub_at(var, idx, values)
-    return values
+
+def counter(start: int, name: str | None = None):
+    """A step counter slot starting at ``start``: an int64 ``tf.Variable`` (graph mode counts
+    inside the graph)."""
+    return variable(np.asarray(start, np.int64), "int64", name=name)
 
 
 def increment(counter_var):

@@ -87,9 +87,8 @@ def _from_bytes(raw, dtype, trailing):
 
 #: gloo moves one large all_to_all_single message at about half the link rate when every
 #: rank sends at once; in pieces of at most this many bytes per peer it runs at about the
-#: link rate. 2.9 MB each way between 2 ranks: over 100 Mbit/s one message 400-434 ms, pieces
-#: of 64 KiB 237, 256 KiB 258, 1 MiB 321 ms (an allgather of it 244); over 1 Gbit/s one
-#: message 30 ms, 64 KiB 46, 256 KiB 24, 1 MiB 24 ms (allgather 24)
+#: link rate. Smaller pieces lose on fast links to per-message cost, larger ones on slow
+#: links to the same halving (the sizes tried: docs/DECISIONS.md).
 _A2A_PIECE_BYTES = 256 * 1024
 
 

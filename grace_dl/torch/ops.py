@@ -12,6 +12,7 @@ index tensors returned here are int64.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -19,6 +20,8 @@ import numpy as np
 import torch
 
 from grace_dl import native, seeding
+from grace_dl.torch.kernels import on_device as _on_device_path
+from grace_dl.torch.kernels import philox
 
 NAME = "torch"
 
@@ -109,6 +112,12 @@ def to_numpy(x) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ devices
+def _host(x) -> bool:
+    """Whether ``x`` takes the host (CPU) code: a CPU tensor off the device path
+    (``grace_dl.torch.kernels.emulate_device`` puts CPU tensors on it, as on a GPU)."""
+    return x.device.type == "cpu" and not _on_device_path(x)
+
+
 def device_type(x) -> str:
     """Where ``x`` lives: ``"cpu"``, ``"gpu"``, or ``""`` when not known yet (TF graph tensors
     before placement)."""
@@ -179,6 +188,8 @@ def to_bytes(x):
     """The bytes of ``x`` (any shape, row-major) as a 1-D uint8 tensor: a view where ``x`` is
     contiguous."""
     x = x.reshape(-1)
+    if x.numel() == 0:      # (an empty tensor may have stride 0, which ``view`` refuses)
+        return x.new_empty(0, dtype=torch.uint8)
     return x if x.dtype == torch.uint8 else x.contiguous().view(torch.uint8)
 
 
@@ -328,7 +339,7 @@ def kth_largest(x, k):
     ms for 74K floats where ``torch.topk`` of 58K of them takes 4 ms)."""
     k = int(k)
     n = x.numel()
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+    if _host(x) and x.dtype in (torch.float32, torch.float64):
         a = x.detach().numpy()
         got = native.kth_largest(a, k)     # None unless 1-D contiguous float32
         return torch.tensor(np.partition(a, n - k)[n - k] if got is None else got,
@@ -364,7 +375,7 @@ def bincount(idx, n: int):
 
 def nonzero(mask):
     """int64 indices where a 1-D bool tensor is true."""
-    if mask.device.type == "cpu":  # NumPy's is several times faster than torch's on CPU
+    if _host(mask):  # NumPy's is several times faster than torch's on CPU
         return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     return torch.nonzero(mask, as_tuple=False).reshape(-1)
 
@@ -374,23 +385,12 @@ def positions_at_least(flat, thr, sign=None):
     ``thr``: ``|x| >= thr`` (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never.
     On CPU, fp32/fp64 run through ``grace_dl.native`` (one compiled pass for fp32; NumPy chunk
     by chunk otherwise, 2-3x faster than torch's compare, or and nonzero over the whole tensor)."""
-    if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64):
+    if not _host(flat) or flat.dtype not in (torch.float32, torch.float64):
         if sign is None:
             return nonzero(flat.abs() >= thr)
         return nonzero(flat >= thr if sign > 0 else flat <= -thr)
     t = thr.item() if torch.is_tensor(thr) else thr
     return torch.from_numpy(native.positions_at_least(flat.detach().numpy(), t, sign))
-
-
-def top_positions(flat, k, sign=None):
-    """int64 positions of the ``k`` (an int) largest magnitudes of the 1-D ``flat``, those of
-    ``sparse.top_of(magnitudes(flat, sign), k)`` (ascending), by compiled passes and a
-    compiled radix select (``grace_dl.native.top_positions``; fp32 on CPU); None where it does
-    not apply."""
-    if flat.device.type != "cpu" or flat.dtype != torch.float32 or torch.is_tensor(k):
-        return None
-    got = native.top_positions(flat.detach().numpy(), int(k), sign)
-    return None if got is None else torch.from_numpy(got)
 
 
 def sort(x):
@@ -405,19 +405,44 @@ def bucketize(x, boundaries):
 
 
 # ------------------------------------------------------------------ seeded randomness
+# On the device path (a GPU, or ``kernels.emulate_device()``) every draw is made where ``like``
+# lives by Philox keyed by (seed, name, step, stream) (``grace_dl.torch.kernels.philox``): no
+# host draw, no copy. Elsewhere the reference stream of ``grace_dl.seeding``, shared with TF.
+def _on_device(like) -> bool:
+    return like is not None and _on_device_path(like)
+
+
 def uniform(seed: int, name: str, step, n: int, like=None, stream: int = 0):
+    if _on_device(like):
+        return philox.uniform_twin_of(philox.words(philox.device_key(seed, name), int(step),
+                                                   stream, n, like))
     return from_numpy(seeding.uniform(seed, name, int(step), n, stream), like)
 
 
 def choice(seed: int, name: str, step, n: int, k: int, like=None):
+    if _on_device(like):
+        return philox.choice(philox.device_key(seed, name), int(step), n, k, like)
     return from_numpy(seeding.choice(seed, name, int(step), n, k), like)
 
 
 def dither(seed: int, name: str, step, n: int, bits: int = 16, like=None, stream: int = 0):
-    """``n`` uniform integers in ``[0, 2**bits)``, uint8 (8 bits) or uint16 (16 bits), from
-    ``64 // bits`` per 64-bit draw: the dither ``u = (k + 1/2) / 2**bits`` of a stochastic
-    rounding, whose bias is at most ``2**-(bits + 1)`` of a step (``seeding.dither``)."""
+    """``n`` uniform integers in ``[0, 2**bits)``, uint8 (8 bits) or uint16 (16 bits): the dither
+    ``u = (k + 1/2) / 2**bits`` of a stochastic rounding, whose bias is at most
+    ``2**-(bits + 1)`` of a step (``seeding.dither``; on the device path the top ``bits`` bits
+    of Philox words)."""
+    if _on_device(like):
+        if bits not in seeding.DITHER_BITS:
+            raise ValueError(f"bits must be one of {list(seeding.DITHER_BITS)}, got {bits}")
+        w = philox.words(philox.device_key(seed, name), int(step), stream, n, like)
+        return (w >> (32 - bits)).to(torch.uint8 if bits == 8 else torch.uint16)
     return from_numpy(seeding.dither(seed, name, int(step), n, bits, stream), like)
+
+
+def normal(seed: int, name: str, step, shape, like=None):
+    """Standard normal float32 draws of ``shape`` (PowerSGD's first Q)."""
+    if _on_device(like):
+        return philox.normal(philox.device_key(seed, name), int(step), tuple(shape), like)
+    return from_numpy(seeding.normal(seed, name, int(step), shape), like)
 
 
 # ------------------------------------------------------------------ blockwise evaluation
@@ -449,7 +474,7 @@ def blockwise(fn, *xs, out=None):
     but the last must give the same number of results. TF evaluates ``fn(*xs)`` once.
     """
     # (this module's ``max`` is the tensor one)
-    if xs[0].device.type != "cpu":  # GPU memory is pooled; one launch per op is cheaper
+    if not _host(xs[0]):  # GPU memory is pooled; one launch per op is cheaper
         return _written(fn(*xs).reshape(-1), out)
     rows = xs[0].shape[0] if xs[0].dim() else 1
     per_row = (xs[0].numel() // rows if rows else 0) or 1
@@ -525,7 +550,7 @@ def unpack_bits(packed, bits: int, n: int):
     packed = packed.reshape(-1)
     if bits == 8:
         return packed[:n].clone()
-    if bits == 1 and packed.device.type == "cpu":  # NumPy's unpackbits: ~10x the shifts below
+    if bits == 1 and _host(packed):  # NumPy's unpackbits: ~10x the shifts below
         return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little"))
     if 8 % bits and sys.byteorder == "little":
         return _unpack_words(packed, bits, n)
@@ -619,7 +644,7 @@ def pack_mask(mask):
     n = m.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.uint8, device=m.device)
-    if m.device.type == "cpu":  # NumPy's packbits: ~10x faster than the shift-ors below
+    if _host(m):  # NumPy's packbits: ~10x faster than the shift-ors below
         return torch.from_numpy(np.packbits(m.numpy(), bitorder="little"))
     m = m.view(torch.uint8)
     if n % 8 or m.storage_offset() % 8 or not m.is_contiguous():
@@ -632,72 +657,6 @@ def pack_mask(mask):
     return (v & 0xFF).to(torch.uint8)
 
 
-def _cpu_numpy(*tensors):
-    """NumPy views of CPU tensors (None stays None); None if any tensor is elsewhere or of a
-    dtype NumPy lacks (bfloat16): the compiled kernels' inputs."""
-    if any(t is not None and t.device.type != "cpu" for t in tensors):
-        return None
-    try:
-        return [None if t is None else t.detach().numpy() for t in tensors]
-    except TypeError:
-        return None
-
-
-def sign_planes(flat, error=None, decoded=None):
-    """signsgd's payload of the 1-D ``flat`` (negative plane, zero plane, status byte: see
-    ``signbits``) in one compiled pass, writing ``decoded <- sign(flat)`` and ``error <- flat -
-    decoded`` into the 1-D tensors given; None where the kernel does not apply (not CPU
-    float32 tensors, no compiled library: ``grace_dl.native.sign_planes``)."""
-    arrays = _cpu_numpy(flat, error, decoded)
-    got = None if arrays is None else native.sign_planes(*arrays)
-    return None if got is None else torch.from_numpy(got)
-
-
-def ternary_signs(pos, neg, n: int, out=None):
-    """float32 +1 / -1 / 0 from the bit planes ``pos`` and ``neg`` (``signbits.ternary``) in one
-    compiled pass, into the 1-D ``out`` when given; None where the kernel does not apply."""
-    planes = _cpu_numpy(pos, neg)
-    if planes is None:
-        return None
-    if out is None:
-        out = torch.empty(n, dtype=torch.float32)
-    target = _cpu_numpy(out)
-    got = None if target is None else native.ternary(planes[0], planes[1], n, target[0])
-    return None if got is None else out
-
-
-def sign_vote_feedback(payloads, n: int, slot, decoded):
-    """signsgd's two-phase server step (the ranks' ``payloads`` voted, added to ``slot``,
-    re-encoded, its error left in ``slot`` and its signs in ``decoded``) in one compiled
-    pass; the payload, or None where it does not apply (``grace_dl.native``)."""
-    arrays = _cpu_numpy(slot, decoded, *payloads)
-    got = None if arrays is None else native.sign_vote_feedback(arrays[2:], n, arrays[0],
-                                                                arrays[1])
-    return None if got is None else torch.from_numpy(got)
-
-
-def qsgd_levels(x, scale, step, k, s: float, hi: int, error=None, decoded=None):
-    """qsgd's uint8 levels of the rows of ``x`` (and its error and decoded values, when given)
-    in one compiled pass (``grace_dl.native.qsgd_levels``); None where it does not apply."""
-    arrays = _cpu_numpy(x, scale, step, k, error, decoded)
-    if arrays is None:
-        return None
-    x_, scale_, step_, k_, err_, dec_ = arrays
-    got = native.qsgd_levels(x_, scale_.reshape(-1), step_.reshape(-1), k_, s, hi, err_, dec_)
-    return None if got is None else torch.from_numpy(got)
-
-
-def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
-    """qsgd's decoded rows ``(codes - s) * step`` into ``out`` (added when ``accumulate``) in
-    one compiled pass (``grace_dl.native.qsgd_values``); returns ``out``, or None where that
-    does not apply."""
-    arrays = _cpu_numpy(codes, step, out)
-    if arrays is None:
-        return None
-    got = native.qsgd_values(arrays[0], arrays[1].reshape(-1), s, arrays[2], accumulate)
-    return None if got is None else out
-
-
 COMPARISONS = {"lt": (torch.lt, np.less), "eq": (torch.eq, np.equal)}
 
 
@@ -708,7 +667,7 @@ def pack_compare(x, cmp: str, value):
     if cmp not in COMPARISONS:
         raise ValueError(f"cmp must be one of {sorted(COMPARISONS)}, got {cmp!r}")
     flat = x.reshape(-1)
-    if flat.device.type == "cpu" and sys.byteorder == "little" and flat.dtype in _NUMPY_CMP:
+    if _host(flat) and sys.byteorder == "little" and flat.dtype in _NUMPY_CMP:
         mask = COMPARISONS[cmp][1](flat.detach().numpy(), value)
         return torch.from_numpy(np.packbits(mask, bitorder="little"))
     return pack_mask(COMPARISONS[cmp][0](flat, value))
@@ -730,8 +689,7 @@ def unpack_lookup(packed, bits: int, n, table, out=None):
         raise ValueError(f"table must have {1 << bits} entries for {bits}-bit codes, "
                          f"got {table.numel()}")
     per = 8 // bits
-    codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
-    expanded = table.reshape(-1)[torch.from_numpy(codes).to(table.device)]
+    expanded = table.reshape(-1)[_byte_codes(bits, table.device)]
     packed = packed.reshape(-1)
     result = expanded.new_empty(n) if out is None else out.view(-1)
     full = n // per   # whole bytes by the table's rows; the last partial one by itself
@@ -742,12 +700,21 @@ def unpack_lookup(packed, bits: int, n, table, out=None):
     return result if out is None else out
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_codes(bits: int, device):
+    """The ``8 // bits`` codes of each byte value, a (256, 8 // bits) int64 tensor made once
+    per device."""
+    per = 8 // bits
+    codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
+    return torch.from_numpy(codes).to(device)
+
+
 def _lookup_into(expanded, packed, out, per: int):
     """``out[i] = expanded[packed[i]]`` (rows of ``per`` values); on the CPU block by block,
     so that the int32 indices stay in cache."""
     if per == 1:
         expanded, out = expanded.reshape(-1), out.reshape(-1)
-    if packed.device.type != "cpu":
+    if not _host(packed):
         torch.index_select(expanded, 0, packed.to(torch.int32), out=out)
         return
     step = _block() // per or 1  # a block's worth of results (this module's max is a tensor one)
@@ -759,9 +726,12 @@ def _lookup_into(expanded, packed, out, per: int):
 
 # ------------------------------------------------------------------ state (training state slots)
 def variable(value, dt: str, like=None, name: str | None = None):
-    """A mutable slot initialised from the NumPy array ``value``, of dtype ``dt`` on ``like``'s
-    device. Read with ``read``, write with ``assign``."""
-    t = torch.from_numpy(np.array(value, copy=True)).to(_DTYPES[dt])
+    """A mutable slot initialised from ``value`` (a NumPy array, or a tensor), of dtype ``dt``
+    on ``like``'s device. Read with ``read``, write with ``assign``."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to(_DTYPES[dt], copy=True)
+    else:
+        t = torch.from_numpy(np.array(value, copy=True)).to(_DTYPES[dt])
     return t if like is None else t.to(like.device)
 
 
@@ -805,19 +775,6 @@ def assign_scatter(var, idx, values):
     return var
 
 
-def assign_sparse_sum(var, positions: list, values: list):
-    """In place: ``var`` = the sum of the sparse tensors ``values[r]`` at ``positions[r]``
-    (flat, each ascending), zeroed and summed block by block in one compiled pass
-    (``grace_dl.native.sparse_sum``; the bits of ``assign_scatter`` of them joined); returns
-    var, or None where it does not apply (the caller then joins them and scatters)."""
-    arrays = _cpu_numpy(var.view(-1), *positions, *values) if var.is_contiguous() else None
-    if arrays is None:
-        return None
-    ranks = len(positions)
-    got = native.sparse_sum(arrays[0], arrays[1:1 + ranks], arrays[1 + ranks:])
-    return None if got is None else var
-
-
 def assign_add(var, value):
     """In place: ``var += value``; returns var."""
     var.add_(value)
@@ -859,27 +816,16 @@ def assign_sub_at(var, idx, values):
     return var
 
 
-def take_at(var, idx):
-    """In place: returns ``var.flat[idx]`` (distinct flat positions) and subtracts those values
-    there (``assign_sub_at`` of the gathered values: +0.0, or NaN where not finite), in one
-    compiled pass over the entries where ``grace_dl.native.take`` applies."""
-    flat = var.view(-1) if var.is_contiguous() else var.reshape(-1)  # a copy: written back
-    arrays = _cpu_numpy(flat, idx)
-    got = None if arrays is None else native.take(*arrays)
-    if got is None:
-        values = gather(flat, idx)
-        flat.index_add_(0, idx, values, alpha=-1)
-    else:
-        values = torch.from_numpy(got)
-    if not var.is_contiguous():
-        var.copy_(flat.view(var.shape))
-    return values
+def counter(start: int, name: str | None = None):
+    """A step counter slot starting at ``start``: a 0-d int64 NumPy array, kept on the host so
+    that counting a step never touches a device."""
+    return np.array(start, np.int64)
 
 
 def increment(counter_var):
     """Add one to a counter slot; returns the new value (a Python int here)."""
-    counter_var.add_(1)
-    return int(counter_var.item())
+    counter_var += 1
+    return int(counter_var)
 
 
 # ------------------------------------------------------------------ host-side bookkeeping

@@ -1,0 +1,275 @@
+"""The CPU path: grace_dl's compiled kernels (``grace_dl.native``) as the speed paths of kind
+``"cpu"`` (torch tensors in host memory; ``grace_dl.compressors.paths``).
+
+Kept where a committed measurement shows that they change a training step by more than the
+host's noise (``benchmarks/results/e2e_kernels.md``: the MLP's step with the kernels against
+their NumPy twins, ``docs/DECISIONS.md``): signsgd and signum (planes, decoding, two-phase's
+server step), qsgd (levels and values) and the sparsifiers (the exact top-k selection and
+the ranks' values summed into one buffer). Each path gives the reference's own bits (the
+kernels do the same float operations in the same order; ``tests/test_native.py`` holds each
+kernel to its twin) and falls back to the reference wherever a kernel does not apply (not
+float32, not contiguous, no compiled library).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grace_dl import native
+from grace_dl.compressors import signbits, signsgd, sparse
+from grace_dl.compressors.adaq import AdaqCompressor
+from grace_dl.compressors.base import error_views
+from grace_dl.compressors.dgc import DgcCompressor
+from grace_dl.compressors.paths import Reference, register
+from grace_dl.compressors.qsgd import QSGDCompressor
+from grace_dl.compressors.randomk import RandomKCompressor
+from grace_dl.compressors.signum import SignumCompressor
+from grace_dl.compressors.threshold import ThresholdCompressor
+from grace_dl.compressors.topk import TopKCompressor
+from grace_dl.torch import ops
+
+KIND = "cpu"
+
+
+def _arrays(*tensors):
+    """NumPy views of CPU tensors (None stays None); None if any tensor is elsewhere or of a
+    dtype NumPy lacks (bfloat16): the kernels' inputs."""
+    if any(t is not None and t.device.type != "cpu" for t in tensors):
+        return None
+    try:
+        return [None if t is None else t.detach().numpy() for t in tensors]
+    except TypeError:
+        return None
+
+
+def _from(array):
+    return None if array is None else torch.from_numpy(array)
+
+
+# ------------------------------------------------------------------ signs
+@register(signsgd.SignSGDCompressor, KIND)
+class SignSGDOnCpu(Reference):
+    """signsgd: both planes and the status in one compiled pass (``native.sign_planes``, with
+    the error and decoding for error feedback), the signs decoded by another
+    (``native.ternary``), two-phase's server step in a third (``native.sign_vote_feedback``)."""
+
+    def _source(self, tensor, name):
+        return tensor.reshape(-1)
+
+    def _planes(self, flat, *outs):
+        arrays = _arrays(flat, *outs)
+        return _from(None if arrays is None else native.sign_planes(*arrays))
+
+    def compress(self, tensor, name, call):
+        flat = self._source(tensor, name)
+        full = self._planes(flat)
+        if full is None:
+            return super().compress(tensor, name, call)
+        return [signsgd.from_full(ops, full, flat.numel())], (tuple(tensor.shape),
+                                                               ops.dtype(tensor))
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        outs = error_views(self.compressor, signsgd.SignSGDCompressor, tensor, error, decoded,
+                           ops.dtype(tensor))
+        full = None if outs is None else self._planes(tensor.reshape(-1), *outs)
+        if full is None:
+            return super().compress_with_error(tensor, name, call, error, decoded)
+        payload = [signsgd.from_full(ops, full, tensor.numel())]
+        if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):
+            signsgd.all_nan(ops, outs)     # as decoding gives
+        return payload, (tuple(tensor.shape), ops.dtype(tensor))
+
+    def _signs(self, pos, neg, status, ctx, out):
+        shape, dtype = ctx
+        n = math.prod(shape)
+        flat = None if out is None else ops.flat_view(out)
+        target = flat if flat is not None and flat.dtype == torch.float32 else None
+        if dtype == "float32" and not bool(signbits.flagged(ops, status)):
+            if target is None:
+                target = torch.empty(n, dtype=torch.float32)
+            arrays = _arrays(pos, neg, target)
+            if arrays is not None and native.ternary(arrays[0], arrays[1], n, arrays[2]) \
+                    is not None:
+                return out if target is flat else target.reshape(shape)
+        return signsgd.SignSGDCompressor._signs(ops, pos, neg, status, shape, dtype, out)
+
+    def decompress(self, payload, ctx):
+        return self.decompress_into(payload, ctx)
+
+    def decompress_into(self, payload, ctx, out=None):
+        packed = payload[0]
+        neg, zero = signbits.planes(ops, packed, math.prod(ctx[0]))
+        return self._signs(signbits.positive(ops, neg, zero), neg, signbits.flag(ops, packed),
+                           ctx, out)
+
+    def combine(self, payloads, ctx, out=None):
+        pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(ctx[0]))
+        return self._signs(pos, neg, signsgd.statuses(ops, payloads), ctx, out)
+
+    def combine_with_feedback(self, payloads, ctx, slot, out):
+        """The vote, added to the server's residual ``slot`` and re-encoded, its error left in
+        ``slot`` and its signs in ``out``, in one compiled pass over the chunk: the same
+        floats as the three steps. None where that does not apply (a rank's status byte set:
+        the steps then spell out the NaN)."""
+        shape, dtype = ctx
+        slot_flat, out_flat = ops.flat_view(slot), ops.flat_view(out)
+        if dtype != "float32" or slot_flat is None or out_flat is None or \
+                bool(signbits.flagged(ops, signsgd.statuses(ops, payloads))):
+            return None
+        n = math.prod(shape)
+        arrays = _arrays(slot_flat, out_flat, *(signsgd.to_full(ops, p[0], n) for p in payloads))
+        full = None if arrays is None else native.sign_vote_feedback(arrays[2:], n, arrays[0],
+                                                                     arrays[1])
+        if full is None:
+            return None
+        payload = signsgd.from_full(ops, torch.from_numpy(full), n)
+        if bool(signbits.flagged(ops, signbits.flag(ops, payload))):
+            signsgd.all_nan(ops, (slot_flat, out_flat))
+        return [payload]
+
+
+@register(SignumCompressor, KIND)
+class SignumOnCpu(SignSGDOnCpu):
+    """signum: the momentum updated in its slot, then signsgd's compiled planes of it."""
+
+    def _source(self, tensor, name):
+        c = self.compressor
+        flat = tensor.reshape(-1)
+        slot = c.state.zeros(f"momentum/{name}", ops, flat)
+        ops.assign_lerp(slot, flat, 1.0 - c.momentum)
+        return slot
+
+    def compress(self, tensor, name, call):
+        flat = self._source(tensor, name)
+        full = self._planes(flat)
+        if full is None:
+            payload = self.compressor._encode(ops, flat)
+        else:
+            payload = [signsgd.from_full(ops, full, flat.numel())]
+        return payload, (tuple(tensor.shape), ops.dtype(tensor))
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        return None     # signum decodes the signs of its momentum: the reference's rule
+
+
+# ------------------------------------------------------------------ qsgd
+def _qsgd_levels(x, scale, step, k, s, hi, error=None, decoded=None):
+    arrays = _arrays(x, scale, step, k, error, decoded)
+    if arrays is None:
+        return None
+    x_, scale_, step_, k_, err_, dec_ = arrays
+    return _from(native.qsgd_levels(x_, scale_.reshape(-1), step_.reshape(-1), k_, s, hi, err_,
+                                    dec_))
+
+
+def _qsgd_values(codes, step, s, out, accumulate=False):
+    arrays = _arrays(codes, step, out)
+    if arrays is None or native.qsgd_values(arrays[0], arrays[1].reshape(-1), s, arrays[2],
+                                            accumulate) is None:
+        return None
+    return out
+
+
+@register(QSGDCompressor, KIND)
+class QSGDOnCpu(Reference):
+    """qsgd: the whole buckets' levels (with the error and decoding) and their values each in
+    one compiled pass (``native.qsgd_levels``, ``native.qsgd_values``)."""
+
+    def compress(self, tensor, name, call):
+        return self.compressor._compress(tensor, name, call, fast_levels=_qsgd_levels)
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        outs = self.compressor._error_outs(tensor, error, decoded)
+        if outs is None:
+            return None
+        return self.compressor._compress(tensor, name, call, outs, fast_levels=_qsgd_levels)
+
+    def decompress(self, payload, ctx):
+        return self.compressor._decode(payload, ctx, fast_values=_qsgd_values)
+
+    def decompress_into(self, payload, ctx, out=None):
+        return self.compressor._decode(payload, ctx, out, fast_values=_qsgd_values)
+
+    def combine(self, payloads, ctx, out=None):
+        return self.compressor._combine(payloads, ctx, out, fast_values=_qsgd_values)
+
+
+# ------------------------------------------------------------------ sparsifiers
+def _top_positions(flat, k, sign=None):
+    """The positions ``sparse.top_of`` picks, by compiled passes and a compiled radix select
+    (``native.top_positions``); None where that does not apply."""
+    if flat.device.type != "cpu" or flat.dtype != torch.float32 or torch.is_tensor(k):
+        return None
+    return _from(native.top_positions(flat.detach().numpy(), int(k), sign))
+
+
+def _sparse_sum(out, positions, values):
+    """``out`` = the sparse tensors ``values[r]`` at ``positions[r]`` summed, zeroed and summed
+    block by block in one compiled pass (``native.sparse_sum``: the bits of one scatter-add of
+    them joined); None where that does not apply."""
+    arrays = _arrays(out.view(-1), *positions, *values) if out.is_contiguous() else None
+    if arrays is None:
+        return None
+    ranks = len(positions)
+    got = native.sparse_sum(arrays[0], arrays[1:1 + ranks], arrays[1 + ranks:])
+    return None if got is None else out
+
+
+class SparseOnCpu(Reference):
+    """The ranks' values summed into the output buffer in one compiled pass."""
+
+    def _sum(self, positions, values, ctx, out):
+        return sparse.scatter_sum(ops, positions, values, ctx, out, fast_sum=_sparse_sum)
+
+    def decompress_into(self, payload, ctx, out=None):
+        return self._sum([self.compressor.sent_entries(payload, ctx)[0]], [payload[0]], ctx,
+                         out)
+
+    def combine(self, payloads, ctx, out=None):
+        return self._sum([self.compressor.sent_entries(p, ctx)[0] for p in payloads],
+                         [p[0] for p in payloads], ctx, out)
+
+
+@register(TopKCompressor, KIND)
+class TopKOnCpu(SparseOnCpu):
+    """topk: the exact selection by compiled passes (``native.top_positions``)."""
+
+    def compress(self, tensor, name, call):
+        return self.compressor._compress(tensor, name, fast_top=_top_positions)
+
+
+@register(DgcCompressor, KIND)
+class DgcOnCpu(SparseOnCpu):
+    """dgc: the exact selection of small tensors by compiled passes."""
+
+    def compress(self, tensor, name, call):
+        return self.compressor._compress(tensor, name, fast_top=_top_positions)
+
+
+@register(AdaqCompressor, KIND)
+class AdaqOnCpu(Reference):
+    """adaq: each side's selection by compiled passes."""
+
+    def compress(self, tensor, name, call):
+        return self.compressor._compress(tensor, name, fast_top=_top_positions)
+
+
+@register(ThresholdCompressor, KIND)
+class ThresholdOnCpu(SparseOnCpu):
+    pass
+
+
+@register(RandomKCompressor, KIND)
+class RandomKOnCpu(SparseOnCpu):
+    def combine(self, payloads, ctx, out=None):
+        total = payloads[0][0]          # the same positions on every rank: values summed
+        for p in payloads[1:]:
+            total = total + p[0]
+        return self.decompress_into([total], ctx, out)
+
+    def decompress_into(self, payload, ctx, out=None):
+        if ctx[1] == 0:
+            return self.compressor.decompress(payload, ctx)
+        return self._sum([ctx[2]], [payload[0]], ctx, out)

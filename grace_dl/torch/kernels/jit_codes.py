@@ -1,0 +1,413 @@
+"""Triton source of ``codes``: the quantizers' and sign methods' encoders and the one decoder,
+each one pass over the tensor (twins: ``codes``).
+
+Packed codes follow ``ops.pack_bits``: code ``i`` occupies bits ``[i b, i b + b)`` of a
+little-endian bit stream, ``ceil(n b / 8)`` bytes, zero past the last code. Elementwise kernels
+handle ``BLOCK`` elements per program (a multiple of 32, so a program's codes fill whole
+bytes); dither words come from ``jit_random.word_block`` at the elements' own indices. A
+tensor-wide scalar (a largest magnitude, a sum) is reduced into a small buffer by one kernel
+and read by the next, never by the host. Launched with ``enable_fp_fusion=False``: no
+multiply-add is contracted, so each float operation rounds as the twin's torch op does.
+"""
+
+import triton
+import triton.language as tl
+
+from grace_dl.torch.kernels.jit_random import word_block
+
+#: the scalar arguments of a keyed draw: never compiled in as constants
+KEYED = ["k0", "k1", "step", "stream"]
+NAN_CODE = tl.constexpr(126)
+INF_CODE = tl.constexpr(127)
+INF_BITS = tl.constexpr(0x7F800000)
+
+
+# ------------------------------------------------------------------ packing
+@triton.jit
+def store_codes(out_ptr, codes, pid, n, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Store a program's ``BLOCK`` codes (int32, zero past ``n``) packed ``BITS`` each."""
+    if BITS == 8:
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + idx, codes.to(tl.uint8), mask=idx < n)
+    else:
+        groups = tl.reshape(codes.to(tl.uint64), (BLOCK // 8, 8))
+        lanes = tl.arange(0, 8)
+        word = tl.sum(groups << (lanes * BITS).to(tl.uint64)[None, :], axis=1)
+        tile = (word[:, None] >> (lanes * 8).to(tl.uint64)[None, :]) & 0xFF
+        g = tl.arange(0, BLOCK // 8)[:, None]
+        m = lanes[None, :]
+        off = pid * (BLOCK // 8 * BITS) + g * BITS + m
+        tl.store(out_ptr + off, tile.to(tl.uint8), mask=(m < BITS) & (off < (n * BITS + 7) // 8))
+
+
+@triton.jit
+def load_codes(packed_ptr, idx, n, BITS: tl.constexpr):
+    """The int32 codes of elements ``idx`` (int64) of a ``BITS``-bit packed stream."""
+    mask = idx < n
+    if BITS == 8:
+        code = tl.load(packed_ptr + idx, mask=mask, other=0).to(tl.int32)
+    else:
+        s = idx * BITS
+        byte = s >> 3
+        lo = tl.load(packed_ptr + byte, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(packed_ptr + byte + 1, mask=mask & (byte + 1 < (n * BITS + 7) // 8),
+                     other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> (s & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    return code
+
+
+@triton.jit
+def decode(packed_ptr, table_ptr, scale_ptr, out_ptr, n, row, divisor, BITS: tl.constexpr,
+           SIGN: tl.constexpr, SCALED: tl.constexpr, ACCUMULATE: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """``out[i] (+)= v_i``: ``v = table[code]`` (``SIGN``: ``table[0]``, negated where the
+    code is 1), times ``scale[i // row] / divisor`` when ``SCALED``: every table decoder in
+    one pass."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    code = load_codes(packed_ptr, idx, n, BITS)
+    if SIGN:
+        t = tl.load(table_ptr)
+        v = tl.where(code != 0, t * -1.0, t)
+    else:
+        v = tl.load(table_ptr + code, mask=mask, other=0.0)
+    if SCALED:
+        v = v * (tl.load(scale_ptr + idx // row, mask=mask, other=0.0) / divisor)
+    if ACCUMULATE:
+        v = tl.load(out_ptr + idx, mask=mask, other=0.0).to(tl.float32) + v
+    tl.store(out_ptr + idx, v, mask=mask)
+
+
+@triton.jit
+def pack(codes_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """uint8 codes (below ``2**BITS``) packed ``BITS`` each."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    code = tl.load(codes_ptr + idx, mask=idx < n, other=0).to(tl.int32)
+    store_codes(out_ptr, code, pid, n, BLOCK, BITS)
+
+
+@triton.jit
+def unpack(packed_ptr, out_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The first ``n`` codes of a ``BITS``-bit packed stream, as uint8."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + idx, load_codes(packed_ptr, idx, n, BITS).to(tl.uint8), mask=idx < n)
+
+
+# ------------------------------------------------------------------ scalars of a tensor
+@triton.jit
+def abs_max(x_ptr, acc_ptr, n, BLOCK: tl.constexpr):
+    """``acc[0] = max(acc[0], the float32 bits of |x|)``: the largest magnitude's bits, which
+    order as the magnitudes do (an infinity above every number, a NaN above that)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    tl.atomic_max(acc_ptr, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+
+
+@triton.jit
+def largest(acc_ptr):
+    """The largest magnitude from ``abs_max``'s bits: NaN where the tensor holds a NaN or an
+    infinity (``ops.abs_max``'s rule)."""
+    bits = tl.load(acc_ptr)
+    return tl.where(bits >= INF_BITS, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def magnitudes(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``|x|`` as float32, with NaN ranked below every number (-1)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    m = tl.abs(tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out_ptr + idx, tl.where(m == m, m, -1.0), mask=mask)
+
+
+# ------------------------------------------------------------------ dither
+@triton.jit
+def dither(pid, step, stream, k0, k1, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The float32 dither ``k * 2**-BITS`` of a program's elements (``k`` the top ``BITS``
+    bits of each element's word)."""
+    w = word_block(pid * BLOCK, step, stream, k0, k1, BLOCK)
+    return (w >> (32 - BITS)).to(tl.float32) * (1.0 / (1 << BITS))
+
+
+# ------------------------------------------------------------------ qsgd
+@triton.jit
+def norm_of(x, AXIS: tl.constexpr):
+    """The L2 norm along ``AXIS``; where the sum of squares overflows, from ``x`` scaled by
+    its largest magnitude."""
+    plain = tl.sqrt(tl.sum(x * x, axis=AXIS))
+    peak = tl.max(tl.abs(x), axis=AXIS)
+    safe = tl.where(peak > 0, peak, 1.0)
+    y = x / tl.expand_dims(safe, AXIS)
+    return tl.where(plain < float("inf"), plain, tl.sqrt(tl.sum(y * y, axis=AXIS)) * peak)
+
+
+@triton.jit
+def row_norms(x_ptr, norms_ptr, n, row, rows, ROWS: tl.constexpr, COLS: tl.constexpr,
+              TILES: tl.constexpr):
+    """The L2 norm of each ``row``-element row of ``x`` (the last may be short), from a
+    running sum of squares; where that overflows, from the squares scaled by the row's
+    running largest magnitude. ``TILES`` tiles of ``COLS`` columns cover a row."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    total = tl.zeros((ROWS,), tl.float32)
+    peak = tl.zeros((ROWS,), tl.float32)
+    scaled = tl.zeros((ROWS,), tl.float32)
+    for t in range(TILES):
+        c = t * COLS + tl.arange(0, COLS)
+        idx = r[:, None] * row + c[None, :]
+        mask = (r[:, None] < rows) & (c[None, :] < row) & (idx < n)
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        total += tl.sum(x * x, axis=1)
+        m = tl.maximum(peak, tl.max(tl.abs(x), axis=1))
+        safe = tl.where(m > 0, m, 1.0)
+        ratio = peak / safe
+        y = x / safe[:, None]
+        scaled = scaled * (ratio * ratio) + tl.sum(y * y, axis=1)
+        peak = m
+    plain = tl.sqrt(total)
+    norm = tl.where(plain < float("inf"), plain, tl.sqrt(scaled) * peak)
+    tl.store(norms_ptr + r, norm, mask=r < rows)
+
+
+@triton.jit
+def qsgd_codes(x, norm, idx, mask, out_ptr, err_ptr, dec_ptr, pid, n, s, hi, k0, k1, step,
+               stream, DITHER: tl.constexpr, BITS: tl.constexpr, ERROR: tl.constexpr,
+               DECODED: tl.constexpr, BLOCK: tl.constexpr):
+    """qsgd's codes of one program's ``BLOCK`` elements (``norm``: each one's bucket norm),
+    stored packed, with the error ``x - v`` and the decoded ``v`` when asked."""
+    scale = tl.where(norm > 0, s / norm, 0.0)
+    t = x * scale
+    t = t + dither(pid, step, stream, k0, k1, DITHER, BLOCK)
+    t = t + (s + 1.0 / (2 << DITHER))
+    code = tl.minimum(t.to(tl.int32) & 0xFF, hi)
+    code = tl.where(mask, code, 0)
+    store_codes(out_ptr, code, pid, n, BLOCK, BITS)
+    if ERROR or DECODED:
+        v = (code.to(tl.float32) - s) * (norm / s)
+        if DECODED:
+            tl.store(dec_ptr + idx, v, mask=mask)
+        if ERROR:
+            tl.store(err_ptr + idx, x - v, mask=mask)
+
+
+@triton.jit(do_not_specialize=KEYED)
+def qsgd_encode(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, row, s, hi, k0, k1, step,
+                stream, DITHER: tl.constexpr, BITS: tl.constexpr, ERROR: tl.constexpr,
+                DECODED: tl.constexpr, BLOCK: tl.constexpr):
+    """qsgd's codes ``clamp(floor(s x / ||row|| + u) + s, 0, hi)`` from the row norms."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    norm = tl.load(norms_ptr + idx // row, mask=mask, other=1.0)
+    qsgd_codes(x, norm, idx, mask, out_ptr, err_ptr, dec_ptr, pid, n, s, hi, k0, k1, step,
+               stream, DITHER, BITS, ERROR, DECODED, BLOCK)
+
+
+@triton.jit(do_not_specialize=KEYED)
+def qsgd_rows(x_ptr, norms_ptr, out_ptr, err_ptr, dec_ptr, n, s, hi, k0, k1, step, stream,
+              ROW: tl.constexpr, ROWS: tl.constexpr, DITHER: tl.constexpr, BITS: tl.constexpr,
+              ERROR: tl.constexpr, DECODED: tl.constexpr, BLOCK: tl.constexpr):
+    """``qsgd_encode`` with the norms of its ``ROWS`` whole rows of ``ROW`` elements
+    (``ROWS * ROW == BLOCK``) computed (and stored) by the same program: one pass over the
+    tensor."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    tile = r[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    x = tl.load(x_ptr + tile, mask=tile < n, other=0.0).to(tl.float32)
+    norms = norm_of(x, 1)
+    tl.store(norms_ptr + r, norms, mask=r * ROW < n)
+    idx = tl.reshape(tile, (BLOCK,))
+    norm = tl.reshape(tl.broadcast_to(norms[:, None], (ROWS, ROW)), (BLOCK,))
+    qsgd_codes(tl.reshape(x, (BLOCK,)), norm, idx, idx < n, out_ptr, err_ptr, dec_ptr, pid, n,
+               s, hi, k0, k1, step, stream, DITHER, BITS, ERROR, DECODED, BLOCK)
+
+
+# ------------------------------------------------------------------ terngrad
+@triton.jit(do_not_specialize=KEYED)
+def terngrad_encode(x_ptr, acc_ptr, out_ptr, scaler_ptr, n, k0, k1, step, stream,
+                    BLOCK: tl.constexpr):
+    """TernGrad's 2-bit codes ``clamp(floor(x / m + u) + 1, 0, 2)`` (16-bit dither), ``m``
+    the largest magnitude (``abs_max``), which program 0 stores as the scaler."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    m = largest(acc_ptr)
+    if pid == 0:
+        tl.store(scaler_ptr, m)
+    inv = tl.where(m > 0, 1.0 / m, 0.0)
+    t = x * inv
+    t = t + dither(pid, step, stream, k0, k1, 16, BLOCK)
+    t = t + (1.0 + 1.0 / (2 << 16))
+    code = tl.minimum(t.to(tl.int32) & 0xFF, 2)
+    store_codes(out_ptr, tl.where(mask, code, 0), pid, n, BLOCK, 2)
+
+
+# ------------------------------------------------------------------ natural
+@triton.jit(do_not_specialize=KEYED)
+def natural_encode(x_ptr, acc_ptr, out_ptr, base_ptr, n, k0, k1, step, stream,
+                   BLOCK: tl.constexpr):
+    """Natural compression's 8-bit codes ``sign << 7 | c`` (``natural`` explains ``c``), every
+    case of the reference's branches in one elementwise formula; the window's ``base`` comes
+    from the largest magnitude (``abs_max``) and program 0 stores it."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    bc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    top = tl.load(acc_ptr) >> 23
+    base = tl.maximum(top - 124, 0)
+    if pid == 0:
+        tl.store(base_ptr, base)
+    mag = bc & 0x7FFFFFFF
+    e = mag >> 23
+    lowered = mag - (base << 23)
+    mant = (mag & 0x007FFFFF) | ((e > 0).to(tl.int32) << 23)
+    k = tl.minimum(tl.maximum(base + 1 - tl.maximum(e, 1), 0), 31)
+    shifted = tl.where(e > base, lowered, mant >> k)
+    mag = tl.where(base > 0, shifted, mag)
+    w = word_block(pid * BLOCK, step, stream, k0, k1, BLOCK)
+    mag = mag + (((w >> 16).to(tl.int32) << 7) + (1 << 6))
+    c = tl.minimum(mag >> 23, INF_CODE)
+    c = tl.where((bc & 0x7FFFFFFF) > 0x7F800000, NAN_CODE, c)
+    c = c | ((bc >> 24) & 0x80)
+    tl.store(out_ptr + idx, c.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def natural_table(base_ptr, out_ptr):
+    """The 256 decoded values of natural's codes under ``base``: ``+-2^(base + c - 127)``, 0,
+    NaN (c = 126) and infinity (c = 127)."""
+    c = tl.arange(0, 128)
+    power = tl.minimum(tl.maximum(c + tl.load(base_ptr), 0), 255) << 23
+    power = tl.where(c == 0, 0, tl.where(c == NAN_CODE, 0x7FC00000, power))
+    power = tl.where(c == INF_CODE, 0x7F800000, power)
+    tl.store(out_ptr + c, power.to(tl.float32, bitcast=True))
+    tl.store(out_ptr + 128 + c, (power ^ -2147483648).to(tl.float32, bitcast=True))  # negated
+
+
+# ------------------------------------------------------------------ u8bit
+@triton.jit
+def u8bit_encode(x_ptr, acc_ptr, index_ptr, split_ptr, out_ptr, scaler_ptr, n,
+                 BLOCK: tl.constexpr):
+    """The dynamic tree's nearest code of ``|x| / m`` (two table lookups and a comparison)
+    with the sign as bit 7; ``m`` the largest magnitude, stored by program 0."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    m = largest(acc_ptr)
+    if pid == 0:
+        tl.store(scaler_ptr, m)
+    v = tl.abs(x) * tl.where(m > 0, 1.0 / m, 0.0)
+    cell = (v.to(tl.int32, bitcast=True) >> 17) & 0x7FFF
+    code = tl.load(index_ptr + cell, mask=mask, other=0).to(tl.int32)
+    code += (v >= tl.load(split_ptr + cell, mask=mask, other=0.0)).to(tl.int32)
+    code = code | ((x.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+    tl.store(out_ptr + idx, code.to(tl.uint8), mask=mask)
+
+
+# ------------------------------------------------------------------ sign planes
+@triton.jit
+def sign_planes(x_ptr, neg_ptr, zero_ptr, part_ptr, flags_ptr, n, ZERO: tl.constexpr,
+                STATS: tl.constexpr, FLAGS: tl.constexpr, BLOCK: tl.constexpr):
+    """The packed plane of ``x < 0`` (with ``ZERO``, of ``x == 0`` too); with ``STATS`` this
+    program's ``[sum x, sum |x|, count x < 0]`` in ``part[pid]``; with ``FLAGS``
+    ``flags |= [any NaN or infinity, any exact zero]``."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=1.0)
+    neg = x < 0
+    store_codes(neg_ptr, neg.to(tl.int32), pid, n, BLOCK, 1)
+    if ZERO:
+        store_codes(zero_ptr, (x == 0).to(tl.int32), pid, n, BLOCK, 1)
+    if STATS:
+        w = tl.where(mask, x.to(tl.float32), 0.0)
+        tl.store(part_ptr + pid * 3, tl.sum(w, axis=0))
+        tl.store(part_ptr + pid * 3 + 1, tl.sum(tl.abs(w), axis=0))
+        tl.store(part_ptr + pid * 3 + 2, tl.sum(neg.to(tl.float32), axis=0))
+    if FLAGS:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        tl.atomic_or(flags_ptr, tl.max((bits >= INF_BITS).to(tl.int32), axis=0))
+        tl.atomic_or(flags_ptr + 1, tl.max((x == 0).to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["programs", "n"])
+def sign_scalars(part_ptr, programs, n, out_ptr, MEANS: tl.constexpr, CHUNK: tl.constexpr,
+                 LOOPS: tl.constexpr):
+    """From ``sign_planes``' partial sums, in program order: with ``MEANS`` onebit's
+    ``[mean of x >= 0, mean of x < 0]`` (from ``S = sum x`` and ``A = sum |x|``: the
+    non-negative sum is ``(S + A) / 2``, the negative ``(S - A) / 2``); else efsignsgd's scale
+    ``A / n``."""
+    total = tl.zeros((CHUNK,), tl.float32)
+    mass = tl.zeros((CHUNK,), tl.float32)
+    count = tl.zeros((CHUNK,), tl.float32)
+    for i in range(LOOPS):      # LOOPS * CHUNK >= programs
+        p = i * CHUNK + tl.arange(0, CHUNK)
+        mask = p < programs
+        total += tl.load(part_ptr + p * 3, mask=mask, other=0.0)
+        mass += tl.load(part_ptr + p * 3 + 1, mask=mask, other=0.0)
+        count += tl.load(part_ptr + p * 3 + 2, mask=mask, other=0.0)
+    s = tl.sum(total, axis=0)
+    a = tl.sum(mass, axis=0)
+    if MEANS:
+        n_neg = tl.sum(count, axis=0)
+        n_pos = n_neg * -1.0 + n
+        pos = (s + a) * 0.5
+        neg = (s - a) * 0.5
+        pos = tl.where(pos < 0, 0.0, pos)
+        neg = tl.where(neg > 0, 0.0, neg)
+        tl.store(out_ptr, pos / tl.maximum(n_pos, 1.0))
+        tl.store(out_ptr + 1, neg / tl.maximum(n_neg, 1.0))
+    else:
+        tl.store(out_ptr, a / tl.maximum(n * 1.0, 1.0))
+
+
+@triton.jit
+def ternary(pos_ptr, neg_ptr, out_ptr, n, NAN_FLAG, BLOCK: tl.constexpr):
+    """+1 / -1 / 0 from the packed positive and negative planes (NaN everywhere where the
+    status at ``NAN_FLAG`` is set)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    p = load_codes(pos_ptr, idx, n, 1)
+    q = load_codes(neg_ptr, idx, n, 1)
+    v = (p - q).to(tl.float32)
+    flag = tl.load(NAN_FLAG)
+    v = tl.where(flag != 0, float("nan"), v)
+    tl.store(out_ptr + idx, v, mask=mask)
+
+
+# ------------------------------------------------------------------ sketch
+@triton.jit
+def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.constexpr,
+                  Q: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Each element's bucket (the number of edge keys <= its order key: a binary search of
+    ``STEPS`` rounds), packed ``BITS`` each, and its value and a count added into this
+    program's row of per-bucket sums (``part[pid] = [sums(Q), counts(Q)]``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
+    key += (key >> 31) & 1
+    lo = tl.zeros((BLOCK,), tl.int32)
+    hi = tl.zeros((BLOCK,), tl.int32) + n_edges
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        e = tl.load(edges_ptr + mid, mask=active, other=0)
+        le = e <= key
+        lo = tl.where(active & le, mid + 1, lo)
+        hi = tl.where(active & (e > key), mid, hi)
+    bucket = tl.where(mask, lo, 0)
+    store_codes(out_ptr, bucket, pid, n, BLOCK, BITS)
+    row = part_ptr + pid * 2 * Q
+    tl.atomic_add(row + bucket, x, mask=mask)
+    tl.atomic_add(row + Q + bucket, tl.where(mask, 1.0, 0.0), mask=mask)

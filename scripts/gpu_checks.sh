@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks of a session, in one call on a lent GPU machine (the device tool runs it from
+# the repository root with OUT set): Triton kernels against their twins, the compressor table,
+# every pipeline's device path under CUDA's sync debug mode, and the DDP step table. Each part
+# has a time limit, so the whole fits one 10-minute call; each writes into $OUT as it goes.
+#
+#   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [steps]     (default: all four)
+set -u
+OUT="${OUT:-/tmp/grace_dl_gpu}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(kernels compressors sync steps)
+log="$OUT/run.log"
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} >>"$log" 2>&1
+for part in "${parts[@]}"; do
+  echo "== $part $(date -u +%T)" >>"$log"
+  case "$part" in
+    kernels) timeout 60 python3 tests/kernel_checks.py cuda >>"$log" 2>&1 ;;
+    compressors) timeout 150 python3 -m benchmarks.gpu compressors --out "$OUT" --repeats 20 \
+                   >>"$log" 2>&1 ;;
+    sync) GRACE_DL_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -rf \
+            --tb=short -k "${SYNC_K:-none- or residual- or powersgd}" \
+            tests/test_device_path.py >"$OUT/device_path.log" 2>&1 ;;
+    steps) timeout "${STEPS_LIMIT:-230}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
+             >>"$log" 2>&1 ;;
+    *) echo "unknown part $part" >>"$log" ;;
+  esac
+  echo "== $part done rc=$? $(date -u +%T)" >>"$log"
+done
+tail -n 5 "$OUT/device_path.log" 2>/dev/null
+grep -E "^== |kernels equal|Error|error" "$log" | tail -n 40

@@ -1,0 +1,227 @@
+"""Each Triton kernel of the device path against its torch twin, on random inputs of sizes
+that do and do not fill whole programs.
+
+    TRITON_INTERPRET=1 python tests/kernel_checks.py      # on the CPU, in Triton's interpreter
+    python tests/kernel_checks.py cuda                    # compiled, on a GPU
+
+``tests/test_device_kernels.py`` runs the first form. The kernels and their twins do the same
+float operations in the same order (the kernels are launched without multiply-add
+contraction), so their outputs are equal bit for bit, except sums reduced in another order
+(qsgd's row norms, sketch's bucket sums), which agree to float rounding. Prints one line per
+size and exits non-zero on the first difference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from grace_dl.compressors.u8bit import _CELL_INDEX, _CELL_SPLIT  # noqa: E402
+from grace_dl.torch.kernels import codes, philox, triton_for  # noqa: E402
+
+SIZES = {"cpu": (1, 33, 4100), "cuda": (1, 33, 4096, 5000, 70001, 1 << 22)}
+
+
+def twin(fn, *args, **kwargs):
+    """``fn`` with the Triton kernels switched off: its torch twin."""
+    codes.triton_for = philox.triton_for = lambda t: False
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        codes.triton_for = philox.triton_for = triton_for
+
+
+def equal(a, b, what):
+    """Bit for bit, except that any NaN equals any NaN (a GPU's negation may leave a NaN's
+    sign bit as it was)."""
+    if a.dtype == b.dtype == torch.float32:
+        nan = a.isnan()
+        if not torch.equal(nan, b.isnan()):
+            raise AssertionError(f"{what}: kernel and twin have NaN at other places")
+        a, b = a.view(torch.int32)[~nan], b.view(torch.int32)[~nan]
+    if not torch.equal(a, b):
+        diff = (a != b).nonzero()[:5].reshape(-1).tolist()
+        raise AssertionError(f"{what}: kernel and twin differ at {diff}")
+
+
+def check(device, n: int) -> None:
+    gen = torch.Generator(device=device).manual_seed(n)
+    x = torch.randn(n, device=device, generator=gen)
+    x[0] = 0.0
+    key = philox.device_key(3, "w")
+    equal(philox.words(key, 5, 1, n, x), twin(philox.words, key, 5, 1, n, x), "words")
+    equal(codes.abs_max_bits(x), twin(codes.abs_max_bits, x), "abs_max")
+    for row in (1, 5, 512, 1000):
+        a, b = codes.row_norms(x, row), twin(codes.row_norms, x, row)
+        assert torch.allclose(a, b, rtol=1e-6), f"row_norms {row}"
+    for s, bits, row in ((127, 8, 37), (7, 4, 512), (1, 2, 37), (3, 3, 64), (31, 6, 1000)):
+        dither = 8 if s >= 64 else 16
+        outs = [[torch.empty_like(x), torch.empty_like(x)] for _ in range(2)]
+        a, na = codes.qsgd_encode(x, row, float(s), 2 * s, bits, dither, key, 5, 1, *outs[0])
+        b, nb = twin(codes.qsgd_encode, x, row, float(s), 2 * s, bits, dither, key, 5, 1,
+                     *outs[1])
+        assert torch.allclose(na, nb, rtol=1e-6), f"qsgd norms s={s}"
+        if torch.equal(na, nb):     # (codes follow the norms: equal where the norms are)
+            equal(a, b, f"qsgd codes s={s}")
+            equal(outs[0][0], outs[1][0], "qsgd error")
+            equal(outs[0][1], outs[1][1], "qsgd decoded")
+        table = torch.arange(1 << bits, dtype=torch.float32, device=device) - s
+        got, want = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+        codes.decode(a, bits, n, table, got, na, row, float(s), accumulate=True)
+        twin(codes.decode, a, bits, n, table, want, na, row, float(s), accumulate=True)
+        equal(got, want, f"decode {bits} bits")
+        assert torch.allclose(got - 7.0, outs[0][1], atol=1e-5), "decode of qsgd's own codes"
+    for sign in (False, True):
+        table = torch.tensor([0.5, -2.0], device=device)
+        plane = codes.sign_encode(x)[0]
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        codes.decode(plane, 1, n, table, got, sign=sign)
+        twin(codes.decode, plane, 1, n, table, want, sign=sign)
+        equal(got, want, f"decode 1 bit sign={sign}")
+    a, b = codes.terngrad_encode(x, key, 2, 0), twin(codes.terngrad_encode, x, key, 2, 0)
+    equal(a[0], b[0], "terngrad")
+    equal(a[1], b[1], "terngrad scaler")
+    for scale in (1e30, 1.0, 1e-30):
+        big = x * scale
+        a, b = codes.natural_encode(big, key, 2, 0), twin(codes.natural_encode, big, key, 2, 0)
+        equal(a[0], b[0], f"natural x{scale}")
+        equal(a[1], b[1], f"natural base x{scale}")
+        equal(codes.natural_table(a[1]), twin(codes.natural_table, a[1]), "natural table")
+    index = torch.from_numpy(_CELL_INDEX).to(device)
+    split = torch.from_numpy(_CELL_SPLIT).to(device)
+    a, b = codes.u8bit_encode(x, index, split), twin(codes.u8bit_encode, x, index, split)
+    equal(a[0], b[0], "u8bit")
+    equal(a[1], b[1], "u8bit scaler")
+    y = x.clone()
+    y[n // 2] = float("inf") if n > 2 else y[n // 2]
+    for v in (x, y, x + 10.0):
+        a, b = codes.sign_encode(v), twin(codes.sign_encode, v)
+        for got, want, what in zip(a, b, ("negative plane", "zero plane", "flags")):
+            equal(got, want, what)
+    for fn in (codes.onebit_encode, codes.efsign_encode):
+        a, b = fn(x), twin(fn, x)
+        equal(a[0], b[0], f"{fn.__name__} plane")
+        assert torch.allclose(a[1], b[1], rtol=1e-5, atol=1e-6), f"{fn.__name__} scalars"
+    pos, neg = codes.sign_encode(-x)[0], codes.sign_encode(x)[0]
+    for flag in (0, 1):
+        f = torch.tensor([flag], dtype=torch.uint8, device=device)
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        codes.ternary(pos, neg, n, f, got)
+        twin(codes.ternary, pos, neg, n, f, want)
+        assert torch.equal(got, want) or (flag and got.isnan().all() and want.isnan().all())
+    for bits in (1, 2, 3, 6):
+        c = torch.randint(0, 1 << bits, (n,), device=device, generator=gen).to(torch.uint8)
+        packed = codes.pack(c, bits)
+        equal(packed, twin(codes.pack, c, bits), f"pack {bits} bits")
+        equal(codes.unpack(packed, bits, n), c, f"unpack {bits} bits")
+        equal(twin(codes.unpack, packed, bits, n), c, f"unpack twin {bits} bits")
+    y = x.clone()
+    y[n // 2] = float("nan")
+    equal(codes.magnitudes(y), twin(codes.magnitudes, y), "magnitudes")
+    for q, bits in ((2, 1), (10, 4), (64, 6)):
+        edges = torch.sort(torch.randn(q - 1, device=device, generator=gen)).values
+        a, b = codes.sketch_encode(x, edges, q, bits), twin(codes.sketch_encode, x, edges, q,
+                                                             bits)
+        equal(a[0], b[0], f"sketch buckets q={q}")
+        assert torch.allclose(a[1], b[1], rtol=1e-5, atol=1e-3), f"sketch sums q={q}"
+        equal(a[2], b[2], f"sketch counts q={q}")
+
+
+def main(argv) -> int:
+    device = torch.device(argv[1] if len(argv) > 1 else "cpu")
+    if not triton_for(torch.empty(0, device=device)):
+        print("Triton does not run here (CUDA or TRITON_INTERPRET=1 needed)")
+        return 2
+    for n in SIZES[device.type]:
+        check(device, n)
+        print(f"kernels equal their twins at n={n}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
+
+
+# ------------------------------------------------------------------ compiled for a GPU
+#: each kernel with the argument types and constants it is launched with (one of each kind)
+SIGNATURES = [
+    ("jit_random", "words", {"out_ptr": "*i64", "n": "i32", "k0": "i64", "k1": "i32",
+                             "step": "i32", "stream": "i32"}, {"BLOCK": 4096}),
+    *[("jit_codes", "decode", {"packed_ptr": "*u8", "table_ptr": "*fp32",
+                               "scale_ptr": "*fp32", "out_ptr": out, "n": "i32", "row": "i32",
+                               "divisor": "fp32"},
+       {"BITS": bits, "SIGN": sign, "SCALED": scaled, "ACCUMULATE": acc, "BLOCK": 4096})
+      for out, bits, sign, scaled, acc in (("*fp32", 8, False, True, True),
+                                           ("*bf16", 3, False, False, False),
+                                           ("*fp32", 1, True, False, True))],
+    ("jit_codes", "abs_max", {"x_ptr": "*fp32", "acc_ptr": "*i32", "n": "i32"},
+     {"BLOCK": 4096}),
+    ("jit_codes", "row_norms", {"x_ptr": "*fp32", "norms_ptr": "*fp32", "n": "i32",
+                                "row": "i32", "rows": "i32"},
+     {"ROWS": 8, "COLS": 512, "TILES": 1}),
+    *[("jit_codes", "qsgd_encode",
+       {"x_ptr": "*fp32", "norms_ptr": "*fp32", "out_ptr": "*u8", "err_ptr": "*fp32",
+        "dec_ptr": "*fp32", "n": "i32", "row": "i32", "s": "fp32", "hi": "i32", "k0": "i64",
+        "k1": "i32", "step": "i32", "stream": "i32"},
+       {"DITHER": 8 if bits == 8 else 16, "BITS": bits, "ERROR": bits == 8,
+        "DECODED": bits == 8, "BLOCK": 4096}) for bits in (8, 3)],
+    *[("jit_codes", "qsgd_rows",
+       {"x_ptr": "*fp32", "norms_ptr": "*fp32", "out_ptr": "*u8", "err_ptr": "*fp32",
+        "dec_ptr": "*fp32", "n": "i32", "s": "fp32", "hi": "i32", "k0": "i64", "k1": "i32",
+        "step": "i32", "stream": "i32"},
+       {"ROW": row, "ROWS": 4096 // row, "DITHER": 8, "BITS": bits, "ERROR": True, "DECODED": False,
+        "BLOCK": 4096}) for row, bits in ((512, 8), (4096, 4), (32, 6))],
+    ("jit_codes", "terngrad_encode", {"x_ptr": "*fp32", "acc_ptr": "*i32", "out_ptr": "*u8",
+                                      "scaler_ptr": "*fp32", "n": "i32", "k0": "i32",
+                                      "k1": "i64", "step": "i32", "stream": "i32"},
+     {"BLOCK": 4096}),
+    ("jit_codes", "natural_encode", {"x_ptr": "*fp32", "acc_ptr": "*i32", "out_ptr": "*u8",
+                                     "base_ptr": "*i32", "n": "i32", "k0": "i32", "k1": "i64",
+                                     "step": "i32", "stream": "i32"}, {"BLOCK": 4096}),
+    ("jit_codes", "natural_table", {"base_ptr": "*i32", "out_ptr": "*fp32"}, {}),
+    ("jit_codes", "u8bit_encode", {"x_ptr": "*fp32", "acc_ptr": "*i32", "index_ptr": "*u8",
+                                   "split_ptr": "*fp32", "out_ptr": "*u8",
+                                   "scaler_ptr": "*fp32", "n": "i32"}, {"BLOCK": 4096}),
+    ("jit_codes", "sign_planes", {"x_ptr": "*fp16", "neg_ptr": "*u8", "zero_ptr": "*u8",
+                                  "part_ptr": "*fp32", "flags_ptr": "*i32", "n": "i32"},
+     {"ZERO": True, "STATS": True, "FLAGS": True, "BLOCK": 4096}),
+    ("jit_codes", "sign_scalars", {"part_ptr": "*fp32", "programs": "i32", "n": "i32",
+                                   "out_ptr": "*fp32"}, {"MEANS": True, "CHUNK": 1024, "LOOPS": 2}),
+    ("jit_codes", "ternary", {"pos_ptr": "*u8", "neg_ptr": "*u8", "out_ptr": "*fp32",
+                              "n": "i32", "NAN_FLAG": "*i32"}, {"BLOCK": 4096}),
+    ("jit_codes", "sketch_encode", {"x_ptr": "*fp32", "edges_ptr": "*i32", "n_edges": "i32",
+                                    "out_ptr": "*u8", "part_ptr": "*fp32", "n": "i32"},
+     {"BITS": 6, "Q": 64, "STEPS": 7, "BLOCK": 2048}),
+    ("jit_codes", "pack", {"codes_ptr": "*u8", "out_ptr": "*u8", "n": "i32"},
+     {"BITS": 2, "BLOCK": 4096}),
+    ("jit_codes", "unpack", {"packed_ptr": "*u8", "out_ptr": "*u8", "n": "i32"},
+     {"BITS": 6, "BLOCK": 4096}),
+    ("jit_codes", "magnitudes", {"x_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32"},
+     {"BLOCK": 4096}),
+]
+
+
+def compile_all(arch: int = 90) -> list[str]:
+    """Compile every kernel for an NVIDIA GPU of compute capability ``arch`` (Hopper: 90),
+    ahead of time, with no GPU: Triton's front end and ptxas find what its interpreter does
+    not (globals that are not ``tl.constexpr``, types the hardware lacks). Returns the
+    kernels compiled."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    done = []
+    for module, name, signature, constants in SIGNATURES:
+        fn = getattr(importlib.import_module(f"grace_dl.torch.kernels.{module}"), name)
+        sig = {**signature, **{k: "constexpr" for k in constants}}
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constants),
+                       target=GPUTarget("cuda", arch, 32),
+                       options={"enable_fp_fusion": False})
+        done.append(name)
+    return done

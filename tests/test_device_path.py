@@ -1,0 +1,157 @@
+"""The device path (``grace_dl.torch.device``, the speed paths of kind ``"cuda"``) run on CPU
+tensors under ``emulate_device()``: every compressor x memory x communicator the registry
+builds runs its steps without a host synchronisation (``sync_guard``; payloads whose size is
+data-dependent by definition read one size), sends as many bytes as the reference path, and
+gives the reference's results (the same, where the method is deterministic; as close to the
+input, where it draws its randomness from another generator).
+
+On a GPU, ``GRACE_DL_TEST_DEVICE=cuda python -m pytest tests/test_device_path.py`` runs the
+same pipelines on CUDA tensors under ``torch.cuda.set_sync_debug_mode``: "error" (any
+synchronisation fails the test), "warn" (counted) for the data-dependent sizes."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from sync_guard import guarded
+
+from grace_dl.compressors.paths import Paths
+from grace_dl.registry import BUILTIN, lookup
+from grace_dl.torch.kernels import emulate_device
+from support import OneRank
+
+COMMUNICATORS = ["allreduce", "allgather", "broadcast", "twophase"]
+MEMORIES = ["none", "residual", "dgc", "momentum", "efsignsgd", "powersgd"]
+#: the methods whose payloads do not depend on random draws (nor on a sample's threshold)
+DETERMINISTIC = {"none", "fp16", "bf16", "onebit", "efsignsgd", "signsgd", "signum", "topk",
+                 "threshold", "u8bit", "inceptionn", "adaq"}
+#: deterministic, but the device path's kernels sum in another order than the reference: on a
+#: GPU their means differ in rounding, which two-phase's re-compression can turn into a sign
+SUMMED = {"onebit", "efsignsgd"}
+#: payload size depends on the data by definition: compress reads one count
+SIZED = {"threshold", "dgc", "adaq", "inceptionn", "signsgd", "signum"}
+SHAPES = {"w": (300, 256), "b": (37,), "e": (0,)}
+PARAMS = {"threshold": {"threshold": 1.0}, "dgc": {"compress_ratio": 0.01},
+          "topk": {"compress_ratio": 0.01}, "randomk": {"compress_ratio": 0.05},
+          "adaq": {"compress_ratio": 0.05}}
+
+
+def _build(comp, mem, comm):
+    compressor = lookup("compressor", comp)(**PARAMS.get(comp, {}))
+    memory = lookup("memory", mem)()
+    return lookup("communicator", comm)(compressor, memory)
+
+
+def _combos():
+    out = []
+    for comp in sorted(BUILTIN["compressor"]):
+        for mem in MEMORIES:
+            for comm in COMMUNICATORS:
+                try:
+                    _build(comp, mem, comm)
+                except ValueError:
+                    continue
+                out.append((comp, mem, comm))
+    return out
+
+
+COMBOS = _combos()
+DEVICE = torch.device(os.environ.get("GRACE_DL_TEST_DEVICE", "cpu"))
+
+
+@contextlib.contextmanager
+def _watched(sized: bool):
+    """What records host synchronisations: the CPU guard, or CUDA's sync debug mode ("error"
+    where none is allowed; "warn", recorded, where the data sets a size)."""
+    if DEVICE.type == "cpu":
+        with guarded() as guard:
+            yield guard.calls
+        return
+    torch.cuda.synchronize()
+    calls = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn" if sized else "error")
+        try:
+            yield calls
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()     # (after the mode is off: an explicit sync counts too)
+    calls += [("sync", "device path") for w in caught if "synchroniz" in str(w.message)]
+
+
+def _gradients(step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
+
+
+def _step(grc, grads):
+    handles = [grc.send(g.clone(), name, collectives=OneRank()) for name, g in grads.items()]
+    out = {name: grc.receive(h) for name, h in zip(grads, handles)}
+    grc.end_step()
+    return out
+
+
+def _error(result, grads):
+    return sum(float((result[k].double() - grads[k].double()).norm()) for k in grads)
+
+
+def test_the_device_path_covers_every_builtin_compressor_it_speeds_up():
+    """Which compressors have a speed path on the device, and that a user's subclass runs
+    the reference there, visibly (``Paths.describe``)."""
+    x = torch.randn(8)
+    with emulate_device():
+        have = {name for name in BUILTIN["compressor"]
+                if type(Paths(lookup("compressor", name)()).on(x)).__name__ != "Reference"}
+        sub = type("MyTopK", (lookup("compressor", "topk"),), {})
+        paths = Paths(sub())
+        paths.on(x)
+    assert {"qsgd", "terngrad", "natural", "u8bit", "onebit", "efsignsgd", "signsgd", "signum",
+            "topk", "dgc"} <= have
+    assert paths.describe() == {"cuda": "Reference"}
+
+
+@pytest.mark.parametrize("comp,mem,comm", COMBOS)
+def test_device_path_runs_without_host_synchronisation(comp, mem, comm):
+    reference, device = _build(comp, mem, comm), _build(comp, mem, comm)
+    steps = [_gradients(i) for i in range(3)]
+    expected = [_step(reference, g) for g in steps]
+    sized = comp in SIZED and comm in ("allgather", "broadcast", "twophase")
+    on_device = [{k: v.to(DEVICE) for k, v in g.items()} for g in steps]
+    with emulate_device():
+        got = [_step(device, on_device[0])]
+        with _watched(sized) as seen:
+            got += [_step(device, g) for g in on_device[1:]]
+    got = [{k: v.cpu() for k, v in g.items()} for g in got]
+    calls = collections.Counter(seen)
+    if sized:
+        # compress reads one count per non-empty tensor (two-phase compresses twice: the
+        # chunk, then the server's re-compression); the rest is the communicator's exchange
+        # of the ranks' sizes (on a GPU both show as syncs, counted together)
+        sends = sum(1 for shape in SHAPES.values() if np.prod(shape)) * (len(steps) - 1) * \
+            (2 if comm == "twophase" else 1)
+        in_compress = sum(n for (_, where), n in calls.items() if not
+                          where.startswith("communicators/"))
+        if DEVICE.type == "cuda":
+            sends *= 4
+        assert in_compress <= sends, calls
+    else:
+        assert not calls, f"host synchronisations on the device path: {dict(calls)}"
+    if comp != "dgc":      # dgc's count follows its sample: another draw, another size
+        assert reference.bytes.steps == device.bytes.steps
+    for want, have, grads in zip(expected, got, steps):
+        for name in grads:
+            assert have[name].shape == want[name].shape and have[name].dtype == want[name].dtype
+        exact = comp in DETERMINISTIC and not (DEVICE.type == "cuda" and comp in SUMMED)
+        if exact and mem in ("none", "residual", "efsignsgd"):
+            for name in grads:
+                np.testing.assert_allclose(have[name].numpy(), want[name].numpy(), rtol=1e-5,
+                                           atol=1e-6, err_msg=name)
+        else:
+            assert _error(have, grads) <= 1.25 * _error(want, grads) + 1e-3
