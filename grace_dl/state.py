@@ -98,13 +98,13 @@ class State:
 
     def restore(self, state: dict) -> None:
         """Make this state the one ``state`` describes: its keys take its values, and every
-        other slot starts over as if never created (a torch slot is dropped and made again on
-        its next use; a TF variable, which a traced ``tf.function`` may hold, is set back to
-        its initial value in place). Loading a checkpoint into a live object that ran past
-        it thus gives what loading it into a fresh object gives."""
+        other slot starts over as if never created (a torch slot or host counter is dropped
+        and made again on its next use; a TF variable, which a traced ``tf.function`` may hold,
+        is set back to its initial value in place). Loading a checkpoint into a live object
+        that ran past it thus gives what loading it into a fresh object gives."""
         for key in [k for k in self._slots if k not in state]:
             var, init = self._slots[key], self._inits.get(key)
-            if hasattr(var, "copy_") or init is None:   # torch (or an init lost to pickling)
+            if not hasattr(var, "assign") or init is None:  # not TF (or an init lost to pickling)
                 del self._slots[key]
                 self._owner.pop(key, None)
                 self._inits.pop(key, None)

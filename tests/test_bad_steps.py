@@ -8,6 +8,7 @@ In this process: every pipeline the registry allows, on one rank, through a NaN 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -45,20 +46,25 @@ class OneRankSplits(OneRank):
 
 
 # ---------------------------------------------------------------- in this process
+@pytest.mark.parametrize("path", ["reference", "device"])
 @pytest.mark.parametrize("pipeline", registry_triples())
-def test_one_nonfinite_step_shows_once_and_leaves_no_state(pipeline):
+def test_one_nonfinite_step_shows_once_and_leaves_no_state(pipeline, path):
     """One rank: the step with a NaN (then one with an Inf) gives a non-finite result, and
-    every later step is finite again: nothing keeps it."""
+    every later step is finite again: nothing keeps it. ``device``: the GPU speed paths, run
+    on CPU tensors (``emulate_device``)."""
+    from grace_dl.torch.kernels import emulate_device
+
     grc = grace_from_params(parse_pipeline(pipeline))
     torch.manual_seed(0)
     finite = []
-    for step in range(5):
-        g = torch.randn(16, 12)
-        if step in NAN_INF:
-            g[3, 4] = NAN_INF[step]
-        out = grc.synchronize(g, "w", collectives=OneRankSplits())
-        grc.end_step()
-        finite.append(bool(torch.isfinite(out).all()))
+    with emulate_device() if path == "device" else contextlib.nullcontext():
+        for step in range(5):
+            g = torch.randn(16, 12)
+            if step in NAN_INF:
+                g[3, 4] = NAN_INF[step]
+            out = grc.synchronize(g, "w", collectives=OneRankSplits())
+            grc.end_step()
+            finite.append(bool(torch.isfinite(out).all()))
     assert finite == EXPECTED[:5]
     for key, value in _leaves(grc.state_dict()):
         assert np.isfinite(value).all(), key
