@@ -269,6 +269,10 @@ class OpsBackend(Protocol):
 
     def assign_sub(self, var, value): ...
 
+    def assign_finite(self, var):
+        """In place: every NaN and +-inf of ``var`` set to 0 (error feedback never keeps a
+        non-finite value: ``grace_dl.memory.base``); returns var."""
+
     def assign_matmul(self, var, a, b): ...
 
     def assign_sub_matmul(self, var, a, b): ...

@@ -4,12 +4,18 @@ Compressors and memories keep everything that must survive a checkpoint in a ``S
 created lazily the first time a tensor name is seen (as backend variables: a torch tensor updated
 in place, or a ``tf.Variable``), and ``load_state_dict`` may be called before any slot exists:
 its values are then used when the slot is created, so a fresh process restored from a
-checkpoint continues exactly where the saved one stopped.
+checkpoint continues exactly where the saved one stopped. ``Stateful.load_state_dict`` (what
+checkpoints and live roll-backs call) *replaces* the state: a slot the loaded dict lacks starts
+over as if it had never been created, so loading into a live object that ran on gives the same
+object as loading into a fresh one.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+#: ``State._inits`` entry of a step counter (its initial value is 0)
+_COUNTER = "counter"
 
 
 class State:
@@ -17,6 +23,9 @@ class State:
         self._slots: dict = {}
         self._pending: dict[str, np.ndarray] = {}
         self._owner: dict[str, str] = {}  # key -> the ops module that created its variable
+        # key -> what its slot started from (``slot``'s ``init``, or _COUNTER): what ``restore``
+        # sets a live TF variable back to (a torch slot is dropped and made again instead)
+        self._inits: dict = {}
 
     def slot(self, key: str, ops, init, dt: str, like=None):
         """The variable for ``key``; on first use it starts from ``init`` (a NumPy array, or a
@@ -29,6 +38,7 @@ class State:
             var = ops.variable(value, dt, like=like, name=key)
             self._slots[key] = var
             self._owner[key] = ops.__name__
+            self._inits[key] = init
         elif self._owner[key] != ops.__name__:
             self._refuse(key, ops)
         return var
@@ -46,6 +56,7 @@ class State:
             var = ops.counter(0 if start is None else int(np.asarray(start)), name=key)
             self._slots[key] = var
             self._owner[key] = ops.__name__
+            self._inits[key] = _COUNTER
         elif self._owner[key] != ops.__name__:
             self._refuse(key, ops)
         return ops.increment(var)
@@ -75,6 +86,8 @@ class State:
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        """Merge ``state`` in: its keys take its values (now, or when their slot is created);
+        other slots keep theirs (``restore`` replaces the whole state)."""
         for key, value in state.items():
             value = np.asarray(value)
             var = self._slots.get(key)
@@ -82,6 +95,48 @@ class State:
                 self._pending[key] = value
             else:
                 _assign_numpy(var, value)
+
+    def restore(self, state: dict) -> None:
+        """Make this state the one ``state`` describes: its keys take its values, and every
+        other slot starts over as if never created (a torch slot or host counter is dropped
+        and made again on its next use; a TF variable, which a traced ``tf.function`` may hold,
+        is set back to its initial value in place). Loading a checkpoint into a live object
+        that ran past it thus gives what loading it into a fresh object gives."""
+        for key in [k for k in self._slots if k not in state]:
+            var, init = self._slots[key], self._inits.get(key)
+            if not hasattr(var, "assign") or init is None:  # not TF (or an init lost to pickling)
+                del self._slots[key]
+                self._owner.pop(key, None)
+                self._inits.pop(key, None)
+            elif isinstance(init, str):     # _COUNTER
+                _assign_numpy(var, np.asarray(0, np.int64))
+            else:
+                _assign_numpy(var, np.asarray(init() if callable(init) else init))
+        self._pending = {}
+        self.load_state_dict(state)
+
+    def keep_finite(self, key: str) -> None:
+        """Set the non-finite entries of ``key``'s slot (if it exists) to 0."""
+        var = self._slots.get(key)
+        if var is not None:
+            _ops_of(self._owner[key]).assign_finite(var)
+
+    def zero(self, keys) -> None:
+        """Set the slots (and loaded values not yet used) of ``keys`` to zero."""
+        for key in keys:
+            var = self._slots.get(key)
+            if var is not None:
+                ops = _ops_of(self._owner[key])
+                ops.assign(var, ops.zeros_like(ops.read(var)))
+            elif key in self._pending:
+                self._pending[key] = np.zeros_like(self._pending[key])
+
+    def __getstate__(self) -> dict:
+        """Picklable: the slots' initial values are kept only where they are arrays (a
+        callable init may be a closure); a slot without one is dropped by ``restore``."""
+        state = dict(self.__dict__)
+        state["_inits"] = {k: v for k, v in self._inits.items() if not callable(v)}
+        return state
 
 
 class Stateful:
@@ -95,8 +150,26 @@ class Stateful:
     def state_dict(self) -> dict:
         return self.state.state_dict()
 
+    #: prefixes of the state keys (``<prefix><tensor name>``) that accumulate gradients over
+    #: steps (a momentum): a communicator keeps them finite after each compression and
+    #: ``reset`` zeroes them. Memories override ``reset`` (all their state accumulates).
+    accumulates: tuple = ()
+
     def load_state_dict(self, state: dict) -> None:
-        self.state.load_state_dict(state)
+        """Replace this object's training state by ``state`` (``State.restore``)."""
+        self.state.restore(state)
+
+    def keep_finite(self, name: str) -> None:
+        """Set the non-finite entries of ``name``'s accumulating slots to 0."""
+        for prefix in self.accumulates:
+            self.state.keep_finite(prefix + name)
+
+    def reset(self, name: str | None = None) -> None:
+        """Zero the accumulating state (``accumulates``) of tensor ``name``, or of every tensor
+        (``None``); step counters and other state are kept."""
+        self.state.zero([k for k in self.state.keys()
+                         if any(k.startswith(p) for p in self.accumulates)
+                         and (name is None or _claimed(k, {name}))])
 
     def config(self) -> dict:
         """The constructor arguments that define this object."""
@@ -105,6 +178,13 @@ class Stateful:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
         return f"{type(self).__name__}({args})"
+
+
+def _ops_of(module: str):
+    """The ops backend module named ``module`` (``State._owner``'s entries)."""
+    import importlib
+
+    return importlib.import_module(module)
 
 
 def _to_numpy(var) -> np.ndarray:
@@ -129,7 +209,8 @@ def _assign_numpy(var, value: np.ndarray) -> None:
     elif hasattr(var, "copy_"):  # torch
         import torch
 
-        var.copy_(torch.from_numpy(np.ascontiguousarray(value)).to(var.dtype))
+        # np.array, not np.ascontiguousarray, which makes a 0-d array (a step counter) 1-d
+        var.copy_(torch.from_numpy(np.array(value, copy=True, order="C")).to(var.dtype))
     else:
         import tensorflow as tf
 

@@ -42,3 +42,68 @@ def assert_equal_dicts(a: dict, b: dict):
 
 def assert_dicts_differ(a: dict, b: dict):
     assert any(not np.array_equal(a[k], b[k]) for k in a)
+
+
+#: the communicators tried, in order, for a compressor x memory pair (the first that carries it)
+PREFERRED_COMMUNICATORS = ("allgather", "allreduce", "twophase")
+
+
+def allowed(compressor: str, memory: str, communicator: str) -> bool:
+    """Whether the registry builds this pipeline (``grace_from_params`` refuses it otherwise)."""
+    import warnings
+
+    from grace_dl import grace_from_params
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            grace_from_params({"compressor": compressor, "memory": memory,
+                               "communicator": communicator})
+        except ValueError:
+            return False
+    return True
+
+
+def registry_pairs() -> list[str]:
+    """``"compressor+memory+communicator"`` for every compressor x memory pair the registry
+    allows, each with the first of ``PREFERRED_COMMUNICATORS`` that carries it."""
+    from grace_dl.registry import names
+
+    out = []
+    for c in names("compressor"):
+        for m in names("memory"):
+            k = next((k for k in PREFERRED_COMMUNICATORS if allowed(c, m, k)), None)
+            if k is not None:
+                out.append(f"{c}+{m}+{k}")
+    return out
+
+
+def registry_triples() -> list[str]:
+    """``"compressor+memory+communicator"`` for every triple the registry allows."""
+    from grace_dl.registry import names
+
+    return [f"{c}+{m}+{k}" for c in names("compressor") for m in names("memory")
+            for k in names("communicator") if allowed(c, m, k)]
+
+
+def registry_round_trip() -> list[str]:
+    """Pipelines that cover every compressor (with residual memory where it can take it), every
+    memory and every communicator at least once: for state round trips."""
+    from grace_dl.registry import names
+
+    out = []
+    for c in names("compressor"):
+        m = next(m for m in ("residual", "efsignsgd", "powersgd", "none")
+                 if any(allowed(c, m, k) for k in PREFERRED_COMMUNICATORS))
+        out.append(f"{c}+{m}+" + next(k for k in PREFERRED_COMMUNICATORS if allowed(c, m, k)))
+    return out + ["topk+dgc+allgather", "topk+momentum+allgather", "signum+dgc+allgather",
+                  "efsignsgd+efsignsgd+allgather", "powersgd+powersgd+allreduce",
+                  "randomk+residual+allreduce", "qsgd+residual+twophase",
+                  "signsgd+residual+twophase", "threshold+residual+broadcast",
+                  "topk+residual+ps", "fp16+none+allreduce"]
+
+
+def parse_pipeline(name: str) -> dict:
+    """GRACE keys of ``"compressor+memory+communicator"``."""
+    c, m, k = name.split("+")
+    return {"compressor": c, "memory": m, "communicator": k}

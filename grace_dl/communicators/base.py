@@ -304,6 +304,17 @@ def divided_payloads(handle: Handle, payloads: list) -> list:
     return divided
 
 
+def nonfinite_mark(tensor):
+    """A 0-d tensor of ``tensor``'s dtype and device: -0.0 when every entry is finite (adding
+    it leaves every value's bits alone, a -0.0 included), else NaN (one pass,
+    ``ops.abs_max``; an empty tensor gives None)."""
+    ops = ops_for(tensor)
+    n = ops.numel(tensor)
+    if isinstance(n, int) and n == 0:
+        return None
+    return -(ops.abs_max(tensor) * 0)     # (TF caches the constant -0.0 as 0.0)
+
+
 def _finish(handle: Handle, into=None):
     """Run ``handle``'s phases to the end (once) and return its averaged or summed result
     (written into ``into`` when given, else into the ``into`` given to ``send``)."""
@@ -421,22 +432,34 @@ class Communicator(Router, ABC):
 
     # ------------------------------------------------------------------ phase 1: encode
     def encode(self, tensor, name: str, call: Call) -> Encoded:
-        """Compensate, compress, and (single-round methods) update the memory once."""
+        """Compensate, compress, and (single-round methods) update the memory once.
+
+        Non-finite values are sent in the step they occur in and kept nowhere
+        (``grace_dl.memory.base``): for a compressor that may leave a NaN/Inf out of its
+        payload (``drops_nonfinite``) the payload is marked (``Compressor.marked``) with a 0/NaN
+        scalar read from the compensated tensor (one reduction over it, no host sync); the
+        compressor's accumulating state (signum's momentum) is cleaned after compressing."""
         compensated = self.memory.compensate_for(tensor, name, self.compressor)
+        mark = nonfinite_mark(compensated) if self.compressor.drops_nonfinite else None
+        encoded = None
         if self.compressor.rounds == 1:
             slot = self.memory.error_slot(name, self.compressor)
             got = None if slot is None else self.compress_with_error(compensated, name, call,
                                                                     slot)
             if got is not None:
                 self.memory.error_written(name)
-                return Encoded(name, *got, compensated, call)
-        payload, ctx = self.compress(compensated, name, call)
-        encoded = Encoded(name, payload, ctx, compensated, call)
-        if self.compressor.rounds == 1:
-            if self.memory.wants_approximation(self.compressor):
-                encoded.approximation = self.approximate(encoded)
-            self.memory.update(compensated, name, self.compressor, payload, ctx,
-                               encoded.approximation)
+                encoded = Encoded(name, *got, compensated, call)
+        if encoded is None:
+            payload, ctx = self.compress(compensated, name, call)
+            encoded = Encoded(name, payload, ctx, compensated, call)
+            if self.compressor.rounds == 1:
+                if self.memory.wants_approximation(self.compressor):
+                    encoded.approximation = self.approximate(encoded)
+                self.memory.update(compensated, name, self.compressor, payload, ctx,
+                                   encoded.approximation)
+        self.compressor.keep_finite(name)
+        if mark is not None:
+            encoded.payload = self.compressor.marked(encoded.payload, mark)
         return encoded
 
     def compress(self, compensated, name: str, call: Call):
@@ -474,6 +497,15 @@ class Communicator(Router, ABC):
         return f"grace.{name}.{part}"
 
     # ------------------------------------------------------------------ checkpointing
+    def reset(self, name: str | None = None) -> None:
+        """Zero the accumulated training state of tensor ``name`` (or of every tensor): the
+        memory's error feedback and momenta, the compressor's momentum (signum), two-phase's
+        server residuals. Step counters and warm starts (PowerSGD's Q) are kept. For users
+        who roll the model back after a bad step (the memories never keep a non-finite value
+        anyway: ``grace_dl.memory.base``). Call it on every rank."""
+        self.memory.reset(name)
+        self.compressor.reset(name)
+
     def state_dict(self) -> dict:
         return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
 

@@ -33,7 +33,8 @@ splits say how long each rank's part is, and the gather carries an int32 vector 
 lengths (as the ``allgather`` communicator's). Not unbiased in
 general, since the aggregate is compressed twice; the server residual feeds the second
 compression's error back in the next step. Server residuals are training state: they are in
-``state_dict`` under ``"server"``.
+``state_dict`` under ``"server"``. Like the memories (``grace_dl.memory.base``) they never keep a
+NaN/Inf: after each server step its non-finite entries are set to 0.
 """
 
 from __future__ import annotations
@@ -344,6 +345,7 @@ class TwoPhase(PackingCommunicator):
         payload = self.paths.on(payloads).combine_with_feedback(payloads, ctx, slot, out)
         if payload is None:
             return None
+        self.server.keep_finite(key)
         return wire.flatten(payload)[0], out, in_place
 
     def _recompress(self, reduced, key: str, call: Call):
@@ -365,6 +367,7 @@ class TwoPhase(PackingCommunicator):
             got = self.paths.on(compensated).compress_with_error(
                 compensated, f"{key}/server", call, slot, reduced)
             if got is not None:
+                self.server.keep_finite(key)
                 return wire.flatten(got[0])[0], reduced
         payload, ctx = self.paths.on(compensated).compress(compensated, f"{key}/server", call)
         if self.compressor.sends_tensor:
@@ -374,6 +377,7 @@ class TwoPhase(PackingCommunicator):
             # ``reduced`` is in the slot now and the payload never holds it: decode there
             decoded = self.paths.on(payload).decompress_into(payload, ctx, reduced)
             ops.assign_sub(slot, decoded)
+        self.server.keep_finite(key)
         return wire.flatten(payload)[0], decoded
 
     def _buffer(self, key: str, like):
@@ -397,12 +401,18 @@ class TwoPhase(PackingCommunicator):
     def config(self) -> dict:
         return {**super().config(), "server_error_feedback": self.server_error_feedback}
 
+    def reset(self, name: str | None = None) -> None:
+        """``Communicator.reset``, and the server residuals of ``name``'s chunks (or all)."""
+        super().reset(name)
+        self.server.zero([k for k in self.server.keys()
+                          if name is None or k.startswith(f"{name}/chunk")])
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "server": self.server.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.server.load_state_dict(state.get("server", {}))
+        self.server.restore(state.get("server", {}))
 
 
 def _split_received(ops, tensor, splits):

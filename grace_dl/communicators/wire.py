@@ -38,7 +38,16 @@ def packable(flats) -> bool:
 def pack(flats):
     """The 1-D parts' bytes, one after another, as one 1-D uint8 tensor."""
     ops = ops_for(flats[0])
-    return ops.cat([ops.to_bytes(f) for f in flats])
+    return ops.cat([_bytes(ops, f) for f in flats])
+
+
+def _bytes(ops, flat):
+    """``ops.to_bytes(flat)``; an empty uint8 tensor for a part with no elements (a
+    zero-element tensor's flat view may have stride 0, which no byte view takes)."""
+    n = ops.numel(flat)
+    if isinstance(n, int) and n == 0:
+        return ops.zeros((0,), "uint8", like=flat)
+    return ops.to_bytes(flat)
 
 
 def layout(flats) -> list:

@@ -33,6 +33,7 @@ class AdaqCompressor(Compressor):
     equal_sizes = False
     two_phase_safe = False
     unbiased = False
+    drops_nonfinite = True      # NaN is never kept: the communicator marks the means
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0):
         super().__init__(seed)

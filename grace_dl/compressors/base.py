@@ -91,6 +91,22 @@ class Compressor(Stateful, ABC):
     #: allreduce may sum it in place when it is the caller's ``into``
     sends_tensor: bool = False
 
+    @property
+    def drops_nonfinite(self) -> bool:
+        """Whether a NaN/Inf entry of the input may be left out of the payload (sparsifiers:
+        NaN ranks below every magnitude; randomk sends only the entries it draws). The
+        communicator then marks such a payload (``marked``), so that the step's result shows
+        the NaN as uncompressed training would. Default: ``sparse``."""
+        return self.sparse
+
+    def marked(self, payload, mark):
+        """``payload`` with the 0-d ``mark`` (-0.0, or NaN when the input held a non-finite
+        entry) added to its floating-point parts (a sparsifier's k values, adaq's two means):
+        O(k), and a NaN input decompresses to NaN wherever the payload carries a value."""
+        ops = ops_for(mark)
+        return [p + ops.cast(mark, ops.dtype(p)) if ops.is_floating(p) else p
+                for p in payload]
+
     def __init__(self, seed: int = 0):
         super().__init__()
         self.seed = check_seed(seed)

@@ -27,6 +27,7 @@ from grace_dl.validate import in_range
 @register_compressor("signum")
 class SignumCompressor(SignSGDCompressor):
     two_phase_safe = False
+    accumulates = ("momentum/",)    # kept finite after each step and zeroed by reset()
 
     def __init__(self, momentum: float = 0.9):
         super().__init__()

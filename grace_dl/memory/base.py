@@ -3,6 +3,15 @@
 Before compression the memory *compensates* a gradient with what earlier compressions lost;
 after compression it *updates* what was lost this time. Its per-tensor state is training state
 and travels through ``state_dict``/``load_state_dict``.
+
+**Non-finite values.** A memory never keeps a NaN or an infinity: after each update the
+non-finite entries of a tensor's slots are set to 0 (``State.keep_finite``, one elementwise
+pass per slot). A NaN/Inf in the compensated gradient is sent in the step it occurs in (the
+compressor carries it, or the communicator marks the payload of one that may leave it out:
+``Compressor.drops_nonfinite``), so the averaged gradient shows it as uncompressed training
+would, and AMP's ``GradScaler`` or a user's ``isfinite`` guard sees it; the next step starts
+from a finite memory instead of sending NaN forever. ``reset(name=None)`` zeroes the state of
+one tensor or of all (after rolling the model back, for instance).
 """
 
 from __future__ import annotations
@@ -13,6 +22,10 @@ from grace_dl.state import Stateful
 
 
 class Memory(Stateful, ABC):
+    #: every slot of a memory accumulates (``reset`` zeroes them all); the plain-named one
+    #: (``""``) is what ``keep_finite`` cleans unless a memory names its slots' prefixes
+    accumulates: tuple = ("",)
+
     #: whether ``update`` reads its ``approximation`` (the communicator skips computing it
     #: otherwise)
     needs_approximation: bool = True

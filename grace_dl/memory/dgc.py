@@ -16,7 +16,8 @@ enters the momentum (the paper's local clipping; pass the global max-norm scaled
 ``N ** -0.5`` for N ranks to match it). Positions come from the compressor's
 ``sent_indices(payload, ctx)`` (every grace_dl sparsifier has it); where that is ``None`` the
 nonzero entries of the decompressed payload are taken as sent. A NaN or infinite gradient norm
-makes the clipped gradient NaN.
+makes the clipped gradient NaN. After each update the non-finite entries of ``u`` and ``v`` are
+set to 0 (``grace_dl.memory.base``): a NaN/Inf is sent in its own step, not kept for later ones.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from grace_dl.validate import in_range
 
 @register_memory("dgc")
 class DgcMemory(Memory):
+    accumulates = ("momentum/", "velocity/")
+
     def __init__(self, momentum: float = 0.9, gradient_clipping=None):
         super().__init__()
         self.momentum = in_range("momentum", momentum, 0.0, 1.0, hi_open=True)
@@ -70,3 +73,4 @@ class DgcMemory(Memory):
         momentum = self.state.zeros(f"momentum/{name}", ops, tensor)
         u = ops.read(momentum)
         ops.assign(momentum, ops.where(kept, u, ops.zeros_like(u)))
+        self.keep_finite(name)

@@ -43,3 +43,4 @@ class EFSignSGDMemory(Memory):
         ops = ops_for(tensor)
         sent = self.sent(compressor, payload, ctx, approximation)
         ops.assign(self.state.zeros(name, ops, tensor), tensor - sent)
+        self.keep_finite(name)      # a NaN/Inf is sent once, never kept (memory.base)

@@ -72,13 +72,13 @@ class MomentumMemory(DgcMemory):
         return self.error_feedback
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
-        if not self.error_feedback:
-            return
-        if self.factor_masking:
+        if self.error_feedback and self.factor_masking:
             return super().update(tensor, name, compressor, payload, ctx, approximation)
-        ops = ops_for(tensor)
-        ops.assign(self.state.zeros(f"velocity/{name}", ops, tensor),
-                   tensor - self.sent(compressor, payload, ctx, approximation))
+        if self.error_feedback:
+            ops = ops_for(tensor)
+            ops.assign(self.state.zeros(f"velocity/{name}", ops, tensor),
+                       tensor - self.sent(compressor, payload, ctx, approximation))
+        self.keep_finite(name)      # the momentum too: a NaN/Inf is sent once, never kept
 
     def _clip(self, ops, tensor):
         if self.gradient_clipping is None:

@@ -13,6 +13,7 @@ the paper; PyTorch's DDP hook keeps M_w - average instead, which has the same su
 the approximation). A tensor that went uncompressed leaves a zero residual.
 
 With a single-round compressor this is plain error feedback (e = x - decompress(payload)).
+A NaN/Inf entry leaves ``e`` at 0 there after the update (``grace_dl.memory.base``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ class PowerSGDMemory(Memory):
                 ops.assign(slot, tensor)
             if not compressor.subtract_local_share(ctx, slot):
                 ops.assign(slot, ops.zeros_like(tensor))
-            return
-        sent = self.sent(compressor, payload, ctx, approximation)
-        if in_slot:
-            ops.assign_sub(slot, sent)
         else:
-            ops.assign(slot, tensor - sent)
+            sent = self.sent(compressor, payload, ctx, approximation)
+            if in_slot:
+                ops.assign_sub(slot, sent)
+            else:
+                ops.assign(slot, tensor - sent)
+        self.keep_finite(name)      # a NaN/Inf is sent once, never kept (memory.base)

@@ -11,6 +11,9 @@ the dense approximation, so a step costs one pass over the tensor plus O(k).
 
 With the defaults (beta = gamma = 1) nothing is ever lost: the sum over steps of what was sent
 equals the sum of the gradients minus the final residual.
+
+A NaN/Inf entry of ``x'`` leaves the residual at 0 there (``grace_dl.memory.base``): it is sent
+in its own step (a sparse compressor's payload is marked), never kept for later ones.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class ResidualMemory(Memory):
 
     def error_written(self, name):
         self._in_slot.pop(name, None)
+        self.keep_finite(name)
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
@@ -83,8 +87,9 @@ class ResidualMemory(Memory):
                 ops.assign_sub(residual, sent)
             else:
                 ops.assign(residual, tensor - sent)
-            return
-        # sparse: the same values, without building the dense approximation
-        if not in_slot:
-            ops.assign(residual, tensor)
-        ops.assign_sub_at(residual, *entries)
+        else:
+            # sparse: the same values, without building the dense approximation
+            if not in_slot:
+                ops.assign(residual, tensor)
+            ops.assign_sub_at(residual, *entries)
+        self.keep_finite(name)

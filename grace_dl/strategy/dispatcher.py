@@ -326,6 +326,11 @@ class StrategyDispatcher(Router, FanOut):
                 for r in self._routes.values()}
 
     # ------------------------------------------------------------------ checkpoints, identity
+    def reset(self, name: str | None = None) -> None:
+        """``Communicator.reset`` of the pipeline carrying ``name``, or of every pipeline."""
+        for comm in self._comms.values() if name is None else [self.communicator(name)]:
+            comm.reset(name)
+
     def state_dict(self) -> dict:
         return {key: comm.state_dict() for key, comm in self._comms.items()}
 

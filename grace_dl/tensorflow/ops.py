@@ -598,9 +598,11 @@ def assign_sub(var, value):
     return var
 
 
-
-
-
+def assign_finite(var):
+    """In place: every NaN and +-inf of ``var`` set to 0; returns var."""
+    value = var.read_value()
+    var.assign(tf.where(tf.math.is_finite(value), value, tf.zeros_like(value)))
+    return var
 
 
 def flat_view(var):

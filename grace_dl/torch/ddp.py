@@ -83,24 +83,49 @@ not its index.
 group size (for ``none``/``allreduce`` it equals DDP's own allreduce; compressors that already
 normalise, like signSGD's majority vote, are not divided). ``op="sum"`` leaves the sum.
 
-**Checkpoints.** ``state.state_dict()`` is this rank's grace state (NumPy arrays, step
-counters), the grouping of the last step, the parameter naming and the fingerprint of the
-configuration; save it on every rank and pass it to ``load_state_dict`` of a fresh
-``GraceState`` before the first step: the run continues bit for bit. A resumed DDP starts again
-from its first-iteration layout, so in ``"bucket"`` granularity the hook's first iteration
-after ``load_state_dict`` groups gradients as the saved run last did: buckets that match a saved
+**Checkpoints.** ``state.state_dict()`` is this rank's grace state (CPU tensors, so
+``torch.load`` reads it with its default ``weights_only=True``), the grouping of the last step,
+the parameter naming and the fingerprint of the configuration; save it on every rank and pass
+it to ``load_state_dict`` of a fresh ``GraceState`` before the first step, or of the live one to
+roll back to it: the run continues bit for bit. A resumed DDP starts again from its
+first-iteration layout, so in ``"bucket"`` granularity the hook's first iteration after
+``load_state_dict`` groups gradients as the saved run last did: buckets that match a saved
 group are sent at once, the others are held until DDP hands over the last bucket, then cut into
 the saved groups (that one iteration overlaps less); from the second iteration on it follows
 DDP's (rebuilt) buckets again.
 
 **Agreement.** The first hook call of a ``GraceState`` all-gathers a digest of the grace
 configuration, the granularity, the op and the bucket's layout; ranks that differ raise
-``ValueError`` on every rank instead of hanging in a collective.
+``ValueError`` on every rank instead of hanging in a collective. Before that gather, each rank
+marks in the process group's store that it reached the grace hook and waits (at most
+``agreement_timeout`` seconds, default 30) for every rank's mark: a rank that runs plain DDP
+(the hook registered on some ranks only) never marks, and the grace ranks raise ``ValueError``
+naming it instead of waiting in a collective the plain rank never starts. (The plain rank runs
+no grace code: it fails when the grace ranks exit, or is stopped by ``torchrun``.)
+
+**Sparse gradients** (``nn.Embedding(sparse=True)``) are refused with ``ValueError`` naming the
+parameter, as the Horovod optimizer refuses them without ``sparse_as_dense``: compressors work
+on dense tensors, and DDP expects a sparse bucket back. Build such modules with dense gradients.
+
+**Non-finite gradients** are sent in the step they occur in and kept in no state
+(``grace_dl.memory.base``), so AMP's ``GradScaler`` skips that step and the next is finite;
+``state.reset()`` zeroes the accumulated state (error feedback, momenta) of every grace tensor.
+
+**Pickling.** A ``GraceState`` pickles and deep-copies (``torch.save(state)``,
+``copy.deepcopy``) as PyTorch's ``PowerSGDState`` does: the process group is dropped and the
+copy binds the default group when first used (set ``state.process_group`` to bind another; a
+copy made on a group of other ranks than the world refuses to run until it is set). Parameters
+are named by identity while training, which a reloaded model does not keep: a copy names the
+parameters it meets by their position in DDP's first bucket layout, as the original first met
+them (checked against their shapes), so it resumes the original's training on a rebuilt model
+and a fresh DDP bit for bit.
 
 DDP checks the hook's annotations, so this module does not use postponed evaluation
 (``from __future__ import annotations``).
 """
 
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -118,9 +143,15 @@ from grace_dl.communicators.pieces import (
 )
 from grace_dl.contracts import check_grace
 from grace_dl.torch.distributed import DistCollectives
-from grace_dl.torch.trees import to_numpy
+from grace_dl.torch.trees import to_numpy, to_torch
 
 GRANULARITIES = ("auto", "bucket", "parameter")
+#: how long the first hook call waits for every rank to reach its own (``agreement_timeout``)
+DEFAULT_AGREEMENT_TIMEOUT = 30.0
+#: per process group (its global ranks): how many GraceStates have checked agreement on it,
+#: the same count on every rank of the group (each runs the same script), which keys the
+#: store entries of the next check
+_CHECKS: dict = {}
 
 
 class GraceState:
@@ -134,21 +165,29 @@ class GraceState:
     sends every bucket whole. ``named_parameters``: ``model.named_parameters()`` of the *wrapped*
     module, to key state by real names (needed by strategy dispatchers, which route by name);
     without it parameters are named ``param<i>``. ``op``: ``"average"`` (DDP's) or ``"sum"``.
+    ``agreement_timeout``: seconds the first hook call waits for every rank of the group to
+    reach the grace hook before it raises (module docstring, *Agreement*).
     """
 
     def __init__(self, grace, process_group=None, granularity: str = "auto",
                  named_parameters=None, op: str = AVERAGE,
-                 piece_bytes: int | None = DEFAULT_PIECE_BYTES):
+                 piece_bytes: int | None = DEFAULT_PIECE_BYTES,
+                 agreement_timeout: float = DEFAULT_AGREEMENT_TIMEOUT):
         check_grace(grace)
         self.piece_bytes = check_piece_bytes(piece_bytes)
+        if isinstance(agreement_timeout, bool) or \
+                not isinstance(agreement_timeout, (int, float)) or not agreement_timeout > 0:
+            raise ValueError(f"agreement_timeout must be a positive number of seconds, got "
+                             f"{agreement_timeout!r}")
+        self.agreement_timeout = float(agreement_timeout)
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got "
                              f"{granularity!r}")
         self.op = check_op(op)
         grace.check_op(self.op)
         self.grace = grace
-        self.process_group = process_group
-        self.collectives = DistCollectives(process_group)
+        self._group_ranks = None        # the group's global ranks, known once pickled
+        self.process_group = process_group      # also sets self.collectives
         self.granularity = granularity
         self.per_parameter = granularity == "parameter" or (
             granularity == "auto" and needs_shapes(grace))
@@ -168,6 +207,11 @@ class GraceState:
         self._names: dict[int, str] = {}        # id(parameter) -> name, as met
         self._order: list[str] = []             # names in the order they were first met
         self._index: dict[str, int] = {}        # name -> position in _order
+        self._shapes: dict[str, list] = {}      # name -> its parameter's shape
+        # a pickled copy's names in the order the original met them (its parameters are
+        # other objects): the i-th parameter met is named _resume[i] (see __setstate__)
+        self._resume: list[str] | None = None
+        self._named_unmet = False   # pickled with named_parameters before meeting any
         self._units: list = []                  # this step's grace tensors (see _send)
         self._buckets: list = []                # this step's (future, buffer)
         self._views: dict = {}                  # name -> its gradient's view of its bucket
@@ -178,27 +222,127 @@ class GraceState:
         self._step_names: list[str] = []
         self.last_step_names: list[str] = []    # the grace tensors of the last step, in order
 
+    # ------------------------------------------------------------------ process group
+    @property
+    def process_group(self):
+        """The group the grace collectives run on (``None``: the default group); settable,
+        e.g. to bind a pickled copy to a new group."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group) -> None:
+        self._process_group = group
+        self.collectives = DistCollectives(group)
+        self._group_ranks = None
+
+    def _bind(self) -> None:
+        """A pickled copy's group: the default one, unless the original ran on other ranks."""
+        if self.collectives is not None:
+            return
+        ranks, world = self._group_ranks, list(range(dist.get_world_size()))
+        if ranks is not None and ranks != world:
+            raise ValueError(f"this GraceState was pickled while it ran on a process group of "
+                             f"ranks {ranks}, and process groups do not pickle: set "
+                             f"state.process_group to that group (the one DDP reduces over) "
+                             f"before training")
+        self.process_group = None
+
     # ------------------------------------------------------------------ naming
     def _name_of(self, p) -> str:
         name = self._names.get(id(p))
         if name is None:
-            if self._given_names is not None:
+            i = len(self._order)
+            if self._resume is not None:
+                if i >= len(self._resume):
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} in a DDP bucket is "
+                                     f"not among the {len(self._resume)} parameters of the "
+                                     f"pickled GraceState: it was pickled from another model")
+                name = self._resume[i]
+                want = self._shapes.get(name)
+                if want is not None and list(p.shape) != want:
+                    raise ValueError(f"parameter {i} of DDP's first bucket layout has shape "
+                                     f"{list(p.shape)}; the pickled GraceState's parameter "
+                                     f"{name!r} there had {want}: it was pickled from another "
+                                     f"model (or another bucket layout)")
+            elif self._given_names is None and self._named_unmet:
+                raise ValueError("this GraceState was pickled before its first step with "
+                                 "named_parameters, whose parameters do not pickle: build a "
+                                 "new GraceState(..., named_parameters=...) instead")
+            elif self._given_names is not None:
                 name = self._given_names.get(id(p))
                 if name is None:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} in a DDP bucket "
                                      f"is not in named_parameters: pass the named_parameters "
                                      f"of the module DDP wraps")
             else:
-                name = f"param{len(self._order)}"
+                name = f"param{i}"
             self._names[id(p)] = name
-            self._index[name] = len(self._order)
+            self._index[name] = i
             self._order.append(name)
+            self._shapes[name] = list(p.shape)
         return name
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        """Everything but the process group (and what is keyed by parameter identity)."""
+        if self._buckets or self._units or self._deferred:
+            raise RuntimeError("a GraceState cannot be pickled in the middle of a step")
+        state = dict(self.__dict__)
+        group = state.pop("_process_group")
+        state.pop("collectives")
+        state["_group_ranks"] = self._group_ranks if group is None else \
+            list(dist.get_process_group_ranks(group))
+        state["_named_unmet"] = self._given_names is not None and not self._order
+        state["_names"], state["_given_names"] = {}, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """The copy binds the default group when first used (``_bind``), and names the
+        parameters it meets by the original's first-met order."""
+        self.__dict__.update(state)
+        self._process_group, self.collectives = None, None
+        if self._order:
+            self._resume = list(self._order)
+        self._order, self._index = [], {}
+        self._checked = False   # a new DDP: ranks compare again
+        if not self.per_parameter and self._layout:
+            self._target = [list(g) for g in self._layout]
 
     bucket_name = staticmethod(bucket_name)
 
     # ------------------------------------------------------------------ agreement
+    def _check_ranks_present(self) -> None:
+        """Mark in the group's store that this rank reached the grace hook and wait for every
+        rank's mark (``agreement_timeout``); ``ValueError`` naming the ranks that never came
+        (they run DDP without the hook, or are that much slower to their first backward)."""
+        group = self.process_group
+        try:
+            store = dist.distributed_c10d._get_process_group_store(
+                group if group is not None else dist.distributed_c10d._get_default_group())
+        except (AttributeError, KeyError, RuntimeError, ValueError):
+            return      # no store to look in (another torch): the gather alone checks
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
+            tuple(range(dist.get_world_size()))
+        seq = _CHECKS[ranks] = _CHECKS.get(ranks, 0) + 1
+        me, size = self.collectives.rank(), self.collectives.size()
+        keys = [f"grace_dl.ddp.hook/{seq}/rank{r}" for r in range(size)]
+        store.set(keys[me], "1")
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.agreement_timeout))
+            return
+        except RuntimeError:        # DistStoreError: a timeout
+            pass
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            return
+        raise ValueError(f"ranks {missing} of the process group did not reach the grace DDP "
+                         f"hook within {self.agreement_timeout:g} s of this rank {me}: "
+                         f"register grace_dl.torch.ddp.comm_hook on every rank (or on none); "
+                         f"if they are only slower to their first backward pass, raise "
+                         f"GraceState(agreement_timeout=...)")
+
     def _check_ranks_agree(self, bucket, names) -> None:
+        self._check_ranks_present()
         buffer = bucket.buffer()
         coll = self.collectives
 
@@ -241,8 +385,15 @@ class GraceState:
         return piece_sizes(tensor.numel(), tensor.element_size(), self._piece_bytes)
 
     def _send(self, bucket):
+        self._bind()
         params = bucket.parameters()
         names = [self._name_of(p) for p in params]
+        sparse = [n for n, g in zip(names, bucket.gradients()) if g.is_sparse]
+        if sparse or bucket.buffer().is_sparse:
+            raise ValueError(f"parameter {(sparse or names)[0]!r} has a sparse gradient "
+                             f"(nn.Embedding(sparse=True)?); grace compresses dense tensors: "
+                             f"build the module with dense gradients (sparse=False), as the "
+                             f"Horovod optimizer's sparse_as_dense=True does")
         if not self._checked:
             self._check_ranks_agree(bucket, names)
         buffer = bucket.buffer()
@@ -320,15 +471,26 @@ class GraceState:
             self._units, self._buckets, self._deferred, self._views = [], [], {}, {}
 
     # ------------------------------------------------------------------ checkpoints
+    def reset(self, name: str | None = None) -> None:
+        """Zero the accumulated grace state (error feedback, momenta) of the grace tensor
+        ``name`` (one of ``last_step_names``) or of all (``Communicator.reset``); call it on
+        every rank, between steps."""
+        reset = getattr(self.grace, "reset", None)
+        if reset is None:
+            raise ValueError(f"{type(self.grace).__name__} has no reset()")
+        reset(name)
+
     def state_dict(self) -> dict:
-        """This rank's hook state: the grace state (NumPy arrays), the parameter naming, the
+        """This rank's hook state: the grace state (CPU tensors), the parameter naming, the
         iteration count and the configuration's fingerprint."""
-        return {"grace": self.grace.state_dict(), "fingerprint": self.grace.fingerprint(),
+        return {"grace": to_torch(self.grace.state_dict()),
+                "fingerprint": self.grace.fingerprint(),
                 "granularity": self.granularity, "per_parameter": self.per_parameter,
                 "op": self.op, "piece_bytes": self._piece_bytes, "iteration": self.iteration,
                 "names": list(self._order),
                 "layout": [list(g) for g in self._layout],
-                "rank": self.collectives.rank() if dist.is_initialized() else None}
+                "rank": self.collectives.rank()
+                if dist.is_initialized() and self.collectives is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``; raises ``ValueError`` if it was written for another grace
@@ -367,7 +529,13 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
         state._step_names.clear()
         raise RuntimeError("a DDP step started before the previous one handed over its last "
                            "bucket; the grace hook expects every bucket of a step in order")
-    fut = state._send(bucket)
+    try:
+        fut = state._send(bucket)
+    except BaseException:
+        # a refusal (sparse gradient, ranks that disagree): leave no half-started step
+        state._units, state._buckets, state._deferred, state._views = [], [], {}, {}
+        state._step_names.clear()
+        raise
     if bucket.is_last():
         state._complete()
     return fut

@@ -787,6 +787,11 @@ def assign_sub(var, value):
     return var
 
 
+def assign_finite(var):
+    """In place: every NaN and +-inf of ``var`` set to 0 (one pass); returns var."""
+    return var.nan_to_num_(0.0, 0.0, 0.0)
+
+
 def flat_view(var):
     """A 1-D view of ``var``'s elements in row-major order, writing which writes ``var``; None
     when there is none (a non-contiguous tensor)."""

@@ -131,12 +131,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
         validate.process_set(process_set)
     if grace is None:
         check_bucket_bytes(bucket_bytes, None)
-        _check_no_grace_agrees(process_set, hvd)
-        return hvd.DistributedOptimizer(
+        # Horovod's own optimizer first, so that its argument checks (duplicate names, ...)
+        # raise its own errors, also before hvd.init(); the agreement check after
+        horovod_optimizer = hvd.DistributedOptimizer(
             optimizer, named_parameters=named_parameters, compression=compression,
             backward_passes_per_step=backward_passes_per_step, op=op,
             gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
             groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set)
+        _check_no_grace_agrees(process_set, hvd)
+        return horovod_optimizer
 
     check_grace(grace)
     check_piece_bytes(piece_bytes)

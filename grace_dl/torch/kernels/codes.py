@@ -304,7 +304,7 @@ def u8bit_encode(x, cell_index, cell_split):
         return out, scaler
     scaler = largest_twin(acc)
     v = x.abs() * torch.where(scaler > 0, 1.0 / scaler, torch.zeros_like(scaler))
-    cell = ((v.view(torch.int32) >> 17) & 0x7FFF).to(torch.int64)
+    cell = ((v.view(torch.int32) >> 17) & 0x3FFF).to(torch.int64)   # a NaN may be signed
     code = cell_index[cell].to(torch.int32) + (v >= cell_split[cell]).to(torch.int32)
     code = code | ((x.view(torch.int32) < 0).to(torch.int32) << 7)
     return out.copy_(code.to(torch.uint8)), scaler

@@ -304,7 +304,7 @@ def u8bit_encode(x_ptr, acc_ptr, index_ptr, split_ptr, out_ptr, scaler_ptr, n,
     if pid == 0:
         tl.store(scaler_ptr, m)
     v = tl.abs(x) * tl.where(m > 0, 1.0 / m, 0.0)
-    cell = (v.to(tl.int32, bitcast=True) >> 17) & 0x7FFF
+    cell = (v.to(tl.int32, bitcast=True) >> 17) & 0x3FFF   # the 16384 cells; a NaN may be signed
     code = tl.load(index_ptr + cell, mask=mask, other=0).to(tl.int32)
     code += (v >= tl.load(split_ptr + cell, mask=mask, other=0.0)).to(tl.int32)
     code = code | ((x.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
