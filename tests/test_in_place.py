@@ -84,3 +84,18 @@ def test_everything_else_stays_out_of_place(params, into):
     torch.testing.assert_close(out, torch.arange(4.0), rtol=0, atol=0)
     if target is not None:
         assert out is target
+
+
+@pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("comm", ["allreduce", "allgather", "twophase"])
+def test_half_gradient_in_the_wire_dtype_is_sent_not_its_update(name, dtype, comm):
+    """A gradient already in the wire dtype: the payload is not a view of the residual's slot,
+    which the memory's update zeroes (it sent zeros)."""
+    from support import OneRank
+
+    if name == "bf16" and comm == "allreduce":
+        return      # bf16 is not allreduce-safe (refused at construction)
+    grc = grace_from_params({"compressor": name, "memory": "residual", "communicator": comm})
+    x = torch.randn(1000).to(dtype)
+    out = grc.receive(grc.send(x.clone(), "w", collectives=OneRank()))
+    assert torch.equal(out, x)

@@ -33,8 +33,9 @@ class _HalfCompressor(Compressor):
         ops = ops_for(tensor)
         dt = ops.dtype(tensor)
         flat = ops.flatten(tensor)
-        if dt != self.wire_dtype:
-            flat = ops.cast(flat, self.wire_dtype)
+        # a gradient already in the wire dtype is copied: the payload must not be a view of
+        # what a memory then updates in place (its slot), or it would send the update
+        flat = ops.cast(flat, self.wire_dtype) if dt != self.wire_dtype else ops.cat([flat])
         return [flat], (ops.shape(tensor), dt)
 
     def decompress(self, payload, ctx):
