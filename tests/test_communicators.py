@@ -65,16 +65,20 @@ def replay(comm, comp, mode, size):
                                      sum(own) - own[r] + lengths * (size - 1))
                                     for r in range(size)]
             else:
-                out, chunks = cc.reference_twophase(ranks, xs, name, "average", servers)
+                out, chunks, again = cc.reference_twophase(ranks, xs, name, "average", servers)
                 m = len(chunks[0])
                 own = [[_nbytes(p) for p, _ in chunks[r]] for r in range(size)]
                 # alltoall: my payloads for the others' chunks out, theirs for mine in;
-                # allgather: my re-compressed chunk out (its size is my chunk payload's),
-                # the other owners' in.
+                # allgather: my re-compressed chunk out, the other owners' in. Where sizes
+                # vary, the re-compressed chunk's own size, and the gather carries each rank's
+                # parts' lengths (int32) too.
+                gathered = [_nbytes(p) for p in again]
+                lengths = 0 if ranks[0].compressor.equal_sizes else 4 * len(chunks[0][0][0])
                 step_bytes[name] = [
-                    (sum(own[r][j] for j in range(m) if j != r) + (own[r][r] if r < m else 0),
+                    (sum(own[r][j] for j in range(m) if j != r)
+                     + (gathered[r] if r < m else 0) + lengths,
                      (sum(own[q][r] for q in range(size) if q != r) if r < m else 0)
-                     + sum(own[j][j] for j in range(m) if j != r))
+                     + sum(gathered[j] for j in range(m) if j != r) + lengths * (size - 1))
                     for r in range(size)]
             step_out.append(ops_for(out).to_numpy(out))
         outs.append(step_out)

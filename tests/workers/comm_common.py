@@ -159,7 +159,8 @@ class _Chunks:
 
 def reference_twophase(ranks, xs, name, op, servers):
     """Scatter-reduce then gather over chunks; ``servers[j]`` is rank j's server-side residual
-    store (a dict name -> tensor) for the chunk it owns."""
+    store (a dict name -> tensor) for the chunk it owns. Returns the result, every rank's chunk
+    payloads and every owner's re-compressed payload."""
     size = len(ranks)
     ops = ops_for(xs[0])
     numel = ops.numel(xs[0])
@@ -174,7 +175,7 @@ def reference_twophase(ranks, xs, name, op, servers):
         r.memory.update(compensated, name, _Chunks(r.compressor, ops.shape(x)),
                         [p for p, _ in comp], [c for _, c in comp])
         chunk_payloads.append(comp)
-    pieces = []
+    pieces, recompressed = [], []
     for j in range(m):
         server = ranks[j]
         ctx_j = chunk_payloads[j][j][1]
@@ -186,5 +187,6 @@ def reference_twophase(ranks, xs, name, op, servers):
         p2, c2 = server.compressor.compress(compensated, f"{name}/chunk{j}/server", server.call)
         servers[j][key] = compensated - server.compressor.decompress(p2, c2)
         pieces.append(server.compressor.decompress(p2, ctx_j))
+        recompressed.append(p2)
     out = ops.reshape(ops.cat(pieces), ops.shape(xs[0]))
-    return _finish(out, size, ranks[0].compressor, op), chunk_payloads
+    return _finish(out, size, ranks[0].compressor, op), chunk_payloads, recompressed
