@@ -29,8 +29,9 @@ def generator(seed: int, name: str, step: int, stream: int = 0) -> np.random.Gen
     any other stream is independent of it and of every other stream.
 
     SFC64 (a small chaotic counter generator that passes BigCrush) seeded through NumPy's
-    SeedSequence from the parts of the key: it draws float32 uniforms ~1.5x faster than
-    Philox here (29 vs 43 ms for 16M), and the draw is on every stochastic quantizer's hot path.
+    SeedSequence from the parts of the key: on the host it draws float32 uniforms faster than
+    NumPy's Philox, and the draw is on every stochastic quantizer's hot path. (Tensors on a
+    GPU draw there instead: ``grace_dl.torch.kernels.philox``.)
     """
     return np.random.Generator(np.random.SFC64(np.random.SeedSequence(
         _entropy(seed, name, step, stream))))
@@ -64,9 +65,8 @@ def dither(seed: int, name: str, step: int, n: int, bits: int = 16,
     """``n`` uniform integers ``k`` in ``[0, 2**bits)`` (uint8 for 8 bits, uint16 for 16): the
     dither of a stochastic rounding, ``u = (k + 1/2) / 2**bits``, drawn as ``64 // bits`` values
     per 64-bit SFC64 output (the raw words viewed as bytes in host order, so torch and TF, which
-    both take this array, agree). 16M 8-bit values cost one 16 MB draw, against ~30 ms for 16M
-    float32 uniforms. The first ``n`` values of a longer draw are the same as those of a
-    shorter one.
+    both take this array, agree): a quarter of the bytes of float32 uniforms. The first ``n``
+    values of a longer draw are the same as those of a shorter one.
 
     **Bias bound.** ``u`` lies on the grid ``(k + 1/2) / 2**bits``, not in all of [0, 1). For
     any real ``t`` with fractional part ``f``, ``P(floor(t + u) = floor(t) + 1)`` is the share
@@ -106,8 +106,8 @@ def choice(seed: int, name: str, step: int, n: int, k: int) -> np.ndarray:
     distinct values are collected, so the stream is under ``1.4 j`` words long on average.
 
     Compiled (``native.choice_sorted``: one loop over a bitmap of ``n`` bits, then its set bits
-    in order, ~0.2 ms for 42K of 4.2M) or, without the kernels, the same positions from NumPy
-    (sorting the drawn values: several times slower). Ascending positions also make the
+    in order) or, without the kernels, the same positions from NumPy (sorting the drawn
+    values). Ascending positions also make the
     gathers and scatters of a sparsifier walk memory forward.
     """
     n, k = int(n), int(k)

@@ -6,10 +6,10 @@ Each gradient is viewed as an n x m matrix ``M`` (n = output units, see *Matrici
 as two dense factors in two allreduce rounds (r = min(compress_rank, n, m)):
 
 1. ``compress``:   P = M Q, with Q (m x r) this tensor's warm-start matrix, orthonormalized.
-   **Round 1 sends P: n x r elements** of the gradient's dtype; the wire **sums** the P of all
-   ranks.
+   **The first allreduce sends P: n x r elements** of the gradient's dtype; the wire **sums**
+   the P of all ranks.
 2. ``next_round``: P_hat = orthonormalize(sum of P) (Gram–Schmidt), Q_w = M^T P_hat.
-   **Round 2 sends Q_w: m x r elements**; the wire sums them.
+   **The second sends Q_w: m x r elements**; the wire sums them.
 3. ``decompress``: P_hat (sum_w Q_w)^T, reshaped to the gradient's shape and dtype. This is the
    *sum* of every rank's share P_hat Q_w^T, so the communicator's ``op=average`` division by the
    number of ranks yields the paper's average P_hat Q_avg^T. The reduced Q becomes the next
@@ -155,8 +155,8 @@ class PowerSGDCompressor(Compressor):
         return [ops.matmul(matrix, q)], _Ctx(name, shape, True, matrix)
 
     def next_round(self, reduced, ctx):
-        """Round 1 reduced (the summed P): orthonormalize it and return ``[Q_w]`` to reduce.
-        Round 2 reduced (the summed Q), or an uncompressed tensor: ``None``."""
+        """The first allreduce's result (the summed P): orthonormalize it and return ``[Q_w]``
+        to reduce. The second's (the summed Q), or an uncompressed tensor: ``None``."""
         if not ctx.low_rank or ctx.p_hat is not None:
             return None
         ops = ops_for(reduced[0])

@@ -19,13 +19,13 @@ a velocity ``v`` (what was not sent yet):
 magnitude-based sparsifier (``topk``, ``threshold``, ``dgc``) that is the right choice: a
 coordinate waits only until it is large. With **random-k** error feedback is the wrong tool:
 a coordinate waits a geometric number of steps (mean n/k) whatever its size, so every
-coordinate is a stale burst; measured on digits (``benchmarks/results/recipes_exploration.md``,
+coordinate is a stale burst; measured on digits (``docs/benchmarks.md``, recipes;
 2 ranks, SGD momentum 0.9 uncompressed: 0.97) random-k 10% with error feedback ends at
 0.29-0.75 in every placement of momentum tried (0.80 with no momentum anywhere), while random-k
 10% scaled to be unbiased (``randomk`` with ``unbiased=True``, Wangni et al. 2018,
 "Gradient Sparsification for Communication-Efficient Distributed Optimization") under this
 memory with ``error_feedback=False`` matches uncompressed momentum SGD on digits (not on the
-longer 100-class mixture of ``benchmarks/results/recipes.md``, where its variance adds up over
+longer 100-class mixture of the same table, where its variance adds up over
 3750 steps and ``dgc`` is better): each step applies an
 unbiased estimate of the *current* momentum, and the momentum averages random-k's variance
 away over ~1/(1-momentum) steps. (The same unbiased random-k with the optimizer's momentum

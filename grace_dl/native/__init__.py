@@ -123,8 +123,8 @@ def limit_vector_bits(bits: int) -> None:
 def _vectorized() -> bool:
     """Whether this CPU has a SIMD path (whatever ``limit_vector_bits`` says). The scan, the
     sign code and the server step need one to beat the framework ops they replace: their
-    scalar loops take 4.7-7.3x the time of NumPy's and torch's (4M fp32, this project's x86 host
-    held to them: the scalar column of ``benchmarks/results/kernels.md``), so without one (a
+    scalar loops are slower than NumPy's and torch's (the scalar column of
+    ``docs/benchmarks.md``'s kernel table), so without one (a
     CPU that is not x86-64, or one without AVX2) those three leave the work to the framework
     ops, which have SIMD of their own. The other kernels' scalar loops beat their twins and
     stay."""

@@ -394,8 +394,8 @@ static int vote_feedback_avx512(const uint8_t *const *payloads, int ranks, int64
 }
 
 /* The AVX2 path, a byte of every rank's planes (8 elements) at a time. Without it AVX2-only
- * CPUs ran the scalar loop, ~25x this path's time and ~4-5x that of the framework ops it
- * replaced (benchmarks/results/kernels.md, its 256-bit and scalar columns). */
+ * CPUs ran the scalar loop, slower than this path and than the framework ops it replaced
+ * (the 256-bit and scalar columns of docs/benchmarks.md's kernel table). */
 __attribute__((target("avx2")))
 static int vote_feedback_avx2(const uint8_t *const *payloads, int ranks, int64_t n,
                               float *slot, uint8_t *out_neg, uint8_t *out_zero, float *dec) {

@@ -2,8 +2,8 @@
 ``"cpu"`` (torch tensors in host memory; ``grace_dl.compressors.paths``).
 
 Kept where a committed measurement shows that they change a training step by more than the
-host's noise (``benchmarks/results/e2e_kernels.md``: the MLP's step with the kernels against
-their NumPy twins, ``docs/DECISIONS.md``): signsgd and signum (planes, decoding, two-phase's
+host's noise (the MLP's step with the kernels against their NumPy twins, in
+``docs/DECISIONS.md``): signsgd and signum (planes, decoding, two-phase's
 server step), qsgd (levels and values) and the sparsifiers (the exact top-k selection and
 the ranks' values summed into one buffer). Each path gives the reference's own bits (the
 kernels do the same float operations in the same order; ``tests/test_native.py`` holds each

@@ -271,11 +271,8 @@ def _product(a, b, out=None, alpha=None):
     CPU a product over an inner dimension of at most ``OUTER_MAX_INNER`` with a large result
     (PowerSGD's ``P @ Q.T`` and its error feedback) is a sum of outer products: torch's CPU
     GEMM is several times slower there on matrices whose rows are a power of two floats long
-    (torch 2.13, one thread, 2048 x 2 times 2 x 2048: 3.5 ms, 0.5 ms as two outer products;
-    PowerSGD's ``Q = M.T @ P``, 21 ms, it writes as ``(P.T @ M).T``, 0.6 ms). A PowerSGD step
-    on one 2048 x 2048 gradient took 62 ms of CPU before both and 7 ms after
-    (``benchmarks/results/pipeline_cpu_powersgd_2048x2048.md``). Each element is the same
-    sum of products, added in another order."""
+    (for the same reason PowerSGD writes ``Q = M.T @ P`` as ``(P.T @ M).T``; measured in
+    ``docs/DECISIONS.md``). Each element is the same sum of products, added in another order."""
     if a.dim() == 2 and b.dim() == 2 and a.device.type == "cpu":
         (n, k), m = a.shape, b.shape[1]
         if 0 < k <= OUTER_MAX_INNER and n * m > k * (n + m):
@@ -335,8 +332,8 @@ def topk(x, k: int):
 def kth_largest(x, k):
     """The ``k``-th largest entry of a 1-D tensor with no NaN (``0 < k <= numel``): the value
     ``min(topk(x, k)[0])`` is, by a selection instead of a partial sort (on CPU a compiled
-    radix select for float32, ``grace_dl.native.kth_largest``, else NumPy's introselect: 0.1
-    ms for 74K floats where ``torch.topk`` of 58K of them takes 4 ms)."""
+    radix select for float32, ``grace_dl.native.kth_largest``, else NumPy's introselect, both
+    far cheaper than ``torch.topk``'s partial sort there)."""
     k = int(k)
     n = x.numel()
     if _host(x) and x.dtype in (torch.float32, torch.float64):
@@ -384,7 +381,7 @@ def positions_at_least(flat, thr, sign=None):
     """int64 positions of the 1-D ``flat``'s entries whose magnitude reaches the scalar
     ``thr``: ``|x| >= thr`` (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never.
     On CPU, fp32/fp64 run through ``grace_dl.native`` (one compiled pass for fp32; NumPy chunk
-    by chunk otherwise, 2-3x faster than torch's compare, or and nonzero over the whole tensor)."""
+    by chunk otherwise, cheaper than torch's compare, or and nonzero over the whole tensor)."""
     if not _host(flat) or flat.dtype not in (torch.float32, torch.float64):
         if sign is None:
             return nonzero(flat.abs() >= thr)

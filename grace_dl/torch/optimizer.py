@@ -17,8 +17,7 @@ of a class derived from ``type(opt)`` (as Horovod does) whose
   sent whose collectives have finished (``Router.advance``): two-phase's gather and PowerSGD's
   next round start during the rest of the backward pass instead of in ``synchronize()``, and a
   finished single-round result is written into ``p.grad`` there. Same bits either way. Off by
-  default: on this project's CPU-only ranks it measured no faster (0.99-1.11x the default's
-  step at 1 Gbit/s, ``benchmarks/results/e2e_early.md``; loopback in ``overhead.md``);
+  default: on this project's CPU-only ranks it measured no faster (``docs/DECISIONS.md``);
 * ``state_dict()`` carries the grace state (error-feedback residuals, momenta, warm-start
   matrices, step counters) under the key ``"grace"``, and ``load_state_dict()`` restores it.
 
