@@ -138,7 +138,10 @@ def check(device, n: int) -> None:
         a, b = codes.sketch_encode(x, edges, q, bits), twin(codes.sketch_encode, x, edges, q,
                                                              bits)
         equal(a[0], b[0], f"sketch buckets q={q}")
-        assert torch.allclose(a[1], b[1], rtol=1e-5, atol=1e-3), f"sketch sums q={q}"
+        # a bucket's sum is added in another order (per-program partials, then atomics): a
+        # float32 rounding error that grows as a random walk over the terms
+        bound = 4 * 2.0**-24 * n**0.5 * x.abs().sum().item() + 1e-3
+        assert ((a[1] - b[1]).abs() <= bound).all(), f"sketch sums q={q}"
         equal(a[2], b[2], f"sketch counts q={q}")
 
 
