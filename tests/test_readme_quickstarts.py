@@ -89,3 +89,14 @@ def test_where_compression_pays_is_the_committed_e2e_results():
         for pipeline, cell in zip(pipelines, cells[2:]):
             want = ratio.get((model, link, pipeline))
             assert cell == (f"{want:.2f}x" if want else "n/a"), (model, link, pipeline)
+
+
+def test_readme_stays_a_users_page():
+    """At most 450 lines, and no lab-notebook provenance ("round N") in it or the library."""
+    assert len(README.splitlines()) <= 450
+    pattern = re.compile(r"round [0-9]+", re.I)
+    found = [str(p.relative_to(ROOT)) for p in [ROOT / "README.md",
+                                                *sorted((ROOT / "grace_dl").rglob("*"))]
+             if p.is_file() and p.suffix in (".md", ".py", ".c", ".proto")
+             and pattern.search(p.read_text(errors="replace"))]
+    assert not found, found
