@@ -33,10 +33,16 @@ class SignumCompressor(SignSGDCompressor):
         super().__init__()
         self.momentum = in_range("momentum", momentum, 0.0, 1.0, hi_open=True)
 
-    def compress(self, tensor, name, call=LOCAL):
-        ops = ops_for(tensor)
+    def momentum_step(self, ops, tensor, name):
+        """The tensor's momentum slot (flat) after this step's update ``m <- beta m + (1 -
+        beta) g``: what Signum sends the signs of. Every path of this class calls it."""
         flat = ops.flatten(tensor)
         slot = self.state.zeros(f"momentum/{name}", ops, flat)
         ops.assign_lerp(slot, flat, 1.0 - self.momentum)
+        return slot
+
+    def compress(self, tensor, name, call=LOCAL):
+        ops = ops_for(tensor)
+        slot = self.momentum_step(ops, tensor, name)
         return self._encode(ops, ops.read(slot)), (ops.shape(tensor), ops.dtype(tensor))
 

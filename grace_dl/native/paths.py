@@ -135,11 +135,7 @@ class SignumOnCpu(SignSGDOnCpu):
     """signum: the momentum updated in its slot, then signsgd's compiled planes of it."""
 
     def _source(self, tensor, name):
-        c = self.compressor
-        flat = tensor.reshape(-1)
-        slot = c.state.zeros(f"momentum/{name}", ops, flat)
-        ops.assign_lerp(slot, flat, 1.0 - c.momentum)
-        return slot
+        return self.compressor.momentum_step(ops, tensor, name)
 
     def compress(self, tensor, name, call):
         flat = self._source(tensor, name)

@@ -321,11 +321,7 @@ class SignumOnDevice(SignSGDOnDevice):
     """signum: the momentum updated in its slot, then signsgd's planes of it."""
 
     def _source(self, tensor, name):
-        c = self.compressor
-        flat = tensor.reshape(-1)
-        slot = c.state.zeros(f"momentum/{name}", ops, flat)
-        ops.assign_lerp(slot, flat, 1.0 - c.momentum)
-        return slot
+        return self.compressor.momentum_step(ops, tensor, name)
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
         return None     # signum decodes the signs of its momentum: the reference's rule
