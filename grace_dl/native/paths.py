@@ -229,16 +229,10 @@ class SparseOnCpu(Reference):
 
 
 @register(TopKCompressor, KIND)
-class TopKOnCpu(SparseOnCpu):
-    """topk: the exact selection by compiled passes (``native.top_positions``)."""
-
-    def compress(self, tensor, name, call):
-        return self.compressor._compress(tensor, name, fast_top=_top_positions)
-
-
 @register(DgcCompressor, KIND)
-class DgcOnCpu(SparseOnCpu):
-    """dgc: the exact selection of small tensors by compiled passes."""
+class SelectionOnCpu(SparseOnCpu):
+    """topk, and dgc's small tensors: the exact selection by compiled passes
+    (``native.top_positions``)."""
 
     def compress(self, tensor, name, call):
         return self.compressor._compress(tensor, name, fast_top=_top_positions)
