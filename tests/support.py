@@ -107,3 +107,14 @@ def parse_pipeline(name: str) -> dict:
     """GRACE keys of ``"compressor+memory+communicator"``."""
     c, m, k = name.split("+")
     return {"compressor": c, "memory": m, "communicator": k}
+
+
+def state_finite(grace) -> bool:
+    """Whether every entry of ``grace``'s training state is finite."""
+    def leaves(tree):
+        if isinstance(tree, dict):
+            for v in tree.values():
+                yield from leaves(v)
+        else:
+            yield np.asarray(tree)
+    return all(np.isfinite(v).all() for v in leaves(grace.state_dict()))

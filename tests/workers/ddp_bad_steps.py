@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mp
 from grace_dl import grace_from_params
 from grace_dl.torch import ddp as grace_ddp
-from support import parse_pipeline
+from support import parse_pipeline, state_finite
 
 #: the pipelines by name (GRACE keys)
 PIPELINES = {
@@ -111,17 +111,6 @@ def inject(model) -> dict:
         return grad
     next(model.parameters()).register_hook(hook)
     return where
-
-
-def state_finite(grace) -> bool:
-    """Whether every entry of ``grace``'s training state is finite."""
-    def leaves(tree):
-        if isinstance(tree, dict):
-            for v in tree.values():
-                yield from leaves(v)
-        else:
-            yield np.asarray(tree)
-    return all(np.isfinite(v).all() for v in leaves(grace.state_dict()))
 
 
 def train(ddp, opt, batches, state=None) -> None:

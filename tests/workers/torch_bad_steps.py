@@ -25,7 +25,7 @@ from torch import nn
 import grace_dl.torch.horovod as hvd
 import mp
 from grace_dl import grace_from_params
-from support import parse_pipeline
+from support import parse_pipeline, state_finite
 
 torch.set_num_threads(1)
 hvd.init()
@@ -71,17 +71,6 @@ def inject(model) -> dict:
 
 def finite_params(model) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-def state_finite(grace) -> bool:
-    """Whether every entry of ``grace``'s training state is finite."""
-    def leaves(tree):
-        if isinstance(tree, dict):
-            for v in tree.values():
-                yield from leaves(v)
-        else:
-            yield np.asarray(tree)
-    return all(np.isfinite(v).all() for v in leaves(grace.state_dict()))
 
 
 def mode_nonfinite(pipelines) -> dict:
