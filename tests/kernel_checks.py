@@ -103,6 +103,18 @@ def check(device, n: int) -> None:
         a, b = codes.sign_encode(v), twin(codes.sign_encode, v)
         for got, want, what in zip(a, b, ("negative plane", "zero plane", "flags")):
             equal(got, want, what)
+        nbytes = codes.packed_size(n, 1)
+        (buf, flags), (tbuf, tflags) = codes.sign_payload(v), twin(codes.sign_payload, v)
+        equal(buf[:2 * nbytes], tbuf[:2 * nbytes], "sign payload planes")
+        equal(flags, tflags, "sign payload flags")
+        for end, status in ((nbytes, 1), (2 * nbytes, 2)):      # without, with the zero plane
+            packed = buf[:end + 1].clone()
+            packed[end] = status
+            got, want = torch.empty_like(v), torch.empty_like(v)
+            codes.sign_decode(packed, n, got)
+            twin(codes.sign_decode, packed, n, want)
+            equal(got, want, f"sign decode, status {status}")
+            assert got.isnan().all() if status == 1 else not got.isnan().any()
     for fn in (codes.onebit_encode, codes.efsign_encode):
         a, b = fn(x), twin(fn, x)
         equal(a[0], b[0], f"{fn.__name__} plane")
@@ -123,6 +135,10 @@ def check(device, n: int) -> None:
     y = x.clone()
     y[n // 2] = float("nan")
     equal(codes.magnitudes(y), twin(codes.magnitudes, y), "magnitudes")
+    for thr in (0.5, torch.tensor([0.5], device=device), torch.tensor([0.0], device=device)):
+        for strict in (False, True):
+            got, want = codes.above(y, thr, strict), twin(codes.above, y, thr, strict)
+            equal(got.to(torch.bool), want, f"above {thr} strict={strict}")
     from grace_dl.torch.device import _positions
     y = x * 2.0 ** -6           # every class: |x| / d below 1, below 2**7, below 2**15, above
     y[: min(n, 3)] = torch.tensor([40.0, float("nan"), -1e-6], device=device)[: min(n, 3)]
@@ -207,6 +223,11 @@ SIGNATURES = [
                                    "out_ptr": "*fp32"}, {"MEANS": True, "CHUNK": 1024, "LOOPS": 2}),
     ("jit_codes", "ternary", {"pos_ptr": "*u8", "neg_ptr": "*u8", "out_ptr": "*fp32",
                               "n": "i32", "NAN_FLAG": "*i32"}, {"BLOCK": 4096}),
+    ("jit_codes", "above", {"x_ptr": "*fp32", "thr_ptr": "*fp32", "out_ptr": "*u8", "n": "i32",
+                            "thr": "fp32"}, {"FROM_PTR": True, "STRICT": False, "BLOCK": 4096}),
+    ("jit_codes", "sign_decode", {"packed_ptr": "*u8", "out_ptr": "*fp32", "n": "i32",
+                                  "nbytes": "i32", "status_at": "i32"},
+     {"ZERO": True, "BLOCK": 4096}),
     ("jit_codes", "sketch_encode", {"x_ptr": "*fp32", "edges_ptr": "*i32", "n_edges": "i32",
                                     "out_ptr": "*u8", "part_ptr": "*fp32", "n": "i32"},
      {"BITS": 6, "Q": 64, "STEPS": 7, "BLOCK": 2048}),

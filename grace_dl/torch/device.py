@@ -253,23 +253,27 @@ class EFSignSGDOnDevice(OneBitCoded):
 # ------------------------------------------------------------------ pure signs
 @register(SignSGDCompressor, KIND)
 class SignSGDOnDevice(Reference):
-    """signsgd: one kernel for the planes and the NaN/zero flags, the vote on the packed
-    planes (``signbits.vote``), one kernel that decodes the signs (NaN everywhere when a status
-    says so). Whether the zero plane travels (the payload's size) is the one value compress
-    reads."""
+    """signsgd: one kernel writes the planes into the payload's buffer and the NaN/zero
+    flags, the vote on the packed planes (``signbits.vote``), one kernel decodes a payload
+    or the vote's planes (NaN everywhere when a status says so). Whether the zero plane
+    travels (the payload's size) is the one value compress reads."""
 
     def _source(self, tensor, name):
         return tensor.reshape(-1)
 
     def compress(self, tensor, name, call):
         flat = self._source(tensor, name).contiguous()
-        neg, zero, flags = codes.sign_encode(flat)
-        status = flags[:1].to(torch.uint8)
-        if flat.numel() and bool(flags[1]):          # the one read-back: the payload's size
-            payload = torch.cat([neg, zero, status | signbits.ZEROS])
-        else:
-            payload = torch.cat([neg, status])
-        return [payload], (tuple(tensor.shape), ops.dtype(tensor))
+        ctx = (tuple(tensor.shape), ops.dtype(tensor))
+        n = flat.numel()
+        if n == 0:
+            return [torch.zeros(1, dtype=torch.uint8, device=flat.device)], ctx
+        buf, flags = codes.sign_payload(flat)
+        nonfinite, zeros = flags.tolist()      # the one read-back: the payload's size
+        nbytes = codes.packed_size(n, 1)
+        end = 2 * nbytes if zeros else nbytes
+        buf[end:end + 1].fill_((signbits.NONFINITE if nonfinite else 0)
+                               | (signbits.ZEROS if zeros else 0))
+        return [buf[:end + 1]], ctx
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
         n = tensor.numel()
@@ -305,10 +309,15 @@ class SignSGDOnDevice(Reference):
         return self.decompress_into(payload, ctx)
 
     def decompress_into(self, payload, ctx, out=None):
-        packed = payload[0]
-        neg, zero = signbits.planes(ops, packed, math.prod(ctx[0]))
-        return self._signs(signbits.positive(ops, neg, zero), neg,
-                           signbits.flag(ops, packed), ctx, out)
+        shape, dtype = ctx
+        n = math.prod(shape)
+        flat = _flat_out(out, n)
+        target = flat if flat is not None else torch.empty(n, dtype=torch.float32,
+                                                           device=payload[0].device)
+        codes.sign_decode(payload[0], n, target)
+        if flat is not None:
+            return out
+        return target.to(ops._DTYPES[dtype]).reshape(shape)
 
     def combine(self, payloads, ctx, out=None):
         pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(ctx[0]))
@@ -362,20 +371,22 @@ class DgcOnDevice(Reference):
         step = c.next_step(name, tensor)
         ratio = c.ratio_at(ops, step)
         k = sparse.ceil_count(ops, ratio * n, n)
-        mag = codes.magnitudes(flat)
         if n < sparse.APPROX_MIN_NUMEL:
-            return c.pack(ops, tensor, torch.topk(mag, k, sorted=False).indices)
+            return c.pack(ops, tensor, torch.topk(codes.magnitudes(flat), k,
+                                                  sorted=False).indices)
         s = sparse.sample_size(n)
         picks = ops.choice(c.seed, name, step, n, s, like=flat)
-        sampled = mag.index_select(0, picks)
+        sampled = codes.magnitudes(flat.index_select(0, picks))
         above = sparse.ceil_count(ops, ratio * s, s)
         # the above-th largest sampled magnitude (a sort: kthvalue runs on one block of
-        # threads for a single row, a sort on all of them)
-        thr = torch.sort(sampled).values[s - above]
-        cand = torch.nonzero(flat.abs() >= thr).reshape(-1)   # the one read-back: its length
+        # threads for a single row, a sort on all of them); a NaN ranks as -1, below which
+        # |x| >= thr keeps every number, as >= 0 does
+        thr = torch.sort(sampled).values[s - above:s - above + 1].clamp(min=0.0)
+        flat = flat.contiguous()
+        cand = torch.nonzero(codes.above(flat, thr, strict=False)).reshape(-1)  # one read-back
         if cand.numel() > k:
-            cand = cand.index_select(0, torch.topk(mag.index_select(0, cand), k,
-                                                   sorted=False).indices)
+            cand = cand.index_select(0, torch.topk(codes.magnitudes(flat.index_select(0, cand)),
+                                                   k, sorted=False).indices)
         return c.pack(ops, tensor, cand)
 
 
@@ -389,14 +400,17 @@ class ThresholdOnDevice(Reference):
         sparse.check_numel(n, "threshold")
         if n == 0:
             return c.empty(ops, tensor)
-        flat = tensor.reshape(-1)
-        return c.pack(ops, tensor, torch.nonzero(flat.abs() > c.threshold).reshape(-1))
+        flat = tensor.reshape(-1).contiguous()
+        keep = codes.above(flat, c.threshold, strict=True) if flat.dtype == torch.float32 \
+            else flat.abs() > c.threshold
+        return c.pack(ops, tensor, torch.nonzero(keep).reshape(-1))
 
 
 @register(AdaqCompressor, KIND)
 class AdaqOnDevice(Reference):
     """adaq: the counts of positive and negative entries (which set the payload's size) are
-    the one read-back; ``torch.topk`` takes each side's largest."""
+    the one read-back; ``torch.topk`` of the whole tensor takes each side's largest (of the
+    side's own entries where a NaN is there, which topk ranks above every number)."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -408,7 +422,9 @@ class AdaqOnDevice(Reference):
             return [flat.new_zeros(2), flat.to(torch.int32)], ctx
         if n >= sparse.APPROX_MIN_NUMEL:
             c.next_step(name, tensor)    # the reference's step counter, kept in step
-        counts = torch.stack([(flat > 0).sum(), (flat < 0).sum()]).tolist()
+        # the one read-back: the sides' sizes (and whether a NaN is there)
+        *counts, nans = torch.stack([(flat > 0).sum(), (flat < 0).sum(),
+                                     (flat != flat).sum()]).tolist()
         sides, means = [], []
         for sign, count in zip((1, -1), counts):
             if count == 0:
@@ -416,12 +432,15 @@ class AdaqOnDevice(Reference):
                 means.append(flat.new_zeros(()))
                 continue
             k = sparse.ceil_count(ops, count * c.compress_ratio, n)
-            where = _positions(flat > 0 if sign > 0 else flat < 0, count)
-            values = flat.index_select(0, where)
-            top = torch.topk(values if sign > 0 else -values, k, sorted=False).indices
-            sides.append(where.index_select(0, top))
-            means.append((values.index_select(0, top).to(torch.float64).sum() / k)
-                         .to(flat.dtype))
+            if nans:    # (topk ranks NaN above everything: select among the side's entries)
+                where = _positions(flat > 0 if sign > 0 else flat < 0, count)
+                values = flat.index_select(0, where)
+                top = torch.topk(values if sign > 0 else -values, k, sorted=False).indices
+                values, top = values.index_select(0, top), where.index_select(0, top)
+            else:       # k <= count: the k largest (smallest) entries all have the side's sign
+                values, top = torch.topk(flat, k, largest=sign > 0, sorted=False)
+            sides.append(top)
+            means.append((values.to(torch.float64).sum() / k).to(flat.dtype))
         codes_ = torch.cat([sides[0], -1 - sides[1]]).to(torch.int32)
         return [torch.stack(means), codes_], ctx
 

@@ -160,6 +160,21 @@ def magnitudes(flat):
     return out
 
 
+def above(flat, thr, strict: bool):
+    """A mask of ``|flat| > thr`` (``strict``) or ``|flat| >= thr``, compared in float32 and
+    false for NaN: what a sparsifier keeps, for ``torch.nonzero``. ``thr`` a Python float or
+    a 1-element float32 tensor on ``flat``'s device (read by the kernel, not the host)."""
+    n = flat.numel()
+    if not triton_for(flat) or n == 0:
+        mag = flat.abs().to(torch.float32)
+        return mag > thr if strict else mag >= thr
+    out = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    on_device = torch.is_tensor(thr)
+    _launch(_jit().above, grid(n)[0], flat, thr if on_device else out, out, n,
+            0.0 if on_device else float(thr), FROM_PTR=on_device, STRICT=strict, BLOCK=BLOCK)
+    return out
+
+
 # ------------------------------------------------------------------ qsgd
 def _dither_twin(key, step, stream, n, bits, like):
     w = philox.words(key, step, stream, n, like)
@@ -344,6 +359,45 @@ def sign_encode(x):
     return _twin_neg(x), pack_twin((x == 0).to(torch.uint8), 1), flag
 
 
+def sign_payload(x):
+    """``(buffer, flags)`` for a pure-sign payload of the 1-D ``x`` (``signbits.pack_signs``'
+    layout): a ``2 ceil(n/8) + 1``-byte uint8 buffer holding the negative plane, then the zero
+    plane, its last byte left for the status; and ``sign_encode``'s flags. The payload is the
+    whole buffer where ``x`` has an exact zero, else its first ``ceil(n/8) + 1`` bytes (the
+    status byte then written over the zero plane's first, all clear)."""
+    n = x.numel()
+    nbytes = packed_size(n, 1)
+    buf = torch.empty(2 * nbytes + 1, dtype=torch.uint8, device=x.device)
+    if triton_for(x) and n:
+        flag = torch.zeros(2, dtype=torch.int32, device=x.device)
+        _launch(_jit().sign_planes, grid(n)[0], x, buf[:nbytes], buf[nbytes:2 * nbytes], buf,
+                flag, n, ZERO=True, STATS=False, FLAGS=True, BLOCK=BLOCK)
+        return buf, flag
+    neg, zero, flag = sign_encode(x)
+    buf[:nbytes].copy_(neg)
+    buf[nbytes:2 * nbytes].copy_(zero)
+    return buf, flag
+
+
+def sign_decode(packed, n: int, out):
+    """``out`` (1-D float32 of ``n``): a pure-sign payload decoded (``signbits.pack_signs``'
+    layout; its size tells whether the zero plane is there): +1, -1, or 0 where the zero
+    plane's bit is set; NaN everywhere when the status byte's ``NONFINITE`` bit is."""
+    if n == 0:
+        return out
+    nbytes = packed_size(n, 1)
+    zero = packed.numel() > nbytes + 1
+    if triton_for(packed):
+        _launch(_jit().sign_decode, grid(n)[0], packed, out, n, nbytes, packed.numel() - 1,
+                ZERO=zero, BLOCK=BLOCK)
+        return out
+    neg = unpack_twin(packed[:nbytes], 1, n)
+    either = neg | unpack_twin(packed[nbytes:2 * nbytes], 1, n) if zero else neg
+    v = ((1 - either) - neg).to(torch.float32)
+    flag = packed[-1:].to(torch.int64) & 1
+    return out.copy_(torch.where(flag != 0, torch.full_like(v, float("nan")), v))
+
+
 def onebit_encode(x):
     """``(negative plane, [mean of x >= 0, mean of x < 0] as float32)`` of the 1-D ``x``
     (float32 or 16-bit: summed in float32)."""
@@ -427,8 +481,12 @@ def sketch_encode(x, edges, q: int, bits: int):
 # ------------------------------------------------------------------ inceptionn
 def _offsets(counts):
     """Each program's first slot in each class's list (exclusive running sums over the
-    programs, per class) and the classes' totals."""
-    return torch.cumsum(counts, 0) - counts, counts.sum(0)
+    programs, per class) and the classes' totals. The sums run along rows of the transpose
+    (a running sum down the columns of a tall ``(programs, 4)`` tensor takes CUDA's slow
+    outer-dimension scan)."""
+    per_class = counts.t().contiguous()
+    running = torch.cumsum(per_class, 1)
+    return (running - per_class).t().contiguous(), running[:, -1]
 
 
 def inceptionn_encode(x, raw, d: float, positions):

@@ -125,6 +125,23 @@ def magnitudes(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + idx, tl.where(m == m, m, -1.0), mask=mask)
 
 
+@triton.jit
+def above(x_ptr, thr_ptr, out_ptr, n, thr, FROM_PTR: tl.constexpr, STRICT: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """``out = |x| > thr`` (``STRICT``) or ``|x| >= thr`` as uint8, in float32, false for NaN;
+    ``thr`` read from ``thr_ptr`` with ``FROM_PTR``: a sparsifier's selection in one pass."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    m = tl.abs(tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32))
+    if FROM_PTR:
+        t = tl.load(thr_ptr).to(tl.float32)
+    else:
+        t = thr
+    hit = m > t if STRICT else m >= t
+    tl.store(out_ptr + idx, hit.to(tl.uint8), mask=mask)
+
+
 # ------------------------------------------------------------------ dither
 @triton.jit
 def dither(pid, step, stream, k0, k1, BITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -379,6 +396,26 @@ def ternary(pos_ptr, neg_ptr, out_ptr, n, NAN_FLAG, BLOCK: tl.constexpr):
     q = load_codes(neg_ptr, idx, n, 1)
     v = (p - q).to(tl.float32)
     flag = tl.load(NAN_FLAG)
+    v = tl.where(flag != 0, float("nan"), v)
+    tl.store(out_ptr + idx, v, mask=mask)
+
+
+@triton.jit
+def sign_decode(packed_ptr, out_ptr, n, nbytes, status_at, ZERO: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """A pure-sign payload decoded in one pass: the negative plane at ``packed[0:nbytes]``,
+    with ``ZERO`` the zero plane after it, the status byte at ``status_at``; +1 where neither
+    plane's bit is set, -1 where the negative one's is, 0 where only the zero one's is, NaN
+    everywhere where the status says the input held a NaN or an infinity."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    neg = load_codes(packed_ptr, idx, n, 1)
+    either = neg
+    if ZERO:
+        either = either | load_codes(packed_ptr + nbytes, idx, n, 1)
+    v = ((1 - either) - neg).to(tl.float32)
+    flag = tl.load(packed_ptr + status_at).to(tl.int32) & 1
     v = tl.where(flag != 0, float("nan"), v)
     tl.store(out_ptr + idx, v, mask=mask)
 
