@@ -56,6 +56,10 @@ def check(device, n: int) -> None:
     key = philox.device_key(3, "w")
     equal(philox.words(key, 5, 1, n, x), twin(philox.words, key, 5, 1, n, x), "words")
     equal(codes.abs_max_bits(x), twin(codes.abs_max_bits, x), "abs_max")
+    for total, k in ((n, min(n, 3)), (n + 1000, max(1, n // 100)), (97, 40), (97, 60)):
+        got = philox.choice(key, 5, total, k, x)
+        equal(got, twin(philox.choice, key, 5, total, k, x), f"choice {k} of {total}")
+        assert got.unique().numel() == k and int(got.max()) < total, f"choice {k} of {total}"
     for row in (1, 5, 512, 1000):
         a, b = codes.row_norms(x, row), twin(codes.row_norms, x, row)
         assert torch.allclose(a, b, rtol=1e-6), f"row_norms {row}"
@@ -225,6 +229,14 @@ SIGNATURES = [
                               "n": "i32", "NAN_FLAG": "*i32"}, {"BLOCK": 4096}),
     ("jit_codes", "above", {"x_ptr": "*fp32", "thr_ptr": "*fp32", "out_ptr": "*u8", "n": "i32",
                             "thr": "fp32"}, {"FROM_PTR": True, "STRICT": False, "BLOCK": 4096}),
+    ("jit_random", "positions", {"out_ptr": "*i32", "draws": "i32", "n": "i32", "k0": "i32",
+                                 "k1": "i64", "step": "i32", "stream": "i32"}, {"BLOCK": 4096}),
+    ("jit_random", "first_draws", {"ranked_ptr": "*i32", "order_ptr": "*i64", "out_ptr": "*i32",
+                                   "draws": "i32"}, {"BLOCK": 4096}),
+    ("jit_random", "kept", {"ranked_ptr": "*i32", "order_ptr": "*i64", "running_ptr": "*i32",
+                            "out_ptr": "*i32", "draws": "i32", "j": "i32"}, {"BLOCK": 4096}),
+    ("jit_random", "place", {"ranked_ptr": "*i32", "keep_ptr": "*i32", "running_ptr": "*i32",
+                             "out_ptr": "*i64", "draws": "i32"}, {"BLOCK": 4096}),
     ("jit_codes", "sign_decode", {"packed_ptr": "*u8", "out_ptr": "*fp32", "n": "i32",
                                   "nbytes": "i32", "status_at": "i32"},
      {"ZERO": True, "BLOCK": 4096}),

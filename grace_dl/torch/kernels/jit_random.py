@@ -1,5 +1,6 @@
-"""Triton source of ``philox``: Philox-4x32-10 on a program's counters, and the kernel that
-writes a draw's words (twin: ``philox.words_twin``)."""
+"""Triton source of ``philox``: Philox-4x32-10 on a program's counters, the kernel that
+writes a draw's words (twin: ``philox.words_twin``), and the kernels of ``philox.choice``
+(twin: its torch ops)."""
 
 import triton
 import triton.language as tl
@@ -48,3 +49,63 @@ def words(out_ptr, n, k0, k1, step, stream, BLOCK: tl.constexpr):
     w = word_block(pid * BLOCK, step, stream, k0, k1, BLOCK)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, w.to(tl.int64), mask=offs < n)
+
+
+@triton.jit(do_not_specialize=["draws", "n", "k0", "k1", "step", "stream"])
+def positions(out_ptr, draws, n, k0, k1, step, stream, BLOCK: tl.constexpr):
+    """int32 ``out[t] = (w * n) >> 64`` for the 64-bit word ``w = word 2t << 32 | word 2t + 1``
+    of the draw (``philox.scaled``), ``t < draws``: a quad's words 0, 1 make draw ``2q``, its
+    words 2, 3 draw ``2q + 1``."""
+    pid = tl.program_id(0).to(tl.int64)
+    q = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    r0, r1, r2, r3 = philox4(q, step, stream, k0, k1)
+    m = n.to(tl.uint64)
+    even = (r0.to(tl.uint64) * m + ((r1.to(tl.uint64) * m) >> 32)) >> 32
+    odd = (r2.to(tl.uint64) * m + ((r3.to(tl.uint64) * m) >> 32)) >> 32
+    value = tl.reshape(tl.join(even, odd), (BLOCK,))
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, value.to(tl.int32), mask=offs < draws)
+
+
+@triton.jit
+def is_first(ranked_ptr, i, mask):
+    """Whether sorted position ``i`` holds the first of its value's run."""
+    here = tl.load(ranked_ptr + i, mask=mask, other=0)
+    before = tl.load(ranked_ptr + i - 1, mask=mask & (i > 0), other=0)
+    return (i == 0) | (here != before)
+
+
+@triton.jit
+def first_draws(ranked_ptr, order_ptr, out_ptr, draws, BLOCK: tl.constexpr):
+    """``out[order[i]] = 1`` where sorted position ``i`` is its value's first (the stable
+    sort's first is the value's earliest draw), 0 elsewhere: the flags in draw order."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < draws
+    first = is_first(ranked_ptr, i, mask)
+    at = tl.load(order_ptr + i, mask=mask, other=0)
+    tl.store(out_ptr + at, first.to(tl.int32), mask=mask)
+
+
+@triton.jit
+def kept(ranked_ptr, order_ptr, running_ptr, out_ptr, draws, j, BLOCK: tl.constexpr):
+    """``out[i] = 1`` where sorted position ``i`` is its value's first draw and fewer than
+    ``j`` values were first drawn before it (``running``: the flags' inclusive running sum in
+    draw order)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < draws
+    first = is_first(ranked_ptr, i, mask)
+    at = tl.load(order_ptr + i, mask=mask, other=0)
+    rank = tl.load(running_ptr + at, mask=mask, other=0) - 1
+    tl.store(out_ptr + i, (first & (rank < j)).to(tl.int32), mask=mask)
+
+
+@triton.jit
+def place(ranked_ptr, keep_ptr, running_ptr, out_ptr, draws, BLOCK: tl.constexpr):
+    """The kept values, in sorted order, at their slot (``running``: the kept flags'
+    inclusive running sum), as int64."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < draws
+    keep = tl.load(keep_ptr + i, mask=mask, other=0) != 0
+    slot = tl.load(running_ptr + i, mask=mask, other=1) - 1
+    value = tl.load(ranked_ptr + i, mask=mask, other=0)
+    tl.store(out_ptr + slot, value.to(tl.int64), mask=mask & keep)

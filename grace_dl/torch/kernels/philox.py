@@ -113,18 +113,10 @@ def choice(key, step: int, n: int, k: int, like):
         kept = torch.empty(0, dtype=torch.int64, device=device)
     else:
         draws = math.ceil(n * math.log(n / (n - j)) + 12 * math.sqrt(2 * j) + 64)
-        w = words(key, step, 0, 2 * draws, like).reshape(draws, 2)
-        values = scaled(w[:, 0], w[:, 1], n).to(torch.int32)     # n < 2**31
-        ranked, order = torch.sort(values, stable=True)
-        first = torch.ones_like(ranked, dtype=torch.bool)
-        first[1:] = ranked[1:] != ranked[:-1]
-        # each value's first draw, ranked in draw order; the j earliest kept, in value order
-        in_draw_order = torch.empty_like(first).scatter_(0, order, first)
-        rank = (torch.cumsum(in_draw_order, 0) - 1).index_select(0, order)
-        keep = first & (rank < j)
-        slot = torch.where(keep, torch.cumsum(keep, 0) - 1, j)
-        kept = torch.zeros(j + 1, dtype=torch.int64, device=device).scatter_(
-            0, slot, ranked.to(torch.int64))[:j]
+        if triton_for(like):
+            kept = _choice_kernels(key, step, n, j, draws, device)
+        else:
+            kept = _choice_twin(key, step, n, j, draws, like)
     if not complement:
         return kept
     left = torch.ones(n, dtype=torch.bool, device=device)
@@ -132,6 +124,44 @@ def choice(key, step: int, n: int, k: int, like):
     slot = torch.where(left, torch.cumsum(left, 0) - 1, k)
     out = torch.zeros(k + 1, dtype=torch.int64, device=device)
     return out.scatter_(0, slot, torch.arange(n, device=device))[:k]
+
+
+def _choice_kernels(key, step: int, n: int, j: int, draws: int, device):
+    """``choice``'s first ``j`` distinct values of ``draws`` draws, by four kernels, a sort
+    and two running sums (``_choice_twin``'s steps, fused)."""
+    kernels = _kernels()
+    values = torch.empty(draws, dtype=torch.int32, device=device)
+    kernels.positions[grid(draws)](values, draws, n, key[0], key[1], int(step) & MASK, 0,
+                                   BLOCK=BLOCK)
+    ranked, order = torch.sort(values, stable=True)
+    programs = grid(draws)
+    first = torch.empty(draws, dtype=torch.int32, device=device)
+    kernels.first_draws[programs](ranked, order, first, draws, BLOCK=BLOCK)
+    keep = torch.empty(draws, dtype=torch.int32, device=device)
+    kernels.kept[programs](ranked, order, torch.cumsum(first, 0, dtype=torch.int32), keep,
+                           draws, j, BLOCK=BLOCK)
+    out = torch.zeros(j, dtype=torch.int64, device=device)
+    kernels.place[programs](ranked, keep, torch.cumsum(keep, 0, dtype=torch.int32), out, draws,
+                            BLOCK=BLOCK)
+    return out
+
+
+def _choice_twin(key, step: int, n: int, j: int, draws: int, like):
+    """``choice``'s first ``j`` distinct values of ``draws`` draws, in torch ops."""
+    device = like.device
+    w = words(key, step, 0, 2 * draws, like).reshape(draws, 2)
+    values = scaled(w[:, 0], w[:, 1], n).to(torch.int32)     # n < 2**31
+    ranked, order = torch.sort(values, stable=True)
+    first = torch.ones_like(ranked, dtype=torch.bool)
+    first[1:] = ranked[1:] != ranked[:-1]
+    # each value's first draw, ranked in draw order; the j earliest kept, in value order
+    in_draw_order = torch.empty_like(first).scatter_(0, order, first)
+    rank = (torch.cumsum(in_draw_order, 0) - 1).index_select(0, order)
+    keep = first & (rank < j)
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, j)
+    kept = torch.zeros(j + 1, dtype=torch.int64, device=device).scatter_(
+        0, slot, ranked.to(torch.int64))[:j]
+    return kept
 
 
 def _kernels():
