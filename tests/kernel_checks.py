@@ -154,11 +154,15 @@ def check(device, n: int) -> None:
         equal(codes.inceptionn_decode(*a, n, 2.0**-10, _positions),
               twin(codes.inceptionn_decode, *a, n, 2.0**-10, _positions), "inceptionn decode")
     for q, bits in ((2, 1), (10, 4), (64, 6)):
-        edges = torch.sort(torch.randn(q - 1, device=device, generator=gen)).values
+        ranked = torch.sort(torch.randn(2 * q + 3, device=device, generator=gen)).values
+        lo = torch.arange(1, q, device=device) * 2
+        hi, w = lo + 1, torch.rand(q - 1, device=device, generator=gen)
+        edges = codes.sketch_edge_keys(ranked, lo, hi, w)
+        equal(edges, twin(codes.sketch_edge_keys, ranked, lo, hi, w), f"sketch edges q={q}")
         a, b = codes.sketch_encode(x, edges, q, bits), twin(codes.sketch_encode, x, edges, q,
                                                              bits)
         equal(a[0], b[0], f"sketch buckets q={q}")
-        # a bucket's sum is added in another order (per-program partials, then atomics): a
+        # a bucket's sum is added in another order (one-hot tiles, then per-program rows): a
         # float32 rounding error that grows as a random walk over the terms
         bound = 4 * 2.0**-24 * n**0.5 * x.abs().sum().item() + 1e-3
         assert ((a[1] - b[1]).abs() <= bound).all(), f"sketch sums q={q}"
@@ -242,7 +246,10 @@ SIGNATURES = [
      {"ZERO": True, "BLOCK": 4096}),
     ("jit_codes", "sketch_encode", {"x_ptr": "*fp32", "edges_ptr": "*i32", "n_edges": "i32",
                                     "out_ptr": "*u8", "part_ptr": "*fp32", "n": "i32"},
-     {"BITS": 6, "Q": 64, "STEPS": 7, "BLOCK": 2048}),
+     {"BITS": 6, "Q": 64, "STEPS": 7, "BLOCK": 2048, "SUB": 128}),
+    ("jit_codes", "sketch_edges", {"ranked_ptr": "*fp32", "lo_ptr": "*i64", "hi_ptr": "*i64",
+                                   "w_ptr": "*fp32", "out_ptr": "*i32", "m": "i32"},
+     {"WIDTH": 64}),
     ("jit_codes", "pack", {"codes_ptr": "*u8", "out_ptr": "*u8", "n": "i32"},
      {"BITS": 2, "BLOCK": 4096}),
     ("jit_codes", "unpack", {"packed_ptr": "*u8", "out_ptr": "*u8", "n": "i32"},

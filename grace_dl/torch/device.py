@@ -470,12 +470,10 @@ class SketchOnDevice(TableCoded):
         lo, hi, w = (codes.constant(("sketch", part, m, q), x.device,
                                     lambda part=part: _quantile_points(m, q)[part])
                      for part in range(3))
-        below, above = ranked.index_select(0, lo), ranked.index_select(0, hi)
-        edges = below + (above - below) * w
-        packed, sums, counts = codes.sketch_encode(x, edges, q, self.bits)
-        means = torch.where(counts > 0, sums / torch.clamp(counts, min=1.0),
-                            torch.zeros_like(sums))
-        return [packed, means], layout
+        packed, sums, counts = codes.sketch_encode(x, codes.sketch_edge_keys(ranked, lo, hi, w),
+                                                   q, self.bits)
+        # (an empty bucket's sum is +0: the reference's where(counts > 0, ..., 0))
+        return [packed, sums / torch.clamp(counts, min=1.0)], layout
 
     def decoding(self, payload, ctx, n):
         return dict(packed=payload[0], table=payload[1])

@@ -455,20 +455,35 @@ def order_key(x):
     return key + ((key >> 31) & 1)
 
 
-def sketch_encode(x, edges, q: int, bits: int):
-    """``(packed buckets, sums, counts)`` of the 1-D float32 ``x`` against the sorted float32
-    ``edges``: bucket = the number of edges <= the element (by order keys, -0 equal to +0),
-    and the sum and count of each of the ``q`` buckets."""
+def sketch_edge_keys(ranked, lo, hi, w):
+    """The order keys of sketch's edges: ``ranked[lo] + (ranked[hi] - ranked[lo]) * w`` for the
+    sorted float32 sample ``ranked`` (``lo``, ``hi`` int64 ranks, ``w`` float32 weights)."""
+    m = lo.numel()
+    if triton_for(ranked) and m:
+        out = torch.empty(m, dtype=torch.int32, device=ranked.device)
+        _launch(_jit().sketch_edges, 1, ranked, lo, hi, w, out, m, WIDTH=next_power_of_2(m))
+        return out
+    below, above = ranked.index_select(0, lo), ranked.index_select(0, hi)
+    return order_key((below + (above - below) * w).contiguous())
+
+
+#: a sketch program's one-hot tile holds at most this many (element, bucket) pairs
+SKETCH_TILE = 8192
+
+
+def sketch_encode(x, edge_keys, q: int, bits: int):
+    """``(packed buckets, sums, counts)`` of the 1-D float32 ``x`` against the sorted edges'
+    order keys (``sketch_edge_keys``): bucket = the number of edges <= the element (by order
+    keys, -0 equal to +0), and the sum and count of each of the ``q`` buckets."""
     n = x.numel()
     out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=x.device)
-    edge_keys = order_key(edges.contiguous())
     if triton_for(x) and n:
         width = next_power_of_2(q)
         programs = -(-n // SKETCH_BLOCK)
-        part = torch.zeros(programs, 2, width, dtype=torch.float32, device=x.device)
+        part = torch.empty(programs, 2, width, dtype=torch.float32, device=x.device)
         _launch(_jit().sketch_encode, programs, x, edge_keys, edge_keys.numel(), out, part, n,
                 BITS=bits, Q=width, STEPS=max(1, (edge_keys.numel() + 1).bit_length()),
-                BLOCK=SKETCH_BLOCK)
+                BLOCK=SKETCH_BLOCK, SUB=min(SKETCH_BLOCK, max(32, SKETCH_TILE // width)))
         total = part.sum(dim=0)
         return out, total[0, :q], total[1, :q]
     bucket = torch.bucketize(order_key(x), edge_keys, right=True)

@@ -422,32 +422,56 @@ def sign_decode(packed_ptr, out_ptr, n, nbytes, status_at, ZERO: tl.constexpr,
 
 # ------------------------------------------------------------------ sketch
 @triton.jit
-def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.constexpr,
-                  Q: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
-    """Each element's bucket (the number of edge keys <= its order key: a binary search of
-    ``STEPS`` rounds), packed ``BITS`` each, and its value and a count added into this
-    program's row of per-bucket sums (``part[pid] = [sums(Q), counts(Q)]``)."""
-    pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
-    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
+def sketch_edges(ranked_ptr, lo_ptr, hi_ptr, w_ptr, out_ptr, m, WIDTH: tl.constexpr):
+    """The order keys of sketch's ``m`` edges, each interpolated between two ranks of the
+    sorted sample: ``below + (above - below) * w``."""
+    j = tl.arange(0, WIDTH)
+    mask = j < m
+    below = tl.load(ranked_ptr + tl.load(lo_ptr + j, mask=mask, other=0), mask=mask, other=0.0)
+    above = tl.load(ranked_ptr + tl.load(hi_ptr + j, mask=mask, other=0), mask=mask, other=0.0)
+    e = below + (above - below) * tl.load(w_ptr + j, mask=mask, other=0.0)
+    bits = e.to(tl.int32, bitcast=True)
     key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
-    key += (key >> 31) & 1
-    lo = tl.zeros((BLOCK,), tl.int32)
-    hi = tl.zeros((BLOCK,), tl.int32) + n_edges
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = (lo + hi) >> 1
-        e = tl.load(edges_ptr + mid, mask=active, other=0)
-        le = e <= key
-        lo = tl.where(active & le, mid + 1, lo)
-        hi = tl.where(active & (e > key), mid, hi)
-    bucket = tl.where(mask, lo, 0)
-    store_codes(out_ptr, bucket, pid, n, BLOCK, BITS)
+    tl.store(out_ptr + j, key + ((key >> 31) & 1), mask=mask)
+
+
+@triton.jit
+def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.constexpr,
+                  Q: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+                  SUB: tl.constexpr):
+    """Each element's bucket (the number of edge keys <= its order key: a binary search of
+    ``STEPS`` rounds), packed ``BITS`` each; this program's per-bucket sums and counts in
+    ``part[pid] = [sums(Q), counts(Q)]``, added ``SUB`` elements at a time through a
+    one-hot tile (no atomics: a program's elements crowd into few buckets)."""
+    pid = tl.program_id(0).to(tl.int64)
+    buckets = tl.arange(0, Q)
+    sums = tl.zeros((Q,), tl.float32)
+    counts = tl.zeros((Q,), tl.float32)
+    for c in range(BLOCK // SUB):
+        chunk = pid * (BLOCK // SUB) + c
+        idx = chunk * SUB + tl.arange(0, SUB)
+        mask = idx < n
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        bits = x.to(tl.int32, bitcast=True)
+        key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
+        key += (key >> 31) & 1
+        lo = tl.zeros((SUB,), tl.int32)
+        hi = tl.zeros((SUB,), tl.int32) + n_edges
+        for _ in tl.static_range(STEPS):
+            active = lo < hi
+            mid = (lo + hi) >> 1
+            e = tl.load(edges_ptr + mid, mask=active, other=0)
+            le = e <= key
+            lo = tl.where(active & le, mid + 1, lo)
+            hi = tl.where(active & (e > key), mid, hi)
+        bucket = tl.where(mask, lo, 0)
+        store_codes(out_ptr, bucket, chunk, n, SUB, BITS)
+        hit = (bucket[:, None] == buckets[None, :]) & mask[:, None]
+        sums += tl.sum(tl.where(hit, x[:, None], 0.0), axis=0)
+        counts += tl.sum(hit.to(tl.float32), axis=0)
     row = part_ptr + pid * 2 * Q
-    tl.atomic_add(row + bucket, x, mask=mask)
-    tl.atomic_add(row + Q + bucket, tl.where(mask, 1.0, 0.0), mask=mask)
+    tl.store(row + buckets, sums)
+    tl.store(row + Q + buckets, counts)
 
 
 # ------------------------------------------------------------------ inceptionn
