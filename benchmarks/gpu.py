@@ -6,12 +6,15 @@
     make bench-gpu                                   # all, into benchmarks/results/
 
 **Compressors.** For each built-in method on a CUDA tensor of standard normal fp32 values:
-the bits per element its payload has on the wire, and the median time of compress and of
-decompress through grace_dl's path for the device (``Paths(compressor).on(x)``: the speed
-path of ``grace_dl.torch.device`` where there is one), each timed with CUDA events. The sum
-is divided by a device memcpy of the tensor (``x memcpy``) and by the same method written the
-textbook way in plain torch (``benchmarks/gpu_textbook.py``: ``x textbook``, below 1 where
-grace_dl is faster), the two timed alternately in the same run.
+the bits per element its payload has on the wire, and the median time per call of compress
+and of decompress through grace_dl's path for the device (``Paths(compressor).on(x)``: the
+speed path of ``grace_dl.torch.device`` where there is one), in blocks of back-to-back calls
+between CUDA events (``per_call``: the host issues while the device runs, as a training step
+issues bucket after bucket; a call that reads a size back waits there). The sum is divided
+by a device memcpy of the tensor (``x memcpy``) and by the same method written the textbook
+way in plain torch (``benchmarks/gpu_textbook.py``: ``x textbook``, below 1 where grace_dl is
+faster), all timed the same way, alternately in the same run. ``latency`` is one compress and
+one decompress on an idle device: the host's time to issue them plus the device's.
 
 **Steps.** One process, one GPU, ``torch.distributed`` on NCCL at world size 1 (the
 collectives move nothing, so a step minus DDP's own step is what the pipeline's compression,
@@ -125,11 +128,14 @@ def _commit() -> str:
 
 ABOUT = {
     "compressors": "Compress + decompress of standard normal fp32 on one GPU through grace_dl's "
-                   "path for the device (`Paths(compressor).on(x)`; `path` names it), CUDA-event "
-                   "medians, grace_dl and the textbook torch version of the method "
-                   "(`benchmarks/gpu_textbook.py`) alternating. x memcpy: over one device copy "
+                   "path for the device (`Paths(compressor).on(x)`; `path` names it): ms per "
+                   "call in blocks of 10 back-to-back calls between CUDA events (the host "
+                   "issuing while the device runs, as in a training step), medians, grace_dl "
+                   "and the textbook torch version of the method (`benchmarks/gpu_textbook.py`) "
+                   "alternating, the memcpy timed the same way. x memcpy: over one device copy "
                    "of the tensor; x textbook: over the textbook version, below 1 where grace_dl "
-                   "is faster.",
+                   "is faster; latency: one compress and one decompress on an idle device (the "
+                   "host's time to issue them and the device's, added).",
     "steps": "One GPU, NCCL at world size 1 (the collectives move nothing: a step minus DDP's "
              "is the pipeline's own cost), bf16 autocast, SGD; the median of the timed steps "
              "after 5 warm-ups. overhead: the step minus DDP's; pays below: the link speed "
@@ -139,7 +145,8 @@ ABOUT = {
 TITLES = {"compressors": "Compressors on a GPU", "steps": "DDP steps on a GPU"}
 COLUMNS = {
     "compressors": ["size", "method", "path", "bits_per_element", "compress_ms",
-                    "decompress_ms", "textbook_ms", "memcpy_ms", "x_memcpy", "x_textbook"],
+                    "decompress_ms", "textbook_ms", "memcpy_ms", "x_memcpy", "x_textbook",
+                    "latency_ms"],
     "steps": ["model", "pipeline", "step_ms", "x_ddp", "overhead_ms", "pays_below_gbit"],
 }
 
@@ -177,24 +184,48 @@ def _grace_pair(name, x):
     return compress, decompress, nbytes, type(path).__name__
 
 
+#: calls of one timed block: back to back, the host issuing while the device runs
+CALLS = 10
+
+
+def per_call(clock, fn, calls: int = CALLS):
+    """``(ms per call, last result)`` of ``calls`` back-to-back calls of ``fn`` in one timed
+    block: a step's cost where the host runs ahead of the device (as in training, where the
+    next bucket's work is issued while this one's runs), the larger of the host's time to
+    issue a call and the device's to run it."""
+    def block():
+        out = None
+        for _ in range(calls):
+            out = fn()
+        return out
+    ms, out = clock(block)
+    return ms / calls, out
+
+
 def _time_method(clock, x, name, repeats: int) -> dict:
-    """One method's row: grace_dl's compress and decompress and the textbook version's round
-    trip, timed alternately (the first round a warm-up)."""
+    """One method's row: grace_dl's compress and decompress and the textbook version's, each
+    per call in a block of back-to-back calls, grace_dl and the textbook alternating (the
+    first round a warm-up); and grace_dl's latency: one compress and one decompress on an
+    idle device, the host's time and the device's added."""
     compress, decompress, nbytes, path = _grace_pair(name, x)
     t_compress, t_decompress = gpu_textbook.METHODS[name]()
-    comp_ms, dec_ms, book_ms = [], [], []
+    comp_ms, dec_ms, book_ms, latency_ms = [], [], [], []
     for rep in range(repeats + 1):
-        c, pc = clock(compress)
-        d, _ = clock(lambda: decompress(pc))  # noqa: B023  (called at once)
-        b1, payload = clock(lambda: t_compress(x))
-        b2, _ = clock(lambda: t_decompress(x, payload))  # noqa: B023
+        c, pc = per_call(clock, compress)
+        d, _ = per_call(clock, lambda: decompress(pc))  # noqa: B023  (called at once)
+        b1, payload = per_call(clock, lambda: t_compress(x))
+        b2, _ = per_call(clock, lambda: t_decompress(x, payload))  # noqa: B023
+        lc, pc = clock(compress)
+        ld, _ = clock(lambda: decompress(pc))  # noqa: B023
         if rep:
             comp_ms.append(c)
             dec_ms.append(d)
             book_ms.append(b1 + b2)
+            latency_ms.append(lc + ld)
     return {"method": name, "path": path, "bits_per_element": 8 * nbytes / x.numel(),
             "compress_ms": statistics.median(comp_ms), "decompress_ms": statistics.median(dec_ms),
-            "textbook_ms": statistics.median(book_ms)}
+            "textbook_ms": statistics.median(book_ms),
+            "latency_ms": statistics.median(latency_ms)}
 
 
 def compressor_table(device, sizes, repeats: int) -> dict:
@@ -207,7 +238,7 @@ def compressor_table(device, sizes, repeats: int) -> dict:
         # methods would send their zero plane for that alone)
         x = torch.where(x == 0, torch.full_like(x, 1e-30), x)
         into = torch.empty_like(x)
-        memcpy = statistics.median(clock(lambda: into.copy_(x))[0]  # noqa: B023
+        memcpy = statistics.median(per_call(clock, lambda: into.copy_(x))[0]  # noqa: B023
                                    for _ in range(repeats + 2))
         for name in METHODS:
             row = {"size": label, "numel": n}

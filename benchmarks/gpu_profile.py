@@ -132,6 +132,24 @@ def _launch_costs():
     return out
 
 
+def _profile(x, label, name, calls, with_cprofile):
+    """One method's row at one size."""
+    compress, decompress, _, path = gpu._grace_pair(name, x)
+    pc = compress()
+    for _ in range(3):
+        pc = compress()
+        decompress(pc)
+    row = {"size": label, "method": name, "path": path}
+    for part, fn in (("compress", compress), ("decompress", lambda: decompress(pc))):
+        row[f"host_{part}_us"] = round(_host_us(fn, calls), 1)
+        row[f"device_{part}_us"] = round(_device_us(fn, calls), 1)
+        row[f"event_{part}_us"] = round(_event_us(fn, calls), 1)
+    row["kernels"] = _kernels(lambda: decompress(compress()), calls)
+    if with_cprofile:
+        row["cprofile"] = _cprofile(lambda: decompress(compress()), calls)
+    return row
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/grace_dl_profile"))
@@ -152,19 +170,8 @@ def main(argv=None):
         x = torch.where(x == 0, torch.full_like(x, 1e-30), x)
         for name in args.methods:
             try:
-                compress, decompress, _, path = gpu._grace_pair(name, x)
-                pc = compress()
-                for _ in range(3):
-                    pc = compress()
-                    decompress(pc)
-                row = {"size": label, "method": name, "path": path}
-                for part, fn in (("compress", compress), ("decompress", lambda: decompress(pc))):
-                    row[f"host_{part}_us"] = round(_host_us(fn, args.calls), 1)
-                    row[f"device_{part}_us"] = round(_device_us(fn, args.calls), 1)
-                    row[f"event_{part}_us"] = round(_event_us(fn, args.calls), 1)
-                row["kernels"] = _kernels(lambda: decompress(compress()), args.calls)
-                if args.cprofile is None or name in args.cprofile:
-                    row["cprofile"] = _cprofile(lambda: decompress(compress()), args.calls)
+                row = _profile(x, label, name, args.calls,
+                               args.cprofile is None or name in args.cprofile)
             except Exception as err:  # noqa: BLE001  (a failing method is reported)
                 row = {"size": label, "method": name, "error": repr(err)[:300]}
             report["rows"].append(row)

@@ -21,18 +21,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grace_dl.compressors.u8bit import _CELL_INDEX, _CELL_SPLIT  # noqa: E402
-from grace_dl.torch.kernels import codes, philox, triton_for  # noqa: E402
+from grace_dl.torch.kernels import codes, philox, select, triton_for  # noqa: E402
 
 SIZES = {"cpu": (1, 33, 4100), "cuda": (1, 33, 4096, 5000, 70001, 1 << 22)}
 
 
 def twin(fn, *args, **kwargs):
     """``fn`` with the Triton kernels switched off: its torch twin."""
-    codes.triton_for = philox.triton_for = lambda t: False
+    codes.triton_for = philox.triton_for = select.triton_for = lambda t: False
     try:
         return fn(*args, **kwargs)
     finally:
-        codes.triton_for = philox.triton_for = triton_for
+        codes.triton_for = philox.triton_for = select.triton_for = triton_for
 
 
 def equal(a, b, what):
@@ -143,16 +143,21 @@ def check(device, n: int) -> None:
         for strict in (False, True):
             got, want = codes.above(y, thr, strict), twin(codes.above, y, thr, strict)
             equal(got.to(torch.bool), want, f"above {thr} strict={strict}")
-    from grace_dl.torch.device import _positions
+    tied = torch.round(x * 2.0) / 2.0       # many ties at every magnitude
+    for v, ks in ((y, (1, n)), (tied, (max(1, n // 3), max(1, n // 100))), (x.half(), (n,))):
+        for k, sign in ((k, sign) for k in ks for sign in (0, 1, -1)):
+            (pa, va), (pb, vb) = select.top(v, k, sign), twin(select.top, v, k, sign)
+            equal(pa, pb, f"top {k} of {n} positions, sign {sign}")
+            equal(va, vb, f"top {k} of {n} values, sign {sign}")
     y = x * 2.0 ** -6           # every class: |x| / d below 1, below 2**7, below 2**15, above
     y[: min(n, 3)] = torch.tensor([40.0, float("nan"), -1e-6], device=device)[: min(n, 3)]
     for raw in (y, y.to(torch.float16)):
-        a = codes.inceptionn_encode(y, raw, 2.0**-10, _positions)
-        b = twin(codes.inceptionn_encode, y, raw, 2.0**-10, _positions)
+        a = codes.inceptionn_encode(y, raw, 2.0**-10)
+        b = twin(codes.inceptionn_encode, y, raw, 2.0**-10)
         for got, want, what in zip(a, b, ("tags", "v1", "v2", "v3")):
             equal(got, want, f"inceptionn {what}")
-        equal(codes.inceptionn_decode(*a, n, 2.0**-10, _positions),
-              twin(codes.inceptionn_decode, *a, n, 2.0**-10, _positions), "inceptionn decode")
+        equal(codes.inceptionn_decode(*a, n, 2.0**-10),
+              twin(codes.inceptionn_decode, *a, n, 2.0**-10), "inceptionn decode")
     for q, bits in ((2, 1), (10, 4), (64, 6)):
         ranked = torch.sort(torch.randn(2 * q + 3, device=device, generator=gen)).values
         lo = torch.arange(1, q, device=device) * 2
@@ -241,6 +246,17 @@ SIGNATURES = [
                             "out_ptr": "*i32", "draws": "i32", "j": "i32"}, {"BLOCK": 4096}),
     ("jit_random", "place", {"ranked_ptr": "*i32", "keep_ptr": "*i32", "running_ptr": "*i32",
                              "out_ptr": "*i64", "draws": "i32"}, {"BLOCK": 4096}),
+    ("jit_select", "radix_hist", {"x_ptr": "*fp32", "n": "i32", "state_ptr": "*i32",
+                                  "hist_ptr": "*i32"},
+     {"SHIFT": 20, "BINS": 2048, "BLOCK": 4096, "LOOPS": 4, "SIGN": 0}),
+    ("jit_select", "radix_pick", {"state_ptr": "*i32", "hist_ptr": "*i32", "k": "i32"},
+     {"SHIFT": 20, "BINS": 2048, "FIRST": True}),
+    ("jit_select", "top_counts", {"x_ptr": "*fp32", "n": "i32", "state_ptr": "*i32",
+                                  "counts_ptr": "*i32", "programs": "i32"},
+     {"BLOCK": 4096, "SIGN": 1}),
+    ("jit_select", "top_write", {"x_ptr": "*fp16", "n": "i32", "state_ptr": "*i32",
+                                 "before_ptr": "*i32", "programs": "i32", "pos_ptr": "*i32",
+                                 "val_ptr": "*fp16"}, {"BLOCK": 4096, "SIGN": -1}),
     ("jit_codes", "sign_decode", {"packed_ptr": "*u8", "out_ptr": "*fp32", "n": "i32",
                                   "nbytes": "i32", "status_at": "i32"},
      {"ZERO": True, "BLOCK": 4096}),

@@ -45,7 +45,7 @@ from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
 from grace_dl.compressors.u8bit import _CELL_INDEX, _CELL_SPLIT, _TABLE, U8bitCompressor
 from grace_dl.torch import ops
-from grace_dl.torch.kernels import codes, philox
+from grace_dl.torch.kernels import codes, philox, select
 
 KIND = "cuda"
 
@@ -339,9 +339,9 @@ class SignumOnDevice(SignSGDOnDevice):
 # ------------------------------------------------------------------ sparsifiers
 @register(TopKCompressor, KIND)
 class TopKOnDevice(Reference):
-    """topk: ``torch.topk`` of the magnitudes, a selection of static shape. The same entries
-    as the reference's, except that ties at the k-th magnitude may go to other positions
-    (the reference gives them to the lowest) and the positions are not sorted."""
+    """topk: the exact top-k of ``select.top`` (a radix select on the device, static shape):
+    the reference's payload, ties at the k-th magnitude to the lowest positions, positions
+    ascending."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -349,10 +349,8 @@ class TopKOnDevice(Reference):
         sparse.check_numel(n, "topk")
         if n == 0:
             return c.empty(ops, tensor)
-        k = sparse.count_for(c.compress_ratio, n)
-        flat = tensor.reshape(-1)
-        positions = torch.topk(codes.magnitudes(flat), k, sorted=False).indices
-        return c.pack(ops, tensor, positions)
+        positions, values = select.top(tensor.reshape(-1), sparse.count_for(c.compress_ratio, n))
+        return [values, positions], (ops.shape(tensor), n)
 
 
 @register(DgcCompressor, KIND)
@@ -409,8 +407,8 @@ class ThresholdOnDevice(Reference):
 @register(AdaqCompressor, KIND)
 class AdaqOnDevice(Reference):
     """adaq: the counts of positive and negative entries (which set the payload's size) are
-    the one read-back; ``torch.topk`` of the whole tensor takes each side's largest (of the
-    side's own entries where a NaN is there, which topk ranks above every number)."""
+    the one read-back; ``select.top`` takes each side's largest, as the reference does (ties
+    to the lowest positions)."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -422,23 +420,16 @@ class AdaqOnDevice(Reference):
             return [flat.new_zeros(2), flat.to(torch.int32)], ctx
         if n >= sparse.APPROX_MIN_NUMEL:
             c.next_step(name, tensor)    # the reference's step counter, kept in step
-        # the one read-back: the sides' sizes (and whether a NaN is there)
-        *counts, nans = torch.stack([(flat > 0).sum(), (flat < 0).sum(),
-                                     (flat != flat).sum()]).tolist()
+        # the one read-back: the sides' sizes
+        counts = torch.stack([(flat > 0).sum(), (flat < 0).sum()]).tolist()
         sides, means = [], []
         for sign, count in zip((1, -1), counts):
             if count == 0:
-                sides.append(flat.new_zeros(0, dtype=torch.int64))
+                sides.append(flat.new_zeros(0, dtype=torch.int32))
                 means.append(flat.new_zeros(()))
                 continue
             k = sparse.ceil_count(ops, count * c.compress_ratio, n)
-            if nans:    # (topk ranks NaN above everything: select among the side's entries)
-                where = _positions(flat > 0 if sign > 0 else flat < 0, count)
-                values = flat.index_select(0, where)
-                top = torch.topk(values if sign > 0 else -values, k, sorted=False).indices
-                values, top = values.index_select(0, top), where.index_select(0, top)
-            else:       # k <= count: the k largest (smallest) entries all have the side's sign
-                values, top = torch.topk(flat, k, largest=sign > 0, sorted=False)
+            top, values = select.top(flat, k, sign)
             sides.append(top)
             means.append((values.to(torch.float64).sum() / k).to(flat.dtype))
         codes_ = torch.cat([sides[0], -1 - sides[1]]).to(torch.int32)
@@ -496,10 +487,10 @@ class InceptionnOnDevice(Reference):
     def compress(self, tensor, name, call):
         _, x, layout = flat_f32(tensor)
         return list(codes.inceptionn_encode(x.contiguous(), tensor.reshape(-1).contiguous(),
-                                            self.compressor._step, _positions)), layout
+                                            self.compressor._step)), layout
 
     def decompress(self, payload, ctx):
-        out = codes.inceptionn_decode(*payload, ctx.numel, self.compressor._step, _positions)
+        out = codes.inceptionn_decode(*payload, ctx.numel, self.compressor._step)
         return restore(ops, out, ctx)
 
     def decompress_into(self, payload, ctx, out=None):
@@ -507,16 +498,3 @@ class InceptionnOnDevice(Reference):
 
     def combine(self, payloads, ctx, out=None):
         return self.compressor.aggregate([self.decompress(p, ctx) for p in payloads])
-
-
-def _positions(mask, count: int):
-    """The positions of ``mask``'s set elements, of which there are ``count`` (known, so the
-    selection has a static size: no read-back), ascending."""
-    try:
-        return torch.nonzero_static(mask, size=count).reshape(-1)
-    except (NotImplementedError, RuntimeError):   # a device without nonzero_static
-        rank = torch.cumsum(mask.reshape(-1), 0) - 1
-        slot = torch.where(mask.reshape(-1), rank, count)
-        out = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
-        return out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))[:count]
-

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from grace_dl.torch.kernels import BLOCK, grid, philox, triton_for
+from grace_dl.torch.kernels.select import positions
 
 #: rows of at most this many elements are reduced by one program's columns at a time
 NORM_TILE = 4096
@@ -504,11 +505,10 @@ def _offsets(counts):
     return (running - per_class).t().contiguous(), running[:, -1]
 
 
-def inceptionn_encode(x, raw, d: float, positions):
+def inceptionn_encode(x, raw, d: float):
     """``(packed tags, v1 int8, v2 int16, v3 raw)`` of INCEPTIONN for the 1-D float32 ``x``
     (``raw``: the same elements in the input's dtype, ``d`` the fixed-point step). The
-    classes' sizes are the one value read back; ``positions(mask, count)`` gives the twin's
-    static-size selections."""
+    classes' sizes are the one value read back."""
     n = x.numel()
     if n == 0:
         return (x.new_zeros(0, dtype=torch.uint8), x.new_zeros(0, dtype=torch.int8),
@@ -536,11 +536,11 @@ def inceptionn_encode(x, raw, d: float, positions):
     return pack(tag, 2), v1, v2, raw.index_select(0, i3)
 
 
-def inceptionn_decode(tags, v1, v2, v3, n: int, d: float, positions):
+def inceptionn_decode(tags, v1, v2, v3, n: int, d: float):
     """INCEPTIONN's float32 values of ``n`` elements (tags 1 and 2 times ``d``, tag 3 the raw
     value cast, tag 0 zero)."""
-    out = torch.zeros(n, dtype=torch.float32, device=tags.device)
     if triton_for(tags) and n:
+        out = torch.empty(n, dtype=torch.float32, device=tags.device)   # every element written
         programs = grid(n)[0]
         counts = torch.zeros(programs, 4, dtype=torch.int64, device=tags.device)
         _launch(_jit().inceptionn_counts, programs, tags, counts, n, BLOCK=BLOCK)
@@ -548,6 +548,7 @@ def inceptionn_decode(tags, v1, v2, v3, n: int, d: float, positions):
         _launch(_jit().inceptionn_expand, programs, tags, offsets, v1, v2, v3, out, n, float(d),
                 BLOCK=BLOCK)
         return out
+    out = torch.zeros(n, dtype=torch.float32, device=tags.device)
     tag = unpack(tags, 2, n)
     out.index_copy_(0, positions(tag == 1, v1.numel()), v1.to(torch.float32) * d)
     out.index_copy_(0, positions(tag == 2, v2.numel()), v2.to(torch.float32) * d)
