@@ -4,7 +4,8 @@
 # every pipeline's device path under CUDA's sync debug mode, and the DDP step table. Each part
 # has a time limit, so the whole fits one 10-minute call; each writes into $OUT as it goes.
 #
-#   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [steps]     (default: all four)
+#   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [steps] [profile]
+#                                              (default: the first four; profile: benchmarks/gpu_profile.py)
 set -u
 OUT="${OUT:-/tmp/grace_dl_gpu}"
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ log="$OUT/run.log"
 for part in "${parts[@]}"; do
   echo "== $part $(date -u +%T)" >>"$log"
   case "$part" in
-    kernels) timeout 60 python3 tests/kernel_checks.py cuda >>"$log" 2>&1 ;;
+    kernels) timeout 150 python3 tests/kernel_checks.py cuda >>"$log" 2>&1 ;;
     compressors) timeout 150 python3 -m benchmarks.gpu compressors --out "$OUT" --repeats 20 \
                    >>"$log" 2>&1 ;;
     sync) GRACE_DL_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -rf \
@@ -28,6 +29,9 @@ for part in "${parts[@]}"; do
             tests/test_device_path.py >"$OUT/device_path.log" 2>&1 ;;
     steps) timeout "${STEPS_LIMIT:-230}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
              >>"$log" 2>&1 ;;
+    profile) timeout 120 python3 -m benchmarks.gpu_profile --out "$OUT" --calls 10 \
+               --methods ${PROFILE_METHODS:-qsgd signsgd signum topk randomk dgc threshold adaq sketch inceptionn} \
+               >>"$log" 2>&1 ;;
     *) echo "unknown part $part" >>"$log" ;;
   esac
   echo "== $part done rc=$? $(date -u +%T)" >>"$log"
