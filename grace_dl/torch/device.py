@@ -45,7 +45,7 @@ from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
 from grace_dl.compressors.u8bit import _CELL_INDEX, _CELL_SPLIT, _TABLE, U8bitCompressor
 from grace_dl.torch import ops
-from grace_dl.torch.kernels import codes, philox, select
+from grace_dl.torch.kernels import codes, philox
 
 KIND = "cuda"
 
@@ -268,12 +268,9 @@ class SignSGDOnDevice(Reference):
         if n == 0:
             return [torch.zeros(1, dtype=torch.uint8, device=flat.device)], ctx
         buf, flags = codes.sign_payload(flat)
-        nonfinite, zeros = flags.tolist()      # the one read-back: the payload's size
+        zeros = flags[1:2].tolist()[0]     # the one read-back: the payload's size
         nbytes = codes.packed_size(n, 1)
-        end = 2 * nbytes if zeros else nbytes
-        buf[end:end + 1].fill_((signbits.NONFINITE if nonfinite else 0)
-                               | (signbits.ZEROS if zeros else 0))
-        return [buf[:end + 1]], ctx
+        return [buf[:(2 * nbytes if zeros else nbytes) + 1]], ctx
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
         n = tensor.numel()
@@ -339,9 +336,9 @@ class SignumOnDevice(SignSGDOnDevice):
 # ------------------------------------------------------------------ sparsifiers
 @register(TopKCompressor, KIND)
 class TopKOnDevice(Reference):
-    """topk: the exact top-k of ``select.top`` (a radix select on the device, static shape):
-    the reference's payload, ties at the k-th magnitude to the lowest positions, positions
-    ascending."""
+    """topk: ``torch.topk`` of the magnitudes, a selection of static shape. The same entries
+    as the reference's, except that ties at the k-th magnitude may go to other positions
+    (the reference gives them to the lowest) and the positions are not sorted."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -349,8 +346,10 @@ class TopKOnDevice(Reference):
         sparse.check_numel(n, "topk")
         if n == 0:
             return c.empty(ops, tensor)
-        positions, values = select.top(tensor.reshape(-1), sparse.count_for(c.compress_ratio, n))
-        return [values, positions], (ops.shape(tensor), n)
+        k = sparse.count_for(c.compress_ratio, n)
+        flat = tensor.reshape(-1)
+        positions = torch.topk(codes.magnitudes(flat), k, sorted=False).indices
+        return c.pack(ops, tensor, positions)
 
 
 @register(DgcCompressor, KIND)
@@ -407,8 +406,8 @@ class ThresholdOnDevice(Reference):
 @register(AdaqCompressor, KIND)
 class AdaqOnDevice(Reference):
     """adaq: the counts of positive and negative entries (which set the payload's size) are
-    the one read-back; ``select.top`` takes each side's largest, as the reference does (ties
-    to the lowest positions)."""
+    the one read-back; ``torch.topk`` of the whole tensor takes each side's largest (of the
+    side's own entries where a NaN is there, which topk ranks above every number)."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -420,16 +419,23 @@ class AdaqOnDevice(Reference):
             return [flat.new_zeros(2), flat.to(torch.int32)], ctx
         if n >= sparse.APPROX_MIN_NUMEL:
             c.next_step(name, tensor)    # the reference's step counter, kept in step
-        # the one read-back: the sides' sizes
-        counts = torch.stack([(flat > 0).sum(), (flat < 0).sum()]).tolist()
+        # the one read-back: the sides' sizes (and whether a NaN is there)
+        *counts, nans = torch.stack([(flat > 0).sum(), (flat < 0).sum(),
+                                     (flat != flat).sum()]).tolist()
         sides, means = [], []
         for sign, count in zip((1, -1), counts):
             if count == 0:
-                sides.append(flat.new_zeros(0, dtype=torch.int32))
+                sides.append(flat.new_zeros(0, dtype=torch.int64))
                 means.append(flat.new_zeros(()))
                 continue
             k = sparse.ceil_count(ops, count * c.compress_ratio, n)
-            top, values = select.top(flat, k, sign)
+            if nans:    # (topk ranks NaN above everything: select among the side's entries)
+                where = codes.positions(flat > 0 if sign > 0 else flat < 0, count)
+                values = flat.index_select(0, where)
+                top = torch.topk(values if sign > 0 else -values, k, sorted=False).indices
+                values, top = values.index_select(0, top), where.index_select(0, top)
+            else:       # k <= count: the k largest (smallest) entries all have the side's sign
+                values, top = torch.topk(flat, k, largest=sign > 0, sorted=False)
             sides.append(top)
             means.append((values.to(torch.float64).sum() / k).to(flat.dtype))
         codes_ = torch.cat([sides[0], -1 - sides[1]]).to(torch.int32)

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from grace_dl.torch.kernels import BLOCK, grid, philox, triton_for
-from grace_dl.torch.kernels.select import positions
 
 #: rows of at most this many elements are reduced by one program's columns at a time
 NORM_TILE = 4096
@@ -53,6 +52,18 @@ def constant(key, device, make):
         got = _CONSTANTS[(key, device)] = torch.from_numpy(np.ascontiguousarray(make())).to(
             device)
     return got
+
+
+def positions(mask, count: int):
+    """The positions of ``mask``'s set elements, of which there are ``count`` (known, so the
+    selection has a static size: no read-back), ascending."""
+    try:
+        return torch.nonzero_static(mask, size=count).reshape(-1)
+    except (NotImplementedError, RuntimeError):   # a device without nonzero_static
+        rank = torch.cumsum(mask.reshape(-1), 0) - 1
+        slot = torch.where(mask.reshape(-1), rank, count)
+        out = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
+        return out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))[:count]
 
 
 # ------------------------------------------------------------------ twins' bit packing
@@ -339,8 +350,8 @@ def _planes(x, zero: bool, stats: bool, flags: bool):
     programs = grid(n)[0]
     part = torch.empty(programs, 3, dtype=torch.float32, device=x.device) if stats else neg
     flag = torch.zeros(2, dtype=torch.int32, device=x.device) if flags else neg
-    _launch(_jit().sign_planes, programs, x, neg, zer, part, flag, n, ZERO=zero, STATS=stats,
-            FLAGS=flags, BLOCK=BLOCK)
+    _launch(_jit().sign_planes, programs, x, neg, zer, part, flag, n, neg, 0, ZERO=zero,
+            STATS=stats, FLAGS=flags, STATUS=False, BLOCK=BLOCK)
     return neg, zer, part, flag
 
 
@@ -363,20 +374,27 @@ def sign_encode(x):
 def sign_payload(x):
     """``(buffer, flags)`` for a pure-sign payload of the 1-D ``x`` (``signbits.pack_signs``'
     layout): a ``2 ceil(n/8) + 1``-byte uint8 buffer holding the negative plane, then the zero
-    plane, its last byte left for the status; and ``sign_encode``'s flags. The payload is the
-    whole buffer where ``x`` has an exact zero, else its first ``ceil(n/8) + 1`` bytes (the
-    status byte then written over the zero plane's first, all clear)."""
+    plane, then the status byte; and ``sign_encode``'s flags. Where ``x`` has no exact zero
+    the payload is the buffer's first ``ceil(n/8) + 1`` bytes, the status byte written over
+    the all-clear zero plane's first byte (both places are written on the device: the host
+    reads the flags only to cut the payload to its size)."""
     n = x.numel()
     nbytes = packed_size(n, 1)
     buf = torch.empty(2 * nbytes + 1, dtype=torch.uint8, device=x.device)
     if triton_for(x) and n:
-        flag = torch.zeros(2, dtype=torch.int32, device=x.device)
+        flag = torch.zeros(3, dtype=torch.int32, device=x.device)   # and the programs done
         _launch(_jit().sign_planes, grid(n)[0], x, buf[:nbytes], buf[nbytes:2 * nbytes], buf,
-                flag, n, ZERO=True, STATS=False, FLAGS=True, BLOCK=BLOCK)
+                flag, n, buf, nbytes, ZERO=True, STATS=False, FLAGS=True, STATUS=True,
+                BLOCK=BLOCK)
         return buf, flag
     neg, zero, flag = sign_encode(x)
     buf[:nbytes].copy_(neg)
     buf[nbytes:2 * nbytes].copy_(zero)
+    zeros = flag[1:2] != 0
+    status = flag[:1].to(torch.uint8) | zeros.to(torch.uint8) * 2
+    buf[2 * nbytes:].copy_(status)
+    if n:
+        buf[nbytes:nbytes + 1].copy_(torch.where(zeros, buf[nbytes:nbytes + 1], status))
     return buf, flag
 
 

@@ -330,11 +330,15 @@ def u8bit_encode(x_ptr, acc_ptr, index_ptr, split_ptr, out_ptr, scaler_ptr, n,
 
 # ------------------------------------------------------------------ sign planes
 @triton.jit
-def sign_planes(x_ptr, neg_ptr, zero_ptr, part_ptr, flags_ptr, n, ZERO: tl.constexpr,
-                STATS: tl.constexpr, FLAGS: tl.constexpr, BLOCK: tl.constexpr):
+def sign_planes(x_ptr, neg_ptr, zero_ptr, part_ptr, flags_ptr, n, status_ptr, nbytes,
+                ZERO: tl.constexpr, STATS: tl.constexpr, FLAGS: tl.constexpr,
+                STATUS: tl.constexpr, BLOCK: tl.constexpr):
     """The packed plane of ``x < 0`` (with ``ZERO``, of ``x == 0`` too); with ``STATS`` this
     program's ``[sum x, sum |x|, count x < 0]`` in ``part[pid]``; with ``FLAGS``
-    ``flags |= [any NaN or infinity, any exact zero]``."""
+    ``flags |= [any NaN or infinity, any exact zero]``; with ``STATUS`` the last program to
+    finish (``flags[2]`` counts them) writes a pure-sign payload's status byte where the
+    payload ends: ``status[2 nbytes]`` (``NONFINITE | ZEROS``) where ``x`` has a zero, else
+    ``status[nbytes]``, over the all-clear zero plane's first byte."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -352,6 +356,13 @@ def sign_planes(x_ptr, neg_ptr, zero_ptr, part_ptr, flags_ptr, n, ZERO: tl.const
         bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
         tl.atomic_or(flags_ptr, tl.max((bits >= INF_BITS).to(tl.int32), axis=0))
         tl.atomic_or(flags_ptr + 1, tl.max((x == 0).to(tl.int32), axis=0))
+    if STATUS:      # (the atomics order this program's stores before the last one's reads)
+        if tl.atomic_add(flags_ptr + 2, 1) == tl.num_programs(0) - 1:
+            nonfinite = tl.atomic_or(flags_ptr, 0)
+            zeros = tl.atomic_or(flags_ptr + 1, 0)
+            at = tl.where(zeros != 0, 2 * nbytes, nbytes).to(tl.int64)
+            byte = nonfinite | tl.where(zeros != 0, 2, 0)
+            tl.store(status_ptr + at, byte.to(tl.uint8))
 
 
 @triton.jit(do_not_specialize=["programs", "n"])
@@ -441,12 +452,14 @@ def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.cons
                   SUB: tl.constexpr):
     """Each element's bucket (the number of edge keys <= its order key: a binary search of
     ``STEPS`` rounds), packed ``BITS`` each; this program's per-bucket sums and counts in
-    ``part[pid] = [sums(Q), counts(Q)]``, added ``SUB`` elements at a time through a
-    one-hot tile (no atomics: a program's elements crowd into few buckets)."""
+    ``part[pid] = [sums(Q), counts(Q)]``: each ``SUB`` elements' values added into a
+    ``(SUB, Q)`` one-hot accumulator held in registers, reduced once at the end, the counts
+    by ``tl.histogram`` (no atomics: a program's elements crowd into few buckets, and no
+    reduction across threads inside the loop)."""
     pid = tl.program_id(0).to(tl.int64)
     buckets = tl.arange(0, Q)
-    sums = tl.zeros((Q,), tl.float32)
-    counts = tl.zeros((Q,), tl.float32)
+    acc = tl.zeros((SUB, Q), tl.float32)
+    counts = tl.zeros((Q,), tl.int32)
     for c in range(BLOCK // SUB):
         chunk = pid * (BLOCK // SUB) + c
         idx = chunk * SUB + tl.arange(0, SUB)
@@ -466,12 +479,11 @@ def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.cons
             hi = tl.where(active & (e > key), mid, hi)
         bucket = tl.where(mask, lo, 0)
         store_codes(out_ptr, bucket, chunk, n, SUB, BITS)
-        hit = (bucket[:, None] == buckets[None, :]) & mask[:, None]
-        sums += tl.sum(tl.where(hit, x[:, None], 0.0), axis=0)
-        counts += tl.sum(hit.to(tl.float32), axis=0)
+        acc += tl.where((bucket[:, None] == buckets[None, :]) & mask[:, None], x[:, None], 0.0)
+        counts += tl.histogram(bucket, Q, mask=mask)
     row = part_ptr + pid * 2 * Q
-    tl.store(row + buckets, sums)
-    tl.store(row + Q + buckets, counts)
+    tl.store(row + buckets, tl.sum(acc, axis=0))
+    tl.store(row + Q + buckets, counts.to(tl.float32))
 
 
 # ------------------------------------------------------------------ inceptionn
