@@ -496,6 +496,17 @@ def inception_tag(x, inv_d):
 
 
 @triton.jit
+def class_ranks(tag):
+    """Each element's rank among the program's earlier elements of its class, for classes 1,
+    2, 3 at bits 0, 21, 42 of one int64: one running sum for the three (ranks below
+    ``2**21``)."""
+    one = tl.full(tag.shape, 1, tl.int64)
+    packed = tl.where(tag == 1, one, 0) + tl.where(tag == 2, one << 21, 0) \
+        + tl.where(tag == 3, one << 42, 0)
+    return tl.cumsum(packed, axis=0) - packed
+
+
+@triton.jit
 def inceptionn_classify(x_ptr, tags_ptr, counts_ptr, n, inv_d, BLOCK: tl.constexpr):
     """Packed 2-bit tags, and this program's count of each tag (``counts[pid, t]``)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -520,10 +531,10 @@ def inceptionn_compact(x_ptr, raw_ptr, offsets_ptr, v1_ptr, v2_ptr, v3_ptr, n, i
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     tag = tl.where(mask, inception_tag(x, inv_d), 0)
     scaled = x * inv_d
+    ranks = class_ranks(tag)
     for t in tl.static_range(1, 4):
         hit = tag == t
-        rank = tl.cumsum(hit.to(tl.int32), axis=0) - hit.to(tl.int32)
-        at = tl.load(offsets_ptr + pid * 4 + t) + rank
+        at = tl.load(offsets_ptr + pid * 4 + t) + ((ranks >> (21 * (t - 1))) & 0x1FFFFF)
         if t == 1:
             tl.store(v1_ptr + at, scaled.to(tl.int8), mask=hit)
         elif t == 2:
@@ -552,10 +563,10 @@ def inceptionn_expand(tags_ptr, offsets_ptr, v1_ptr, v2_ptr, v3_ptr, out_ptr, n,
     mask = idx < n
     tag = tl.where(mask, load_codes(tags_ptr, idx, n, 2), 0)
     v = tl.zeros((BLOCK,), tl.float32)
+    ranks = class_ranks(tag)
     for t in tl.static_range(1, 4):
         hit = tag == t
-        rank = tl.cumsum(hit.to(tl.int32), axis=0) - hit.to(tl.int32)
-        at = tl.load(offsets_ptr + pid * 4 + t) + rank
+        at = tl.load(offsets_ptr + pid * 4 + t) + ((ranks >> (21 * (t - 1))) & 0x1FFFFF)
         if t == 1:
             v = tl.where(hit, tl.load(v1_ptr + at, mask=hit, other=0).to(tl.float32) * d, v)
         elif t == 2:
