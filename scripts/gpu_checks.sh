@@ -24,8 +24,8 @@ for part in "${parts[@]}"; do
     kernels) timeout 150 python3 tests/kernel_checks.py cuda >>"$log" 2>&1 ;;
     compressors) timeout 150 python3 -m benchmarks.gpu compressors --out "$OUT" --repeats 20 \
                    >>"$log" 2>&1 ;;
-    sync) GRACE_DL_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -rf \
-            --tb=short -k "${SYNC_K:-none- or residual- or powersgd}" \
+    sync) GRACE_DL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -rf \
+            --tb=short ${SYNC_K:+-k "$SYNC_K"} \
             tests/test_device_path.py >"$OUT/device_path.log" 2>&1 ;;
     steps) timeout "${STEPS_LIMIT:-230}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
              >>"$log" 2>&1 ;;
