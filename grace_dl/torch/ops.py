@@ -785,7 +785,15 @@ def assign_sub(var, value):
 
 
 def assign_finite(var):
-    """In place: every NaN and +-inf of ``var`` set to 0 (one pass); returns var."""
+    """In place: every NaN and +-inf of ``var`` set to 0; returns var. On the CPU the sum is
+    read first (a NaN or an infinity makes it non-finite; a finite sum out of range only
+    sends it to the rewrite) and the rewrite runs only where it says so: a read of the slot
+    instead of a read and a write. On the device path the rewrite always runs (no host
+    read)."""
+    if not _on_device(var) and var.is_floating_point():
+        wide = torch.float64 if var.dtype == torch.float64 else torch.float32
+        if torch.isfinite(var.sum(dtype=wide)):
+            return var
     return var.nan_to_num_(0.0, 0.0, 0.0)
 
 
