@@ -32,6 +32,9 @@ def _env(out_dir: str, extra: dict | None) -> dict:
     env.setdefault("TF_NUM_INTEROP_THREADS", "1")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # Gloo gives up on a peer after 30 s by default; four ranks tracing TF graphs on two
+    # loaded cores have missed that (a rank starved, not hung): the run's own timeout bounds it
+    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "120")
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra or {})
     return env
