@@ -291,13 +291,17 @@ class SignSGDOnDevice(Reference):
     def combine_with_feedback(self, payloads, ctx, slot, out):
         return None     # two-phase then runs the server's steps one by one, on this path
 
-    def _signs(self, pos, neg, status, ctx, out):
+    @staticmethod
+    def _signs(ctx, out, device, write):
+        """``write(n, target)`` decodes the signs into a 1-D float32 ``target``: ``out``'s
+        view where it can hold them, else a new tensor, returned in the ctx's dtype and
+        shape."""
         shape, dtype = ctx
         n = math.prod(shape)
         flat = _flat_out(out, n)
         target = flat if flat is not None else torch.empty(n, dtype=torch.float32,
-                                                           device=pos.device)
-        codes.ternary(pos, neg, n, status, target)
+                                                           device=device)
+        write(n, target)
         if flat is not None:
             return out
         return target.to(ops._DTYPES[dtype]).reshape(shape)
@@ -306,20 +310,15 @@ class SignSGDOnDevice(Reference):
         return self.decompress_into(payload, ctx)
 
     def decompress_into(self, payload, ctx, out=None):
-        shape, dtype = ctx
-        n = math.prod(shape)
-        flat = _flat_out(out, n)
-        target = flat if flat is not None else torch.empty(n, dtype=torch.float32,
-                                                           device=payload[0].device)
-        codes.sign_decode(payload[0], n, target)
-        if flat is not None:
-            return out
-        return target.to(ops._DTYPES[dtype]).reshape(shape)
+        packed = payload[0]
+        return self._signs(ctx, out, packed.device,
+                           lambda n, target: codes.sign_decode(packed, n, target))
 
     def combine(self, payloads, ctx, out=None):
         pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(ctx[0]))
         status = sum(signbits.flag(ops, p[0]).to(torch.int32) for p in payloads)
-        return self._signs(pos, neg, status, ctx, out)
+        return self._signs(ctx, out, pos.device,
+                           lambda n, target: codes.ternary(pos, neg, n, status, target))
 
 
 @register(SignumCompressor, KIND)
