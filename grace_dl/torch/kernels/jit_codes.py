@@ -433,6 +433,15 @@ def sign_decode(packed_ptr, out_ptr, n, nbytes, status_at, ZERO: tl.constexpr,
 
 # ------------------------------------------------------------------ sketch
 @triton.jit
+def order_key(x):
+    """int32 keys of float32 ``x`` ordered as the floats, -0 equal to +0 (twin:
+    ``codes.order_key``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
+    return key + ((key >> 31) & 1)
+
+
+@triton.jit
 def sketch_edges(ranked_ptr, lo_ptr, hi_ptr, w_ptr, out_ptr, m, WIDTH: tl.constexpr):
     """The order keys of sketch's ``m`` edges, each interpolated between two ranks of the
     sorted sample: ``below + (above - below) * w``."""
@@ -441,9 +450,7 @@ def sketch_edges(ranked_ptr, lo_ptr, hi_ptr, w_ptr, out_ptr, m, WIDTH: tl.conste
     below = tl.load(ranked_ptr + tl.load(lo_ptr + j, mask=mask, other=0), mask=mask, other=0.0)
     above = tl.load(ranked_ptr + tl.load(hi_ptr + j, mask=mask, other=0), mask=mask, other=0.0)
     e = below + (above - below) * tl.load(w_ptr + j, mask=mask, other=0.0)
-    bits = e.to(tl.int32, bitcast=True)
-    key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
-    tl.store(out_ptr + j, key + ((key >> 31) & 1), mask=mask)
+    tl.store(out_ptr + j, order_key(e), mask=mask)
 
 
 @triton.jit
@@ -465,9 +472,7 @@ def sketch_encode(x_ptr, edges_ptr, n_edges, out_ptr, part_ptr, n, BITS: tl.cons
         idx = chunk * SUB + tl.arange(0, SUB)
         mask = idx < n
         x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        bits = x.to(tl.int32, bitcast=True)
-        key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
-        key += (key >> 31) & 1
+        key = order_key(x)
         lo = tl.zeros((SUB,), tl.int32)
         hi = tl.zeros((SUB,), tl.int32) + n_edges
         for _ in tl.static_range(STEPS):
