@@ -342,39 +342,26 @@ def u8bit_encode(x, cell_index, cell_split):
 SCALARS_CHUNK = 1024
 
 
-def _planes(x, zero: bool, stats: bool, flags: bool):
+def _planes(x):
+    """The packed plane of ``x < 0`` and each program's ``[sum x, sum |x|, count x < 0]``."""
     n = x.numel()
-    nbytes = packed_size(n, 1)
-    neg = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    zer = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if zero else neg
+    neg = torch.empty(packed_size(n, 1), dtype=torch.uint8, device=x.device)
     programs = grid(n)[0]
-    part = torch.empty(programs, 3, dtype=torch.float32, device=x.device) if stats else neg
-    flag = torch.zeros(2, dtype=torch.int32, device=x.device) if flags else neg
-    _launch(_jit().sign_planes, programs, x, neg, zer, part, flag, n, neg, 0, ZERO=zero,
-            STATS=stats, FLAGS=flags, STATUS=False, BLOCK=BLOCK)
-    return neg, zer, part, flag
+    part = torch.empty(programs, 3, dtype=torch.float32, device=x.device)
+    _launch(_jit().sign_planes, programs, x, neg, neg, part, neg, n, neg, 0, ZERO=False,
+            STATS=True, FLAGS=False, STATUS=False, BLOCK=BLOCK)
+    return neg, part
 
 
 def _twin_neg(x):
     return pack_twin((x < 0).to(torch.uint8), 1)
 
 
-def sign_encode(x):
-    """``(negative plane, zero plane, flags)`` of the 1-D ``x``: ``x < 0`` and ``x == 0``
-    packed 1 bit per element, and a 2-element int32 ``[any NaN or infinity, any exact
-    zero]``."""
-    if triton_for(x) and x.numel():
-        neg, zer, _, flag = _planes(x, zero=True, stats=False, flags=True)
-        return neg, zer, flag
-    bits = x.to(torch.float32).view(torch.int32) & MAG
-    flag = torch.stack([(bits >= INF_BITS).any(), (x == 0).any()]).to(torch.int32)
-    return _twin_neg(x), pack_twin((x == 0).to(torch.uint8), 1), flag
-
-
 def sign_payload(x):
     """``(buffer, flags)`` for a pure-sign payload of the 1-D ``x`` (``signbits.pack_signs``'
     layout): a ``2 ceil(n/8) + 1``-byte uint8 buffer holding the negative plane, then the zero
-    plane, then the status byte; and ``sign_encode``'s flags. Where ``x`` has no exact zero
+    plane, then the status byte; and int32 flags ``[any NaN or infinity, any exact zero]``
+    (the kernel's count of finished programs after them). Where ``x`` has no exact zero
     the payload is the buffer's first ``ceil(n/8) + 1`` bytes, the status byte written over
     the all-clear zero plane's first byte (both places are written on the device: the host
     reads the flags only to cut the payload to its size)."""
@@ -387,9 +374,10 @@ def sign_payload(x):
                 flag, n, buf, nbytes, ZERO=True, STATS=False, FLAGS=True, STATUS=True,
                 BLOCK=BLOCK)
         return buf, flag
-    neg, zero, flag = sign_encode(x)
-    buf[:nbytes].copy_(neg)
-    buf[nbytes:2 * nbytes].copy_(zero)
+    bits = x.to(torch.float32).view(torch.int32) & MAG
+    flag = torch.stack([(bits >= INF_BITS).any(), (x == 0).any()]).to(torch.int32)
+    buf[:nbytes].copy_(_twin_neg(x))
+    buf[nbytes:2 * nbytes].copy_(pack_twin((x == 0).to(torch.uint8), 1))
     zeros = flag[1:2] != 0
     status = flag[:1].to(torch.uint8) | zeros.to(torch.uint8) * 2
     buf[2 * nbytes:].copy_(status)
@@ -422,7 +410,7 @@ def onebit_encode(x):
     (float32 or 16-bit: summed in float32)."""
     n = x.numel()
     if triton_for(x) and n:
-        neg, _, part, _ = _planes(x, zero=False, stats=True, flags=False)
+        neg, part = _planes(x)
         means = torch.empty(2, dtype=torch.float32, device=x.device)
         _launch(_jit().sign_scalars, 1, part, part.shape[0], n, means, MEANS=True,
                 CHUNK=SCALARS_CHUNK, LOOPS=-(-part.shape[0] // SCALARS_CHUNK))
@@ -441,7 +429,7 @@ def efsign_encode(x):
     """``(negative plane, [sum |x| / n] as float32)`` of the 1-D ``x``."""
     n = x.numel()
     if triton_for(x) and n:
-        neg, _, part, _ = _planes(x, zero=False, stats=True, flags=False)
+        neg, part = _planes(x)
         scale = torch.empty(1, dtype=torch.float32, device=x.device)
         _launch(_jit().sign_scalars, 1, part, part.shape[0], n, scale, MEANS=False,
                 CHUNK=SCALARS_CHUNK, LOOPS=-(-part.shape[0] // SCALARS_CHUNK))
