@@ -49,17 +49,13 @@ def _events_us(fn, calls, held: bool):
     """Median CUDA-event time of one call; with ``held`` the device first runs a sleep kernel
     while the host issues the call (the kernels' own time, back to back), else it is idle
     (the compressor table's latency: the host's time and the device's, added)."""
+    clock = gpu.Clock(torch.device("cuda"))
     times = []
     for _ in range(calls):
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if held:
             torch.cuda._sleep(20_000_000)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(clock(fn)[0] * 1e3)
     return statistics.median(times)
 
 
