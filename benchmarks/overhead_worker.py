@@ -112,9 +112,9 @@ CLOCK = Clock()
 def instrument(grc) -> None:
     if grc is None or not hasattr(grc, "compressor"):
         return
-    CLOCK.wrap(grc.memory, "compensate_for", "compensate")
+    CLOCK.wrap(grc.feedback, "compensate", "compensate")   # the memory's path
     CLOCK.wrap(grc, "encode", "compress")     # less the compensate and update inside it
-    CLOCK.wrap(grc.memory, "update", "memory_update")
+    CLOCK.wrap(grc.feedback, "update", "memory_update")
     CLOCK.wrap(grc, "approximate", "memory_update")
     CLOCK.wrap(grc, "issue", "issue")
     CLOCK.wrap(grc, "complete", "complete")
@@ -153,7 +153,7 @@ class Lockstep:
 class Floor(Lockstep):
     """``Lockstep`` plus the dense passes of residual error feedback with a sparse result: a
     post-accumulate hook adds each gradient into a residual of its own (what
-    ``ResidualMemory.compensate_for`` does), and ``step`` zeroes every ``p.grad`` after the
+    ``ResidualFeedback.compensate`` does), and ``step`` zeroes every ``p.grad`` after the
     allreduce (where ``sparse_sum`` writes the k values' sum) before the SGD update."""
 
     def __init__(self, sgd, model):

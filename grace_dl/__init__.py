@@ -9,7 +9,7 @@
 """
 
 from grace_dl.communicators.base import Communicator
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import Capabilities, Compressor
 from grace_dl.memory.base import Memory
 from grace_dl.params import grace_from_params
 from grace_dl.registry import (
@@ -24,7 +24,7 @@ from grace_dl.schedule import Schedule
 __version__ = "0.1.0"
 
 __all__ = [
-    "Communicator", "Compressor", "Memory", "grace_from_params", "lookup", "names",
+    "Capabilities", "Communicator", "Compressor", "Memory", "grace_from_params", "lookup", "names",
     "register_communicator", "register_compressor", "register_memory", "Schedule",
     "__version__",
 ]

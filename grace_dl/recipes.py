@@ -102,7 +102,7 @@ def problems(grace, optimizer_momentum: float) -> list[str]:
                        f"is applied twice (set the optimizer's momentum to 0)")
         if ckind != "RandomKCompressor":
             continue
-        if getattr(compressor, "unbiased", False) and error_feedback:
+        if compressor.caps.unbiased and error_feedback:
             out.append(f"{label}: randomk with unbiased=True scales the sent values by n/k, "
                        f"so an error-feedback residual x - (n/k) x grows without bound; use "
                        f"memory 'momentum' with error_feedback=False (or 'none')")
@@ -112,7 +112,7 @@ def problems(grace, optimizer_momentum: float) -> list[str]:
                        f"one burst the optimizer's momentum keeps re-applying; digits: 51% vs "
                        f"97% uncompressed). Recipe: randomk unbiased=True, memory 'momentum' "
                        f"with error_feedback=False, optimizer momentum 0")
-        elif getattr(compressor, "unbiased", False) and optimizer_momentum > 0:
+        elif compressor.caps.unbiased and optimizer_momentum > 0:
             out.append(f"{label} with optimizer momentum {optimizer_momentum}: known to "
                        f"diverge (the optimizer keeps re-applying each n/k-times amplified "
                        f"coordinate; digits: NaN by epoch 7). Recipe: memory 'momentum' with "

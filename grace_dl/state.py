@@ -19,7 +19,13 @@ _COUNTER = "counter"
 
 
 class State:
-    def __init__(self):
+    #: prefixes of the keys (``<prefix><tensor name>``) whose slots accumulate gradients over
+    #: steps (a residual, a momentum): ``clean`` keeps them finite and ``Stateful.reset``
+    #: zeroes them
+    accumulates: tuple = ()
+
+    def __init__(self, accumulates: tuple = ()):
+        self.accumulates = tuple(accumulates)
         self._slots: dict = {}
         self._pending: dict[str, np.ndarray] = {}
         self._owner: dict[str, str] = {}  # key -> the ops module that created its variable
@@ -121,6 +127,12 @@ class State:
         if var is not None:
             _ops_of(self._owner[key]).assign_finite(var)
 
+    def clean(self, name: str) -> None:
+        """Set the non-finite entries of tensor ``name``'s accumulating slots to 0 (a NaN/Inf
+        is sent once, never kept: ``grace_dl.memory.base``)."""
+        for prefix in self.accumulates:
+            self.keep_finite(prefix + name)
+
     def zero(self, keys) -> None:
         """Set the slots (and loaded values not yet used) of ``keys`` to zero."""
         for key in keys:
@@ -141,43 +153,38 @@ class State:
 
 class Stateful:
     """Base of compressors and memories: training state in ``self.state`` (checkpointed by
-    ``state_dict``/``load_state_dict``), configuration in the public attributes (``config``,
-    which ranks compare and strategies record)."""
+    ``state_dict``/``load_state_dict``; ``accumulates`` names the prefixes of its slots that
+    accumulate gradients, a communicator keeps them finite after each compression), and
+    configuration in the public attributes (``config_of``, which ranks compare and strategies
+    record)."""
 
-    def __init__(self):
-        self.state = State()
+    def __init__(self, accumulates: tuple = ()):
+        self.state = State(accumulates)
 
     def state_dict(self) -> dict:
         return self.state.state_dict()
-
-    #: prefixes of the state keys (``<prefix><tensor name>``) that accumulate gradients over
-    #: steps (a momentum): a communicator keeps them finite after each compression and
-    #: ``reset`` zeroes them. Memories override ``reset`` (all their state accumulates).
-    accumulates: tuple = ()
 
     def load_state_dict(self, state: dict) -> None:
         """Replace this object's training state by ``state`` (``State.restore``)."""
         self.state.restore(state)
 
-    def keep_finite(self, name: str) -> None:
-        """Set the non-finite entries of ``name``'s accumulating slots to 0."""
-        for prefix in self.accumulates:
-            self.state.keep_finite(prefix + name)
-
     def reset(self, name: str | None = None) -> None:
-        """Zero the accumulating state (``accumulates``) of tensor ``name``, or of every tensor
-        (``None``); step counters and other state are kept."""
+        """Zero the accumulating state (``State.accumulates``) of tensor ``name``, or of every
+        tensor (``None``); step counters and other state are kept."""
         self.state.zero([k for k in self.state.keys()
-                         if any(k.startswith(p) for p in self.accumulates)
+                         if any(k.startswith(p) for p in self.state.accumulates)
                          and (name is None or _claimed(k, {name}))])
 
-    def config(self) -> dict:
-        """The constructor arguments that define this object."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "state"}
-
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(config_of(self).items()))
         return f"{type(self).__name__}({args})"
+
+
+def config_of(obj) -> dict:
+    """The constructor arguments that define a compressor or memory: its public instance
+    attributes (its training state and its declared ``caps`` left out)."""
+    return {k: v for k, v in vars(obj).items()
+            if not k.startswith("_") and k not in ("state", "caps")}
 
 
 def _ops_of(module: str):

@@ -60,7 +60,7 @@ def replay(comm, comp, mode, size):
             elif comm in ("allgather", "broadcast"):
                 out, sent = cc.reference_gather(ranks, xs, name, "average")
                 own = [_nbytes(p) for p, _ in sent]
-                lengths = 0 if ranks[0].compressor.equal_sizes else 4 * len(sent[0][0])
+                lengths = 0 if ranks[0].compressor.caps.equal_sizes else 4 * len(sent[0][0])
                 step_bytes[name] = [(own[r] + lengths,
                                      sum(own) - own[r] + lengths * (size - 1))
                                     for r in range(size)]
@@ -73,7 +73,7 @@ def replay(comm, comp, mode, size):
                 # vary, the re-compressed chunk's own size, and the gather carries each rank's
                 # parts' lengths (int32) too.
                 gathered = [_nbytes(p) for p in again]
-                lengths = 0 if ranks[0].compressor.equal_sizes else 4 * len(chunks[0][0][0])
+                lengths = 0 if ranks[0].compressor.caps.equal_sizes else 4 * len(chunks[0][0][0])
                 step_bytes[name] = [
                     (sum(own[r][j] for j in range(m) if j != r)
                      + (gathered[r] if r < m else 0) + lengths,
@@ -180,7 +180,7 @@ def test_twophase_receives_under_two_payloads_allgather_n_minus_1(size):
         if mode != "torch" or comm not in ("twophase", "allgather"):
             continue
         compressor = cc.SimRank(comp).compressor
-        if not compressor.equal_sizes:
+        if not compressor.caps.equal_sizes:
             continue
         for res in results:
             for s in range(cc.STEPS):
@@ -236,7 +236,7 @@ def _parts(comp, name, step=0):
     compressor = cc.SimRank(comp).compressor
     payload, _ = compressor.compress(torch.from_numpy(cc.make_input(0, step, name)), name)
     flats = wire.flatten(payload)[0]
-    return len(flats), compressor.equal_sizes and wire.packable(flats)
+    return len(flats), compressor.caps.equal_sizes and wire.packable(flats)
 
 
 def _collectives_per_tensor(results):

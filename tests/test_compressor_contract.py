@@ -74,8 +74,8 @@ def dtype_name(t):
 @pytest.mark.parametrize("name", NAMES)
 def test_builds_with_defaults(name):
     comp = make(name)
-    assert isinstance(comp.unbiased, bool) and isinstance(comp.allreduce_safe, bool)
-    assert isinstance(comp.two_phase_safe, bool) and isinstance(comp.equal_sizes, bool)
+    assert isinstance(comp.caps.unbiased, bool) and isinstance(comp.caps.allreduce_safe, bool)
+    assert isinstance(comp.caps.two_phase_safe, bool) and isinstance(comp.caps.equal_sizes, bool)
     assert name in repr(type(comp).registry_name)
 
 
@@ -137,7 +137,7 @@ def test_tf_function_matches_eager(name):
                                    atol=1e-5 * float(tf.reduce_max(tf.abs(x))))
 
 
-UNBIASED = [name for name in NAMES if lookup("compressor", name).unbiased]
+UNBIASED = [name for name in NAMES if lookup("compressor", name).caps.unbiased]
 
 
 def test_the_stochastic_quantizers_claim_unbiasedness():
@@ -168,7 +168,7 @@ def test_all_zero_tensor(name, fw):
     _, out = round_trip(comp, to_fw(np.zeros((4, 9)), fw))
     out = to_np(out)
     assert out.shape == (4, 9) and np.isfinite(out).all()
-    if comp.unbiased:
+    if comp.caps.unbiased:
         assert np.all(out == 0)
 
 
@@ -209,3 +209,34 @@ def test_non_contiguous_torch_input(name):
     # Equal up to float rounding (a matmul may take another path for a transposed view).
     np.testing.assert_allclose(to_np(out_view), to_np(out_copy), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(base.numpy(), sample((41, 5), seed=8))  # input untouched
+
+
+def test_the_core_contracts_are_what_a_method_author_needs():
+    """Issue 42: ``Compressor`` at most 12 public names, ``Memory`` at most 6; every speed
+    path lives behind the seam (``compressors.paths``), not as more methods here."""
+    from grace_dl.compressors.base import Compressor
+    from grace_dl.memory.base import Memory
+
+    def public(cls):
+        return sorted(n for n in dir(cls) if not n.startswith("_"))
+
+    assert public(Compressor) == ["aggregate", "caps", "compress", "decompress",
+                                  "load_state_dict", "next_round", "next_step",
+                                  "payload_nbytes", "reset", "sent_entries", "state_dict"]
+    assert public(Memory) == ["compensate", "load_state_dict", "refusal", "reset",
+                              "state_dict", "update"]
+
+
+def test_no_speed_path_is_chosen_by_comparing_methods():
+    """No ``type(x).method is Base.method`` in grace_dl: a speed path is registered for an
+    exact class and chosen when a communicator is built (``compressors.paths``)."""
+    import re
+    from pathlib import Path
+
+    import grace_dl
+
+    pattern = re.compile(r"type\([^)]*\)\.\w+\)? is (not )?\w+\.\w+")
+    found = [f"{path.name}:{i}" for path in Path(grace_dl.__file__).parent.rglob("*.py")
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if pattern.search(line)]
+    assert found == []

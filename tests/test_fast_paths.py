@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from grace_dl import grace_from_params
-from grace_dl.communicators.base import accumulator, nonfinite_mark
-from grace_dl.compressors.base import Call, Compressor
+from grace_dl.communicators.base import accumulator, marked, nonfinite_mark
+from grace_dl.compressors.base import Call
+from grace_dl.compressors.paths import Reference, feedback_of, own
 from grace_dl.registry import lookup
 from support import OneRank
 
@@ -35,11 +36,11 @@ def _tensor(seed, shape=(37, 29)):
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_sparse_combine_equals_decompress_then_aggregate(key, ranks):
     comp = _compressor(key)
-    assert comp.sparse
+    assert comp.caps.sparse
     sent = [comp.compress(_tensor(r), "w", Call(r, ranks)) for r in range(ranks)]
     ctx = sent[0][1]
-    expected = Compressor.combine(comp, [p for p, _ in sent], ctx)
-    got = comp.combine([p for p, _ in sent], ctx)
+    expected = Reference(comp).combine([p for p, _ in sent], ctx)
+    got = own(comp).combine([p for p, _ in sent], ctx)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     np.testing.assert_array_equal(got.numpy(), expected.numpy())
 
@@ -51,9 +52,9 @@ def test_sparse_combine_into_a_buffer(key, ranks):
     comp = _compressor(key)
     sent = [comp.compress(_tensor(r), "w", Call(r, ranks)) for r in range(ranks)]
     ctx = sent[0][1]
-    expected = Compressor.combine(comp, [p for p, _ in sent], ctx)
+    expected = Reference(comp).combine([p for p, _ in sent], ctx)
     out = torch.full_like(expected, float("nan"))
-    got = comp.combine([p for p, _ in sent], ctx, out)
+    got = own(comp).combine([p for p, _ in sent], ctx, out)
     assert got is out
     np.testing.assert_array_equal(out.numpy(), expected.numpy())
 
@@ -87,11 +88,11 @@ def test_residual_sparse_update_equals_the_dense_one(key):
         payload, ctx = slow.compressor.compress(compensated, "w", Call(0, 1))
         slow.memory.update(compensated, "w", slow.compressor, payload, ctx,
                            slow.compressor.decompress(payload, ctx))
-        sent = slow.compressor.decompress(slow.compressor.marked(payload, mark), ctx)
+        sent = slow.compressor.decompress(marked(payload, mark), ctx)
         np.testing.assert_array_equal(out.numpy(), sent.numpy())
         np.testing.assert_array_equal(fast.memory.state_dict()["w"],
                                       slow.memory.state_dict()["w"])
-    assert not fast.memory._in_slot
+    assert not fast.feedback._in_slot
 
 
 def test_residual_update_called_directly_with_a_sparse_compressor():
@@ -110,7 +111,7 @@ def test_residual_update_called_directly_with_a_sparse_compressor():
 
 
 def test_residual_accumulator_takes_the_parts_and_compensation_then_adds_nothing():
-    """``Memory.accumulator``: the parts added into the residual's slot, then sent through a
+    """``Feedback.accumulator``: the parts added into the residual's slot, then sent through a
     communicator, give the payload and residual of sending the whole tensor; the step after
     compensates as usual. None where the slot is not where compensation happens."""
     params = {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
@@ -120,7 +121,7 @@ def test_residual_accumulator_takes_the_parts_and_compensation_then_adds_nothing
         x = _tensor(step)
         sent = [whole.encode(x, "w", Call(0, 1))]
         if step < 2:
-            slot = parts.memory.accumulator("w", x, parts.compressor)
+            slot = parts.feedback.accumulator("w", x, parts.compressor)
             slot.view(-1)[:50].add_(x.view(-1)[:50])
             slot.view(-1)[50:].add_(x.view(-1)[50:])
             garbage = torch.full_like(x, float("nan"))   # its values are not read
@@ -138,13 +139,16 @@ def test_residual_accumulator_takes_the_parts_and_compensation_then_adds_nothing
         def encode(self, tensor, name, call):
             return super().encode(tensor, name, call)
 
-    own = OwnEncode(whole.compressor, lookup("memory", "residual")())
-    assert own.memory.accumulator("w", x, own.compressor) is not None and \
-        accumulator(own, "w", x) is None
-    assert lookup("memory", "residual")(beta=0.5).accumulator("w", x, _compressor("topk")) is None
-    none = lookup("compressor", "none")()
-    assert lookup("memory", "residual")().accumulator("w", x, none) is None
-    assert lookup("memory", "none")().accumulator("w", x, _compressor("topk")) is None
+    mine = OwnEncode(whole.compressor, lookup("memory", "residual")())
+    assert mine.feedback.accumulator("w", x, mine.compressor) is not None and \
+        accumulator(mine, "w", x) is None
+
+    def slot_of(memory, compressor):
+        return feedback_of(memory).accumulator("w", x, compressor)
+
+    assert slot_of(lookup("memory", "residual")(beta=0.5), _compressor("topk")) is None
+    assert slot_of(lookup("memory", "residual")(), lookup("compressor", "none")()) is None
+    assert slot_of(lookup("memory", "none")(), _compressor("topk")) is None
 
 
 @pytest.mark.parametrize("params", [
@@ -222,12 +226,12 @@ def test_receive_into_after_the_handle_was_finished_for_another():
 def test_residual_sparse_update_in_tensorflow(traced):
     """The TF variables take the same in-slot path (``assign_add``, ``assign_sub_at``)."""
     tf = pytest.importorskip("tensorflow")
-    fast = lookup("memory", "residual")()
+    fast = feedback_of(lookup("memory", "residual")())
     slow = lookup("memory", "residual")()
     comp = _compressor("topk")
 
     def step(x):
-        compensated = fast.compensate_for(x, "w", comp)
+        compensated = fast.compensate(x, "w", comp)
         payload, ctx = comp.compress(compensated, "w")
         fast.update(compensated, "w", comp, payload, ctx)
         return payload[0]
@@ -239,7 +243,7 @@ def test_residual_sparse_update_in_tensorflow(traced):
         compensated = slow.compensate(tf.constant(x), "w")
         payload, ctx = comp.compress(compensated, "w")
         slow.update(compensated, "w", comp, payload, ctx, comp.decompress(payload, ctx))
-        np.testing.assert_array_equal(fast.state_dict()["w"], slow.state_dict()["w"])
+        np.testing.assert_array_equal(fast.memory.state_dict()["w"], slow.state_dict()["w"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
@@ -311,8 +315,8 @@ def test_combine_of_one_rank_still_aggregates(name):
     x = torch.randn(37, 29, generator=torch.Generator().manual_seed(7))  # finite: a scale
     payload, ctx = comp.compress(x, "w")
     expected = comp.aggregate([comp.decompress(payload, ctx)])
-    np.testing.assert_array_equal(comp.combine([payload], ctx).numpy(), expected.numpy())
-    np.testing.assert_array_equal(comp.decompress_into(payload, ctx).numpy(),
+    np.testing.assert_array_equal(own(comp).combine([payload], ctx).numpy(), expected.numpy())
+    np.testing.assert_array_equal(own(comp).decompress_into(payload, ctx).numpy(),
                                   comp.decompress(payload, ctx).numpy())
 
 
@@ -328,18 +332,18 @@ def test_qsgd_combine_and_decompress_into_equal_the_plain_paths(n, bucket, ranks
     sent = [comp.compress(torch.randn(n, generator=g) * (r + 1), "w", Call(r, ranks))
             for r in range(ranks)]
     ctx = sent[0][1]
-    expected = Compressor.combine(comp, [p for p, _ in sent], ctx)
+    expected = Reference(comp).combine([p for p, _ in sent], ctx)
     out = torch.full((n,), float("nan"))
-    assert comp.combine([p for p, _ in sent], ctx, out) is out
+    assert own(comp).combine([p for p, _ in sent], ctx, out) is out
     np.testing.assert_array_equal(out.numpy(), expected.numpy())
-    np.testing.assert_array_equal(comp.combine([p for p, _ in sent], ctx).numpy(),
+    np.testing.assert_array_equal(own(comp).combine([p for p, _ in sent], ctx).numpy(),
                                   expected.numpy())
     plain = comp.decompress(*sent[-1])
     out = torch.full((n,), float("nan"))
-    assert comp.decompress_into(*sent[-1], out) is out
+    assert own(comp).decompress_into(*sent[-1], out) is out
     np.testing.assert_array_equal(out.numpy(), plain.numpy())
     wide = torch.zeros(n, dtype=torch.float64)
-    got = comp.decompress_into(*sent[-1], wide)
+    got = own(comp).decompress_into(*sent[-1], wide)
     assert got is not wide and got.dtype == torch.float32
     np.testing.assert_array_equal(got.numpy(), plain.numpy())
 
@@ -436,7 +440,7 @@ def test_signum_feeds_back_the_error_of_its_momentum_signs():
     residual is the compensated gradient minus what was sent."""
     grc = grace_from_params({"compressor": "signum", "momentum": 0.5, "memory": "residual",
                              "communicator": "allgather"})
-    assert grc.compressor.compress_with_error(torch.ones(4), "w", Call(0, 1),
+    assert own(grc.compressor).compress_with_error(torch.ones(4), "w", Call(0, 1),
                                               torch.zeros(4)) is None
     x = torch.tensor([1.0, -2.0, 3.0, -4.0])
     grc.receive(grc.send(x.clone(), "w", collectives=OneRank()))

@@ -13,6 +13,7 @@ from workers import powersgd_check as job
 import mp
 from grace_dl import grace_from_params, seeding
 from grace_dl.backend import ops_for
+from grace_dl.compressors.paths import own
 from grace_dl.compressors.powersgd import PowerSGDCompressor
 from grace_dl.memory.none import NoneMemory
 from grace_dl.memory.powersgd import PowerSGDMemory
@@ -221,7 +222,7 @@ def test_small_one_dimensional_and_integer_tensors_go_uncompressed(fw, shape, dt
     assert ops_for(out).dtype(out) == dtype
     np.testing.assert_array_equal(as_numpy(out), arr)
     if dtype != "int32":  # (5, 4) floats would be compressed
-        assert comp.payload_nbytes_for_shape(shape, "float32") == 4 * int(np.prod(shape))
+        assert comp.payload_nbytes(shape, "float32") == 4 * int(np.prod(shape))
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -299,10 +300,10 @@ def test_payload_bytes_match_the_formula(fw):
         second = [] if nxt is None else nxt[0]
         assert (nxt is None) == (shape in ((40, 2), (2, 40)))
         nbytes = sum(int(ops_for(t).nbytes(t)) for t in payload + second)
-        assert nbytes == comp.payload_nbytes_for_shape(shape, dtype, layout)
-    assert comp.payload_nbytes_for_shape((64, 3, 3, 3)) == 2 * (64 + 27) * 4
-    assert comp.payload_nbytes_for_shape((3, 3, 3, 64), layout="tensorflow") == 2 * (64 + 27) * 4
-    assert comp.payload_nbytes_for_shape((100, 50), "float16") == 2 * 150 * 2
+        assert nbytes == comp.payload_nbytes(shape, dtype, layout)
+    assert comp.payload_nbytes((64, 3, 3, 3)) == 2 * (64 + 27) * 4
+    assert comp.payload_nbytes((3, 3, 3, 64), layout="tensorflow") == 2 * (64 + 27) * 4
+    assert comp.payload_nbytes((100, 50), "float16") == 2 * 150 * 2
 
 
 def test_min_compression_rate_boundary():
@@ -412,18 +413,24 @@ def test_bad_parameters_are_rejected_at_construction(kwargs, match):
 
 def test_bad_layout_is_rejected():
     with pytest.raises(ValueError, match="layout must be one of"):
-        PowerSGDCompressor().payload_nbytes_for_shape((4, 4), layout="nchw")
+        PowerSGDCompressor().payload_nbytes((4, 4), layout="nchw")
 
 
 def test_memory_refuses_a_multi_round_compressor_it_cannot_split():
-    """At construction: a multi-round compressor without its own ``local_share``."""
+    """At construction: a multi-round compressor that is not PowerSGD (no ``local_share``)."""
+    from dataclasses import replace
+
     from grace_dl.communicators.allreduce import Allreduce
-    from grace_dl.compressors.base import Compressor
+    from grace_dl.compressors.none import NoneCompressor
 
-    class TwoRounds(PowerSGDCompressor):
-        local_share = Compressor.local_share
+    class TwoRounds(NoneCompressor):
+        caps = replace(NoneCompressor.caps, rounds=2)
 
-    with pytest.raises(ValueError, match="needs a compressor with local_share"):
+        def next_round(self, reduced, ctx):
+            return None
+
+    with pytest.raises(ValueError, match="needs compressor powersgd .* got TwoRounds with "
+                                         "rounds=2"):
         Allreduce(TwoRounds(), PowerSGDMemory())
 
 
@@ -468,7 +475,7 @@ def test_two_rank_horovod_job_matches_the_single_process_simulation(mode, launch
         shapes = [job.TENSORS[n] if layout == "torch" else
                   tuple(job.TENSORS[n][a] for a in job.torch_to_keras(len(job.TENSORS[n])))
                   for n in names]
-        want_bytes = sum(comps[0].payload_nbytes_for_shape(shp, "float32", layout)
+        want_bytes = sum(comps[0].payload_nbytes(shp, "float32", layout)
                          for shp in shapes)
         assert [res["bytes"][s]["sent"] for res in results] == [want_bytes] * 2
     states = [res["state"]["compressor"] for res in results]
@@ -533,7 +540,7 @@ def test_the_divided_payload_averages_without_changing_the_warm_start(fw, world)
                 if nxt[0] is None:
                     break
                 outs = nxt
-            payload = comps[0].divided(reduced, world) if divide else reduced
+            payload = own(comps[0]).divided(reduced, world) if divide else reduced
             got = as_numpy(comps[0].decompress(payload, outs[0][1]))
             states.append((got if divide else got / world, comps[0].state_dict()))
         (want, want_state), (got, got_state) = states
@@ -564,7 +571,7 @@ def test_own_share_memory_updates_before_the_last_round_is_waited_for(memory, ea
     ranks' average: after every wait."""
     log = []
     grc = grace_from_params({"compressor": "powersgd", "compress_rank": 1, "memory": memory})
-    inner = type(grc.memory).update
+    inner = type(grc.feedback).update
 
     def update(self, *args, **kwargs):
         log.append("update")
@@ -573,7 +580,7 @@ def test_own_share_memory_updates_before_the_last_round_is_waited_for(memory, ea
     rng = np.random.default_rng(3)
     g = torch.tensor(rng.standard_normal((12, 9)), dtype=torch.float32)
     with pytest.MonkeyPatch.context() as mp_:
-        mp_.setattr(type(grc.memory), "update", update)
+        mp_.setattr(type(grc.feedback), "update", update)
         out = grc.receive(grc.send(g.clone(), "w", collectives=_Logged(log)))
     assert log == (["wait", "update", "wait"] if early else ["wait", "wait", "update"])
     # one rank: its own share is the average, so both leave M - P_hat Q^T

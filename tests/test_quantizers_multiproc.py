@@ -28,7 +28,7 @@ def replay(params, mode, size):
             out = comp.decompress(payload, ctx)
             total = total + ops_for(out).to_numpy(out).astype(np.float64)
             sent.append(sum(int(ops_for(p).nbytes(p)) for p in payload))
-            lengths = 0 if comp.equal_sizes else 4 * len(payload)
+            lengths = 0 if comp.caps.equal_sizes else 4 * len(payload)
         outs.append(total / size)
         nbytes.append([s + lengths for s in sent])
     return outs, nbytes

@@ -58,5 +58,5 @@ def test_readme_methods_table_matches_the_classes():
     for methods, allreduce_safe, two_phase, unbiased in rows:
         for name in methods:
             cls = lookup("compressor", name)
-            assert (cls.allreduce_safe, cls.two_phase_safe, cls.unbiased) == (
+            assert (cls.caps.allreduce_safe, cls.caps.two_phase_safe, cls.caps.unbiased) == (
                 allreduce_safe, two_phase, unbiased), name

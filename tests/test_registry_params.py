@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import torch
 
-from grace_dl import Compressor, grace_from_params, lookup, names, register_compressor
+from grace_dl import Capabilities, Compressor, grace_from_params, lookup, names, register_compressor
 from grace_dl.backend import framework_of, ops_for
 from grace_dl.registry import BUILTIN
 from grace_dl.state import State
@@ -79,7 +79,7 @@ def test_defaults_and_exposed_parts():
 def test_user_subclass_registers_by_name():
     @register_compressor("test_scale_by_two")
     class ScaleByTwo(Compressor):
-        allreduce_safe = True
+        caps = Capabilities(allreduce_safe=True)
 
         def compress(self, tensor, name):
             return [tensor * 2], None
@@ -93,6 +93,17 @@ def test_user_subclass_registers_by_name():
     assert isinstance(grc.compressor, ScaleByTwo)
     with pytest.raises(ValueError, match="already registered"):
         register_compressor("test_scale_by_two")(type("Other", (ScaleByTwo,), {}))
+
+
+def test_a_capability_declared_outside_caps_is_refused():
+    """Before ``caps`` a compressor declared ``allreduce_safe = True`` in its class; such a
+    flag would now be ignored, so the class is refused when it is defined."""
+    with pytest.raises(TypeError, match=r"\['allreduce_safe', 'average'\] as class attributes.*"
+                                        r"caps = grace_dl.Capabilities\(allreduce_safe=..., "
+                                        r"average=...\)"):
+        class Old(Compressor):
+            allreduce_safe = True
+            average = False
 
 
 def test_backend_is_chosen_from_the_tensor_type():

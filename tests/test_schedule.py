@@ -13,6 +13,7 @@ import torch
 
 import mp
 from grace_dl import Schedule, grace_from_params
+from grace_dl.state import config_of
 from support import OneRank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -260,7 +261,7 @@ def test_unbiased_randomk_is_unbiased_and_seeded():
     biased = RandomKCompressor(0.1)
     assert np.allclose(np.mean([biased.decompress(*biased.compress(x, "w")).numpy()
                                 for _ in range(4000)], axis=0), 0.1 * x.numpy(), atol=0.05)
-    assert RandomKCompressor(0.1, unbiased=True).config()["unbiased"] is True
+    assert config_of(RandomKCompressor(0.1, unbiased=True))["unbiased"] is True
     with pytest.raises(ValueError, match="unbiased must be one of"):
         RandomKCompressor(0.1, unbiased=1.5)
 

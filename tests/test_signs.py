@@ -13,6 +13,7 @@ from workers.signs_allgather import CONFIGS, SHAPE, STEPS, grad
 
 import mp
 from grace_dl import grace_from_params, lookup
+from grace_dl.compressors.paths import own
 from grace_dl.tensorflow import ops as tf_ops
 from grace_dl.torch import ops as torch_ops
 
@@ -123,12 +124,13 @@ def test_small_reductions_and_lerp_agree():
 def test_declared_properties():
     for name in METHODS:
         comp = make(name)
-        assert comp.allreduce_safe is False and comp.equal_sizes is (name not in PURE_SIGN)
-        assert comp.unbiased is False
-    assert make("signsgd").average is False and make("signum").average is False
-    assert make("onebit").average is True and make("efsignsgd").average is True
-    assert make("signsgd").two_phase_safe and make("onebit").two_phase_safe
-    assert make("efsignsgd").two_phase_safe and not make("signum").two_phase_safe
+        assert comp.caps.allreduce_safe is False
+        assert comp.caps.equal_sizes is (name not in PURE_SIGN)
+        assert comp.caps.unbiased is False
+    assert make("signsgd").caps.average is False and make("signum").caps.average is False
+    assert make("onebit").caps.average is True and make("efsignsgd").caps.average is True
+    assert make("signsgd").caps.two_phase_safe and make("onebit").caps.two_phase_safe
+    assert make("efsignsgd").caps.two_phase_safe and not make("signum").caps.two_phase_safe
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -509,7 +511,7 @@ def replay_allgather(params, grads_by_rank):
             mem.update(p, "w", comp, payload, ctx)
             decoded.append(comp.decompress(payload, ctx))
         out = ranks[0][0].aggregate(decoded)
-        if ranks[0][0].average:
+        if ranks[0][0].caps.average:
             out = out / len(ranks)
         results.append(out.numpy())
     return results
@@ -527,7 +529,7 @@ def test_sign_methods_through_allgather_on_two_ranks(mode, launcher):
         expect = replay_allgather(params, grads)
         comp = lookup("compressor", key)()
         # a payload whose size varies travels with its int32 length
-        nbytes = comp.payload_nbytes(n) + (0 if comp.equal_sizes else 4)
+        nbytes = comp.payload_nbytes(n) + (0 if comp.caps.equal_sizes else 4)
         for res in results:
             for step in range(STEPS):
                 got = res[key]["out"][step]
@@ -581,11 +583,11 @@ def test_vote_on_packed_planes_equals_the_vote_of_decoded_signs(fw, ranks):
     sent = [comp.compress(tensor(fw, g), "w") for g in grads]
     ctx = sent[0][1]
     expected = np.sign(np.sign(grads).sum(axis=0))
-    np.testing.assert_array_equal(np_of(comp.combine([p for p, _ in sent], ctx)), expected)
+    np.testing.assert_array_equal(np_of(own(comp).combine([p for p, _ in sent], ctx)), expected)
     np.testing.assert_array_equal(
         np_of(comp.aggregate([comp.decompress(p, c) for p, c in sent])), expected)
     if fw == "torch":
         out = torch.full((n,), 5.0)
-        got = comp.combine([p for p, _ in sent], ctx, out)
+        got = own(comp).combine([p for p, _ in sent], ctx, out)
         assert got is out
         np.testing.assert_array_equal(out.numpy(), expected)

@@ -175,7 +175,7 @@ def test_threshold_below_everything_sends_nothing(fw):
     payload, ctx = comp.compress(tensor(fw, x), "q")
     assert numpy(payload[0]).size == 0 and numpy(payload[1]).size == 0
     np.testing.assert_array_equal(numpy(comp.decompress(payload, ctx)), np.zeros((2, 2)))
-    assert comp.payload_nbytes(4) is None and comp.equal_sizes is False
+    assert comp.payload_nbytes(4) is None and comp.caps.equal_sizes is False
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

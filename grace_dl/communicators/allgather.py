@@ -28,8 +28,8 @@ from grace_dl.registry import register_communicator
 
 
 def gather_rounds_refusal(compressor) -> str | None:
-    if compressor.rounds > 1:
-        return (f"it needs {compressor.rounds} rounds whose later payloads depend on the "
+    if compressor.caps.rounds > 1:
+        return (f"it needs {compressor.caps.rounds} rounds whose later payloads depend on the "
                 f"reduced earlier ones (rounds > 1)")
     return None
 
@@ -63,7 +63,7 @@ class Allgather(PackingCommunicator):
         flats, shapes = wire.flatten(encoded.payload)
         sent = wire.nbytes(flats)
         lengths = None
-        if not self.compressor.equal_sizes:
+        if not self.compressor.caps.equal_sizes:
             numels = ops.numels(flats)
             lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
             sent = sent + ops.nbytes(numels)

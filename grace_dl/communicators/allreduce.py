@@ -60,9 +60,9 @@ class Allreduce(Communicator):
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
-        if not compressor.allreduce_safe:
+        if not compressor.caps.allreduce_safe:
             return "its payloads cannot be summed on the wire (allreduce_safe is False)"
-        if not compressor.equal_sizes:
+        if not compressor.caps.equal_sizes:
             return "its payload sizes differ across ranks (equal_sizes is False)"
         return None
 
@@ -83,11 +83,11 @@ class Allreduce(Communicator):
         """The allreduce of an uncompressed tensor that is the caller's ``into`` (Horovod's
         ``allreduce_async_`` on ``p.grad``), averaged by its postscale; None when it cannot."""
         payload = encoded.payload
-        if not (self.compressor.sends_tensor and len(payload) == 1 and handle.into is not None
+        if not (self.compressor.caps.sends_tensor and len(payload) == 1 and handle.into is not None
                 and ops_for(payload[0]).aliases(payload[0], handle.into)):
             return None
         coll = handle.coll
-        scale = 1.0 / coll.size() if handle.op == AVERAGE and self.compressor.average else 1.0
+        scale = 1.0 / coll.size() if handle.op == AVERAGE and self.compressor.caps.average else 1.0
         pending = coll.allreduce_async_(payload[0], self.wire_name(handle.name, "p0"), scale)
         if pending is None:
             return None
@@ -104,10 +104,10 @@ class Allreduce(Communicator):
         coll = handle.coll
         # a later, last round whose memory keeps this rank's own share, known now: update while
         # the round is on the wire
-        own_share_first = phase.round > 1 and phase.round == self.compressor.rounds and \
-            not self.memory.wants_approximation(self.compressor)
+        own_share_first = phase.round > 1 and phase.round == self.compressor.caps.rounds and \
+            not self.feedback.wants_approximation(self.compressor)
         if own_share_first:
-            self.memory.update(handle.encoded.compensated, handle.name, self.compressor,
+            self.feedback.update(handle.encoded.compensated, handle.name, self.compressor,
                                phase.sent, phase.ctx)
         reduced = [coll.synchronize(h) for h in phase.parts]
         if phase.in_place:
@@ -122,11 +122,11 @@ class Allreduce(Communicator):
         # qsgd's norms, PowerSGD's Q: not a pass over the dense result)
         payload = divided_payloads(handle, [reduced])[0]
         out = self.paths.on(payload).decompress_into(payload, phase.ctx, handle.into)
-        if self.compressor.rounds == 1 or own_share_first:
+        if self.compressor.caps.rounds == 1 or own_share_first:
             return out
         average = None
-        if self.memory.wants_approximation(self.compressor):
+        if self.feedback.wants_approximation(self.compressor):
             average = out if handle.finished_in_place else out / coll.size()
-        self.memory.update(handle.encoded.compensated, handle.name, self.compressor, reduced,
+        self.feedback.update(handle.encoded.compensated, handle.name, self.compressor, reduced,
                            phase.ctx, average)
         return out

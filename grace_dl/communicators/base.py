@@ -21,7 +21,6 @@ takes (``grace_dl.contracts.Grace``).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -30,9 +29,10 @@ from typing import Any
 from grace_dl import validate
 from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators import wire
-from grace_dl.compressors.base import Call, Compressor
-from grace_dl.compressors.paths import Paths
+from grace_dl.compressors.base import Call
+from grace_dl.compressors.paths import Paths, feedback_of, overrides
 from grace_dl.counters import ByteCounter
+from grace_dl.state import config_of
 
 AVERAGE = "average"
 SUM = "sum"
@@ -268,40 +268,45 @@ def advance_each(grace, pending) -> int:
 
 def accumulator(grace, name: str, like):
     """Where the parts of the tensor ``grace`` will send as ``name`` (shaped like ``like``) may
-    be added before it is sent (``Memory.accumulator``: the residual's slot, whose send then
+    be added before it is sent (``Feedback.accumulator``: the residual's slot, whose send then
     adds nothing), or None: only for a communicator whose ``encode`` is the base one, which
-    compensates through ``Memory.compensate_for`` (a wrapper that says what it wraps,
-    ``functools.wraps``, counts as the function it wraps); a strategy dispatcher routes by
-    name and is left out."""
-    if not isinstance(grace, Communicator) or \
-            inspect.unwrap(type(grace).encode) is not Communicator.encode:
+    compensates through its memory's path (decided when it was built); a strategy
+    dispatcher routes by name and is left out."""
+    if not isinstance(grace, Communicator) or not grace.compensates_in_memory:
         return None
-    return grace.memory.accumulator(name, like, grace.compressor)
+    return grace.feedback.accumulator(name, like, grace.compressor)
 
 
 def average_divisor(handle: Handle):
     """What ``handle``'s aggregate is divided by: the number of ranks for an average of a
     compressor that averages, else None (a sum)."""
-    return handle.coll.size() if handle.op == AVERAGE and handle.comm.compressor.average \
+    return handle.coll.size() if handle.op == AVERAGE and handle.comm.compressor.caps.average \
         else None
 
 
 def divided_payloads(handle: Handle, payloads: list) -> list:
     """``payloads`` (every rank's, or the one reduced) with the average folded into their
     values when the result is built in ``handle.into`` and the compressor can
-    (``Compressor.divided``: sparse values, O(k)); the handle is then finished in place, so
+    (the path's ``divided``: sparse values, O(k)); the handle is then finished in place, so
     ``receive`` does not divide the dense result again. Else ``payloads`` unchanged."""
     divisor = average_divisor(handle)
-    compressor = handle.comm.compressor
-    # dividing each payload divides the result only when the ranks' results are summed
-    if handle.into is None or divisor is None or \
-            type(compressor).aggregate is not Compressor.aggregate:
+    if handle.into is None or divisor is None:
         return payloads
-    divided = [compressor.divided(p, divisor) for p in payloads]
+    # (a path's ``divided`` is its exact class's: one whose ``aggregate`` is a sum)
+    path = handle.comm.paths.on(payloads)
+    divided = [path.divided(p, divisor) for p in payloads]
     if any(d is None for d in divided):
         return payloads
     handle.finished_in_place = True
     return divided
+
+
+def marked(payload, mark):
+    """``payload`` with the 0-d ``mark`` (``nonfinite_mark``) added to its floating-point
+    parts (a sparsifier's k values, adaq's two means): O(k), and a NaN input decompresses to
+    NaN wherever the payload carries a value."""
+    ops = ops_for(mark)
+    return [p + ops.cast(mark, ops.dtype(p)) if ops.is_floating(p) else p for p in payload]
 
 
 def nonfinite_mark(tensor):
@@ -387,6 +392,15 @@ class Communicator(Router, ABC):
         #: the path (reference or speed path) that runs the compressor on each device kind
         self.paths = Paths(compressor)
         self.memory = memory
+        #: the path that runs the memory (its own methods, or a speed path of its class)
+        self.feedback = feedback_of(memory)
+        cls = type(self)
+        #: whether ``encode`` is the base one, compensating through ``feedback`` (else a
+        #: tensor's parts are never added into the memory's slot before it is sent)
+        self.compensates_in_memory = not overrides(cls, Communicator, "encode")
+        #: whether one payload is what the compressor's path makes of the tensor (else the
+        #: error is not written while compressing: a subclass changed what it sends)
+        self._plain_compress = not overrides(cls, Communicator, "compress")
         self.process_set = validate.process_set(process_set)
         self.bytes = ByteCounter()
         self.fusion = None
@@ -436,30 +450,30 @@ class Communicator(Router, ABC):
 
         Non-finite values are sent in the step they occur in and kept nowhere
         (``grace_dl.memory.base``): for a compressor that may leave a NaN/Inf out of its
-        payload (``drops_nonfinite``) the payload is marked (``Compressor.marked``) with a 0/NaN
+        payload (``caps.drops_nonfinite``) the payload is marked (``marked``) with a 0/NaN
         scalar read from the compensated tensor (one reduction over it, no host sync); the
         compressor's accumulating state (signum's momentum) is cleaned after compressing."""
-        compensated = self.memory.compensate_for(tensor, name, self.compressor)
-        mark = nonfinite_mark(compensated) if self.compressor.drops_nonfinite else None
+        compensated = self.feedback.compensate(tensor, name, self.compressor)
+        mark = nonfinite_mark(compensated) if self.compressor.caps.drops_nonfinite else None
         encoded = None
-        if self.compressor.rounds == 1:
-            slot = self.memory.error_slot(name, self.compressor)
+        if self.compressor.caps.rounds == 1:
+            slot = self.feedback.error_slot(name, self.compressor)
             got = None if slot is None else self.compress_with_error(compensated, name, call,
                                                                     slot)
             if got is not None:
-                self.memory.error_written(name)
+                self.feedback.error_written(name)
                 encoded = Encoded(name, *got, compensated, call)
         if encoded is None:
             payload, ctx = self.compress(compensated, name, call)
             encoded = Encoded(name, payload, ctx, compensated, call)
-            if self.compressor.rounds == 1:
-                if self.memory.wants_approximation(self.compressor):
+            if self.compressor.caps.rounds == 1:
+                if self.feedback.wants_approximation(self.compressor):
                     encoded.approximation = self.approximate(encoded)
-                self.memory.update(compensated, name, self.compressor, payload, ctx,
-                                   encoded.approximation)
-        self.compressor.keep_finite(name)
+                self.feedback.update(compensated, name, self.compressor, payload, ctx,
+                                     encoded.approximation)
+        self.compressor.state.clean(name)
         if mark is not None:
-            encoded.payload = self.compressor.marked(encoded.payload, mark)
+            encoded.payload = marked(encoded.payload, mark)
         return encoded
 
     def compress(self, compensated, name: str, call: Call):
@@ -468,10 +482,10 @@ class Communicator(Router, ABC):
 
     def compress_with_error(self, compensated, name: str, call: Call, error):
         """``compress``, also writing what it loses (``compensated`` minus its
-        approximation) into ``error``, the memory's slot (``Compressor.compress_with_error``);
+        approximation) into ``error``, the memory's slot (the path's ``compress_with_error``);
         None where the compressor cannot, or where a subclass changed what one payload is
         (overrode ``compress``) without saying how its error is written."""
-        if type(self).compress is not Communicator.compress:
+        if not self._plain_compress:
             return None
         return self.paths.on(compensated).compress_with_error(compensated, name, call, error)
 
@@ -517,9 +531,9 @@ class Communicator(Router, ABC):
         """Everything that must agree across ranks (see ``fingerprint``)."""
         config = {"communicator": self.name or type(self).__name__,
                   "compressor": type(self.compressor).__name__,
-                  **{f"compressor.{k}": v for k, v in self.compressor.config().items()},
+                  **{f"compressor.{k}": v for k, v in config_of(self.compressor).items()},
                   "memory": type(self.memory).__name__,
-                  **{f"memory.{k}": v for k, v in self.memory.config().items()}}
+                  **{f"memory.{k}": v for k, v in config_of(self.memory).items()}}
         if self.fusion is not None:
             config["fusion"] = self.fusion.config()
         return config

@@ -40,7 +40,7 @@ def bucket_name(names) -> str:
 def needs_shapes(grace) -> bool:
     """Whether ``grace`` must see each gradient with its own shape: a strategy dispatcher
     (routes per name) or a compressor with ``needs_shape``."""
-    return not isinstance(grace, Communicator) or grace.compressor.needs_shape
+    return not isinstance(grace, Communicator) or grace.compressor.caps.needs_shape
 
 
 def check_bucket_bytes(bucket_bytes, grace, groups=None):

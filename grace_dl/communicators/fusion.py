@@ -148,7 +148,7 @@ class Fusion:
             return
         first = next(iter(waiting.values()))
         coll = GroupCollectives(first.coll, label, collecting=len(waiting) > 1,
-                                equal_sizes=comm.compressor.equal_sizes, counter=comm.bytes)
+                                equal_sizes=comm.compressor.caps.equal_sizes, counter=comm.bytes)
         for name in self.groups[label]:
             handle = waiting.get(name)
             if handle is not None:

@@ -45,7 +45,7 @@ def effective_piece_bytes(grace, piece_bytes):
     chunk-independent compressor), else None: what a checkpoint records."""
     check_piece_bytes(piece_bytes)
     if piece_bytes is None or not isinstance(grace, Communicator) or \
-            not grace.compressor.two_phase_safe or grace.compressor.sends_tensor:
+            not grace.compressor.caps.two_phase_safe or grace.compressor.caps.sends_tensor:
         return None
     return piece_bytes
 

@@ -107,9 +107,9 @@ class TwoPhase(PackingCommunicator):
     @classmethod
     def refusal(cls, compressor) -> str | None:
         """Why this communicator cannot carry ``compressor`` (None when it can)."""
-        if compressor.rounds > 1:
+        if compressor.caps.rounds > 1:
             return "it needs several rounds (rounds > 1)"
-        if not compressor.two_phase_safe:
+        if not compressor.caps.two_phase_safe:
             return ("it cannot compress tensor chunks independently and re-compress their "
                     "aggregate (two_phase_safe is False)")
         return None
@@ -167,7 +167,7 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(encoded.compensated)
         flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
-        ragged = not self.compressor.equal_sizes
+        ragged = not self.compressor.caps.equal_sizes
         packed = not ragged and self.packs(flat[0][0])
         # every rank sends chunk j's payload of the same length: sizes known up front
         if packed:
@@ -333,7 +333,7 @@ class TwoPhase(PackingCommunicator):
         straight into the handle's ``into`` when that is a float32 tensor with a flat view
         and nothing divides it (else into a buffer). ``(flattened payload, decoded,
         written in into)``, or None: run ``combine`` and ``_recompress``."""
-        if not self.server_error_feedback or self.compressor.sends_tensor:
+        if not self.server_error_feedback or self.compressor.caps.sends_tensor:
             return None
         ops = ops_for(like)
         slot = self.server.zeros(key, ops, like)   # the slot ``_recompress`` feeds back in
@@ -358,11 +358,11 @@ class TwoPhase(PackingCommunicator):
             payload = self.paths.on(reduced).compress(reduced, f"{key}/server", call)[0]
             return wire.flatten(payload)[0], None
         slot = self.server.zeros(key, ops, reduced)
-        if self.compressor.sends_tensor:
+        if self.compressor.caps.sends_tensor:
             compensated = reduced + ops.read(slot)
         else:
             compensated = ops.read(ops.assign_add(slot, reduced))
-        if not self.compressor.sends_tensor:
+        if not self.compressor.caps.sends_tensor:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
             got = self.paths.on(compensated).compress_with_error(
                 compensated, f"{key}/server", call, slot, reduced)
@@ -370,7 +370,7 @@ class TwoPhase(PackingCommunicator):
                 self.server.keep_finite(key)
                 return wire.flatten(got[0])[0], reduced
         payload, ctx = self.paths.on(compensated).compress(compensated, f"{key}/server", call)
-        if self.compressor.sends_tensor:
+        if self.compressor.caps.sends_tensor:
             decoded = self.paths.on(payload).decompress(payload, ctx)
             ops.assign(slot, compensated - decoded)
         else:

@@ -94,7 +94,7 @@ def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
     average may be folded into the payloads' values (``base.divided_payloads``)."""
     from grace_dl.communicators.base import divided_payloads
 
-    equal = comm.compressor.equal_sizes
+    equal = comm.compressor.caps.equal_sizes
     payloads = [[unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)]
                 for r in range(ranks)]
     if average:

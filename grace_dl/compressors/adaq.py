@@ -22,18 +22,15 @@ from __future__ import annotations
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import sparse
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
 
 
 @register_compressor("adaq")
 class AdaqCompressor(Compressor):
-    allreduce_safe = False
-    equal_sizes = False
-    two_phase_safe = False
-    unbiased = False
-    drops_nonfinite = True      # NaN is never kept: the communicator marks the means
+    # NaN is never kept: the communicator marks the means
+    caps = Capabilities(equal_sizes=False, drops_nonfinite=True)
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0):
         super().__init__(seed)
@@ -82,6 +79,9 @@ class AdaqCompressor(Compressor):
         values = ops.gather(means, ops.cast(negative, "int64"))
         return ops.reshape(ops.scatter(positions, values, n), shape)
 
-    def sent_indices(self, payload, ctx):
-        codes = payload[1]
-        return ops_for(codes).where(codes < 0, -1 - codes, codes)
+    def sent_entries(self, payload, ctx):
+        means, codes = payload
+        ops = ops_for(codes)
+        negative = codes < 0
+        return (ops.where(negative, -1 - codes, codes),
+                ops.gather(means, ops.cast(negative, "int64")))

@@ -9,7 +9,7 @@ the wire) plus a *ctx* that stays on the local rank, and back. It is written onc
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from grace_dl.backend import ops_for
 from grace_dl.state import Stateful
@@ -29,11 +29,12 @@ class Call:
 LOCAL = Call()
 
 
-class Compressor(Stateful, ABC):
-    """Base class of every compression method.
-
-    Subclasses implement ``compress`` and ``decompress`` and declare what the wire may do with
-    their payloads:
+@dataclass(frozen=True)
+class Capabilities:
+    """What a compressor declares about its payloads, one record per class (a class declares
+    ``caps = Capabilities(...)``; an instance whose arguments change one replaces its own
+    ``self.caps = dataclasses.replace(self.caps, ...)``). Communicators, memories and the
+    cost model read it; nothing probes for methods.
 
     ``allreduce_safe``
         Payloads from different ranks may be summed element-wise on the wire and the sum
@@ -57,7 +58,46 @@ class Compressor(Stateful, ABC):
         E[decompress(compress(x))] == x over the method's randomness (tests check it).
     ``needs_shape``
         ``compress`` needs the tensor in its own shape (PowerSGD's matrix view), so it cannot
-        compress several tensors flattened into one bucket.
+        compress several tensors flattened into one bucket; ``payload_nbytes`` then takes the
+        shape.
+    ``sparse``
+        ``decompress`` is zero except at the positions ``sent_entries`` gives.
+    ``sends_tensor``
+        The payload is the tensor itself, flattened (``decompress`` is a reshape): an
+        allreduce may sum it in place when it is the caller's ``into``.
+    ``drops_nonfinite``
+        A NaN/Inf entry of the input may be left out of the payload (sparsifiers: NaN ranks
+        below every magnitude; randomk sends only the entries it draws). The communicator then
+        marks such a payload, so that the step's result shows the NaN as uncompressed training
+        would. Default: ``sparse``.
+    """
+
+    allreduce_safe: bool = False
+    equal_sizes: bool = True
+    average: bool = True
+    two_phase_safe: bool = False
+    rounds: int = 1
+    unbiased: bool = False
+    needs_shape: bool = False
+    sparse: bool = False
+    sends_tensor: bool = False
+    drops_nonfinite: bool | None = None
+
+    def __post_init__(self):
+        if self.drops_nonfinite is None:
+            object.__setattr__(self, "drops_nonfinite", self.sparse)
+
+
+_CAPABILITIES = {f.name for f in fields(Capabilities)}
+
+
+class Compressor(Stateful, ABC):
+    """Base class of every compression method.
+
+    Subclasses implement ``compress`` and ``decompress`` and declare what the wire may do with
+    their payloads in ``caps`` (``Capabilities``). A multi-round method (``caps.rounds > 1``)
+    implements ``next_round``; a sparse one (``caps.sparse``) ``sent_entries``;
+    ``payload_nbytes`` gives the bytes on the wire where the method knows them.
 
     Training state (step counters, momenta, warm-start matrices) lives in ``self.state`` so
     that ``state_dict``/``load_state_dict`` carry it through checkpoints.
@@ -68,44 +108,23 @@ class Compressor(Stateful, ABC):
     that their noise averages out over workers) pass ``call.rank`` as the ``stream`` of
     ``ops.dither``.
 
-    Optional capabilities are methods with defaults here, so memories and the cost model call
-    them without probing: ``next_round`` (multi-round methods), ``sent_indices`` (which
-    positions a sparse payload carries), ``sent_entries`` (its positions and values),
-    ``combine`` / ``decompress_into`` (every rank's payload decompressed and aggregated, or
-    the reduced one decompressed, built in a given buffer where possible),
-    ``compress_with_error`` (the error feedback's subtraction done while compressing),
-    ``local_share`` (this rank's part of a multi-round result), ``payload_nbytes`` /
-    ``payload_nbytes_for_shape`` (bytes on the wire).
+    Faster ways to run these methods on one kind of device (fused kernels, N payloads
+    decompressed into one buffer, the error written while compressing) are not methods here:
+    they are speed paths behind one seam (``grace_dl.compressors.paths``), registered for a
+    compressor's exact class and tested against the methods above.
     """
 
-    allreduce_safe: bool = False
-    equal_sizes: bool = True
-    average: bool = True
-    two_phase_safe: bool = False
-    rounds: int = 1
-    unbiased: bool = False
-    needs_shape: bool = False
-    #: payloads are sparse: ``sent_entries`` gives their positions and values
-    sparse: bool = False
-    #: the payload is the tensor itself, flattened (``decompress`` is a reshape): an
-    #: allreduce may sum it in place when it is the caller's ``into``
-    sends_tensor: bool = False
+    caps: Capabilities = Capabilities()
 
-    @property
-    def drops_nonfinite(self) -> bool:
-        """Whether a NaN/Inf entry of the input may be left out of the payload (sparsifiers:
-        NaN ranks below every magnitude; randomk sends only the entries it draws). The
-        communicator then marks such a payload (``marked``), so that the step's result shows
-        the NaN as uncompressed training would. Default: ``sparse``."""
-        return self.sparse
-
-    def marked(self, payload, mark):
-        """``payload`` with the 0-d ``mark`` (-0.0, or NaN when the input held a non-finite
-        entry) added to its floating-point parts (a sparsifier's k values, adaq's two means):
-        O(k), and a NaN input decompresses to NaN wherever the payload carries a value."""
-        ops = ops_for(mark)
-        return [p + ops.cast(mark, ops.dtype(p)) if ops.is_floating(p) else p
-                for p in payload]
+    def __init_subclass__(cls, **kwargs):
+        """A capability declared as a class attribute of its own (how grace_dl declared them
+        before ``caps``) would be ignored: refuse it, naming the record to write instead."""
+        super().__init_subclass__(**kwargs)
+        loose = sorted(set(vars(cls)) & _CAPABILITIES)
+        if loose:
+            raise TypeError(f"{cls.__name__} declares {loose} as class attributes; declare "
+                            f"them in one record: caps = grace_dl.Capabilities("
+                            f"{', '.join(f'{n}=...' for n in loose)})")
 
     def __init__(self, seed: int = 0):
         super().__init__()
@@ -127,93 +146,30 @@ class Compressor(Stateful, ABC):
 
     def aggregate(self, tensors):
         """Combine the decompressed tensors of all ranks (default: their sum; the communicator
-        divides by the number of ranks for ``op=Average`` when ``average`` is True)."""
+        divides by the number of ranks for ``op=Average`` when ``caps.average`` is True)."""
         total = tensors[0]
         for t in tensors[1:]:
             total = total + t
         return total
-
-    def combine(self, payloads, ctx, out=None):
-        """``aggregate`` of every rank's decompressed payload (``payloads[r]``: rank r's parts,
-        in the layout of this rank's own parts, decompressed with this rank's ``ctx``), what
-        a gathering communicator hands back. Sparse methods override it to add every rank's
-        values into one buffer instead of building N dense tensors and summing them; they
-        write into ``out`` (a torch tensor of the result's shape and dtype, or None) when
-        given and return it, which the default ignores."""
-        return self.aggregate([self.decompress(p, ctx) for p in payloads])
-
-    def decompress_into(self, payload, ctx, out=None):
-        """``decompress``, built in ``out`` (as in ``combine``) where the method can; what an
-        allreduce does with the one reduced payload."""
-        return self.decompress(payload, ctx)
-
-    def combine_with_feedback(self, payloads, ctx, slot, out):
-        """Two-phase's server step in one go, where a method can fuse it: ``combine`` of the
-        ranks' payloads added to the server's residual ``slot``, that compressed, its error
-        left in ``slot`` and its decompression written into ``out`` (both tensors of the
-        chunk's length); returns the payload. None (the default): the communicator runs the
-        steps one by one, with the same result."""
-        return None
-
-    def compress_with_error(self, tensor, name: str, call: Call, error, decoded=None):
-        """``compress``, also writing ``tensor - decompress(payload, ctx)`` into ``error`` (a
-        tensor of ``tensor``'s shape, possibly ``tensor`` itself) and, given ``decoded``, the
-        decompression there, while compressing: error feedback without writing the dense
-        approximation out and reading it back. Returns ``(payload, ctx)``, or ``None`` (having
-        done nothing) where the method cannot for these tensors; the caller then decompresses."""
-        return None
-
-    def divided(self, payload, divisor):
-        """A payload that decompresses (and ``combine``s, with the default sum) to this one's
-        result divided by ``divisor``, made without touching a dense tensor (sparse methods
-        divide their k values), or ``None`` where the method cannot: an average then divides
-        the dense result. Communicators use it to average in O(k) instead of O(n), and only
-        while ``aggregate`` is the default sum."""
-        return None
-
-    def sent_entries(self, payload, ctx):
-        """``(positions, values)`` when ``decompress(payload, ctx)`` is zero except for
-        ``values`` at the distinct flat ``positions`` (error feedback then updates O(k)
-        entries instead of subtracting a dense tensor), else ``None``."""
-        return None
 
     def next_round(self, reduced, ctx):
         """For multi-round compressors: given the reduced payload of the last round, return
         ``(payload, ctx)`` for another round, or ``None`` when ``reduced`` is final."""
         return None
 
-    def sent_indices(self, payload, ctx):
-        """Flat positions a sparse payload carries (int tensor), or ``None`` when the method
-        does not send positions; the ``dgc`` memory masks its momentum there."""
+    def sent_entries(self, payload, ctx):
+        """For sparse compressors: ``(positions, values)`` when ``decompress(payload, ctx)``
+        is zero except for ``values`` at the distinct flat ``positions`` (error feedback then
+        updates O(k) entries instead of subtracting a dense tensor; the ``dgc`` memory masks
+        its momentum there), else ``None``."""
         return None
 
-    def local_share(self, ctx):
-        """For multi-round methods: this rank's own share of the reduced result (what its
-        error feedback subtracts), or ``None`` to use the averaged result."""
+    def payload_nbytes(self, size, dtype: str = "float32") -> int | None:
+        """Bytes the payload of a tensor has on the wire, from the method's formula; ``None``
+        where it depends on the data (threshold). ``size`` is the number of elements, or the
+        tensor's shape for a method that ``caps.needs_shape`` (PowerSGD). Used by tests to
+        check the honest-bytes promise and by the strategy cost model (``nbytes_for_shape``)."""
         return None
-
-    def subtract_local_share(self, ctx, residual) -> bool:
-        """``residual -= local_share(ctx)`` in place (``residual``: an error-feedback slot
-        holding the compensated tensor); False, leaving it, where there is no share."""
-        share = self.local_share(ctx)
-        if share is None:
-            return False
-        ops_for(share).assign_sub(residual, share)
-        return True
-
-    def payload_nbytes(self, numel: int, dtype: str = "float32") -> int | None:
-        """Bytes the payload of an ``numel``-element tensor has on the wire, from the method's
-        formula; ``None`` where it depends on the data (threshold). Used by tests to check the
-        honest-bytes promise and by the strategy cost model."""
-        return None
-
-    def payload_nbytes_for_shape(self, shape, dtype: str = "float32") -> int | None:
-        """Like ``payload_nbytes`` for a tensor of ``shape``; methods whose bytes depend on
-        the layout (PowerSGD) override it."""
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        return self.payload_nbytes(numel, dtype)
 
     # ------------------------------------------------------------------ helpers for subclasses
     def next_step(self, name: str, tensor):
@@ -222,14 +178,21 @@ class Compressor(Stateful, ABC):
         return self.state.next_step(f"step/{name}", ops_for(tensor))
 
 
-def error_views(compressor, owner: type, tensor, error, decoded, dtype: str):
-    """For a ``compress_with_error``: the 1-D views of ``error`` (and ``decoded``, when given)
-    to write into, or None where the fusion does not apply: ``compressor``'s ``compress`` is
-    not ``owner``'s own (a subclass that overrides it sends something else, so it decodes
-    after unless it says otherwise), or an output is not a ``dtype`` tensor of ``tensor``'s
+def nbytes_for_shape(compressor, shape, dtype: str = "float32") -> int | None:
+    """``compressor.payload_nbytes`` of a tensor of ``shape``: the shape itself for a method
+    that ``caps.needs_shape``, else its number of elements."""
+    if compressor.caps.needs_shape:
+        return compressor.payload_nbytes(tuple(shape), dtype)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return compressor.payload_nbytes(numel, dtype)
+
+
+def error_views(tensor, error, decoded, dtype: str):
+    """For a path's ``compress_with_error``: the 1-D views of ``error`` (and ``decoded``, when
+    given) to write into, or None where an output is not a ``dtype`` tensor of ``tensor``'s
     length with a flat view (TF has none)."""
-    if type(compressor).compress is not owner.compress:
-        return None
     ops = ops_for(tensor)
     outs = [error] if decoded is None else [error, decoded]
     if any(ops.dtype(o) != dtype or ops.numel(o) != ops.numel(tensor)

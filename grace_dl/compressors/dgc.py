@@ -22,8 +22,8 @@ go to the lowest positions; ``+-inf`` is the largest magnitude; NaN ranks below 
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors import sparse
-from grace_dl.compressors.base import LOCAL
+from grace_dl.compressors import paths, sparse
+from grace_dl.compressors.base import LOCAL, Capabilities
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -31,9 +31,7 @@ from grace_dl.validate import in_range
 
 @register_compressor("dgc")
 class DgcCompressor(SparseCompressor):
-    allreduce_safe = False
-    equal_sizes = False
-    unbiased = False
+    caps = Capabilities(equal_sizes=False, sparse=True)
 
     def __init__(self, compress_ratio: float = 0.01, warmup_steps: int = 0, seed: int = 0):
         super().__init__(seed)
@@ -75,3 +73,6 @@ class DgcCompressor(SparseCompressor):
             lambda: sparse.keep_top(ops, cand, ops.abs(ops.gather(flat, cand)), k),
             lambda: cand)
         return self.pack(ops, tensor, positions)
+
+
+paths.register(DgcCompressor)(sparse.SparsePath)

@@ -17,13 +17,12 @@ Reference: Micikevicius et al. 2018, "Mixed Precision Training"; Kalamkar et al.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.registry import register_compressor
 
 
 class _HalfCompressor(Compressor):
-    allreduce_safe = True
-    two_phase_safe = True
+    caps = Capabilities(allreduce_safe=True, two_phase_safe=True)
     wire_dtype = "float16"
 
     def __init__(self):
@@ -58,4 +57,4 @@ class FP16Compressor(_HalfCompressor):
 @register_compressor("bf16")
 class BF16Compressor(_HalfCompressor):
     wire_dtype = "bfloat16"
-    allreduce_safe = False
+    caps = Capabilities(two_phase_safe=True)

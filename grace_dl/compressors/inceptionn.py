@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -42,8 +42,7 @@ from grace_dl.validate import in_range
 
 @register_compressor("inceptionn")
 class InceptionnCompressor(Compressor):
-    equal_sizes = False
-    two_phase_safe = True
+    caps = Capabilities(equal_sizes=False, two_phase_safe=True)
 
     def __init__(self, error_bound: float = 2.0**-10):
         super().__init__()

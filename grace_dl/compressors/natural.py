@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
 
@@ -71,8 +71,7 @@ def _shift_down_all(ops, mag, base):
 
 @register_compressor("natural")
 class NaturalCompressor(Compressor):
-    unbiased = True
-    two_phase_safe = True
+    caps = Capabilities(two_phase_safe=True, unbiased=True)
 
     def __init__(self, seed: int = 0):
         super().__init__(seed)

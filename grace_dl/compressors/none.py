@@ -7,16 +7,13 @@ Unbiased (exact), allreduce-safe.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.registry import register_compressor
 
 
 @register_compressor("none")
 class NoneCompressor(Compressor):
-    allreduce_safe = True
-    two_phase_safe = True
-    unbiased = True
-    sends_tensor = True
+    caps = Capabilities(allreduce_safe=True, two_phase_safe=True, unbiased=True, sends_tensor=True)
 
     def __init__(self):
         super().__init__()

@@ -27,17 +27,13 @@ import math
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors import signbits
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.registry import register_compressor
 
 
 @register_compressor("onebit")
 class OneBitCompressor(Compressor):
-    allreduce_safe = False
-    equal_sizes = True
-    average = True
-    two_phase_safe = True
-    unbiased = False
+    caps = Capabilities(two_phase_safe=True)
 
     def __init__(self):
         super().__init__()

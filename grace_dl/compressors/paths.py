@@ -1,12 +1,13 @@
-"""The one seam for speed paths: a faster way to run a compressor's methods on one kind of
-device, chosen once and tested against the compressor's own methods.
+"""The one seam for speed paths: a faster way to run a compressor's methods, chosen once and
+tested against the compressor's own methods.
 
-A compressor's methods (``compress``, ``decompress``, ``aggregate``, and the optional
-``combine`` / ``decompress_into`` / ``compress_with_error`` / ``combine_with_feedback``) are the
-**reference**: written once against the ops backend, the same in torch and TensorFlow. A
-*speed path* is a class registered here for one exact compressor class and one device kind
-(``register``); it implements some of those methods faster on that kind (fused Triton kernels
-on a GPU) with the same payloads and the same results where the method is deterministic, and
+A compressor's methods (``compress``, ``decompress``, ``aggregate``) are the **reference**:
+written once against the ops backend, the same in torch and TensorFlow; ``Reference`` composes
+from them what communicators need besides (every rank's payload combined, a decompression
+built in a given buffer, ...). A *speed path* is a class registered here for one exact
+compressor class and one device kind, or for every kind (``ANY``: a method's own faster
+composition, such as sparse payloads summed by one scatter); it does some of those things
+faster with the same payloads and the same results where the method is deterministic, and
 inherits the reference for the rest. Communicators never call a compressor's methods
 directly: they ask ``paths.on(tensor)`` (``Paths``, built with the communicator) for the path
 of the tensor's device and call that.
@@ -26,7 +27,9 @@ subclass.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
+import weakref
 
 LOG = logging.getLogger("grace_dl.paths")
 
@@ -36,10 +39,18 @@ PROVIDERS = {"cuda": "grace_dl.torch.device", "cpu": "grace_dl.native.paths"}
 _REGISTRY: dict = {}
 _LOADED: set = set()
 _TOLD: set = set()
+_FEEDBACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def register(compressor_cls: type, kind: str):
-    """Class decorator: the decorated class is ``compressor_cls``'s speed path on ``kind``."""
+#: the kind of a path that serves every device (a compressor's own faster composition, in its
+#: module: sparse payloads summed by one scatter, an average folded into k values); a path
+#: registered for a device kind derives from it
+ANY = "any"
+
+
+def register(compressor_cls: type, kind: str = ANY):
+    """Class decorator: the decorated class is ``compressor_cls``'s speed path on ``kind``
+    (every kind without one of its own: ``ANY``)."""
     def decorate(path_cls):
         _REGISTRY[(compressor_cls, kind)] = path_cls
         return path_cls
@@ -56,8 +67,31 @@ def kind_of(tensor) -> str:
 
 
 class Reference:
-    """The compressor's own methods: the plain composition every speed path is held to.
-    Speed paths derive from it and override what they do faster."""
+    """The compressor's own methods composed plainly: the path every speed path is held to.
+    Besides ``compress``/``decompress`` it offers what communicators need beyond them, each
+    built from the compressor's methods alone:
+
+    ``combine(payloads, ctx, out)``
+        every rank's payload decompressed and ``aggregate``d (what a gathering communicator
+        hands back); a speed path builds it in ``out`` (a torch tensor of the result's shape
+        and dtype, or None) and returns it, the reference ignores ``out``;
+    ``decompress_into(payload, ctx, out)``
+        ``decompress``, built in ``out`` where a path can (an allreduce's one reduced payload);
+    ``compress_with_error(tensor, name, call, error, decoded=None)``
+        ``compress``, also writing ``tensor - decompress(payload, ctx)`` into ``error`` (and
+        the decompression into ``decoded``) while compressing; None where the path cannot
+        (the caller then decompresses);
+    ``combine_with_feedback(payloads, ctx, slot, out)``
+        two-phase's server step in one go: ``combine`` added to the residual ``slot``, that
+        compressed, its error left in ``slot``, its decompression in ``out``; returns the
+        payload, or None (the communicator runs the steps one by one, same result);
+    ``divided(payload, divisor)``
+        a payload that decompresses to this one's result divided by ``divisor``, made
+        without a dense tensor (a sparse method's k values), or None: an average then divides
+        the dense result (used only while ``aggregate`` is a sum: a path for an exact class).
+
+    Speed paths derive from it (or from a compressor's generic path) and override what they
+    do faster."""
 
     def __init__(self, compressor):
         self.compressor = compressor
@@ -66,19 +100,22 @@ class Reference:
         return self.compressor.compress(tensor, name, call)
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
-        return self.compressor.compress_with_error(tensor, name, call, error, decoded)
+        return None
 
     def decompress(self, payload, ctx):
         return self.compressor.decompress(payload, ctx)
 
     def decompress_into(self, payload, ctx, out=None):
-        return self.compressor.decompress_into(payload, ctx, out)
+        return self.decompress(payload, ctx)
 
     def combine(self, payloads, ctx, out=None):
-        return self.compressor.combine(payloads, ctx, out)
+        return self.compressor.aggregate([self.decompress(p, ctx) for p in payloads])
 
     def combine_with_feedback(self, payloads, ctx, slot, out):
-        return self.compressor.combine_with_feedback(payloads, ctx, slot, out)
+        return None
+
+    def divided(self, payload, divisor):
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.compressor).__name__})"
@@ -111,10 +148,11 @@ class Paths:
             importlib.import_module(PROVIDERS[kind])
             _LOADED.add(kind)
         cls = type(self.compressor)
-        path_cls = _REGISTRY.get((cls, kind))
+        path_cls = _REGISTRY.get((cls, kind)) or _REGISTRY.get((cls, ANY))
         if path_cls is not None:
             return path_cls(self.compressor)
-        base = next((b for b in cls.__mro__[1:] if (b, kind) in _REGISTRY), None)
+        base = next((b for b in cls.__mro__[1:]
+                     if (b, kind) in _REGISTRY or (b, ANY) in _REGISTRY), None)
         if base is not None and (cls, kind) not in _TOLD:
             _TOLD.add((cls, kind))
             LOG.info("%s derives from %s, which has a speed path on %s; %s runs its own "
@@ -129,8 +167,48 @@ class Paths:
 
 def path_class(compressor_cls: type, kind: str):
     """The speed path registered for ``compressor_cls`` on ``kind`` (its provider imported),
-    or None."""
+    else its path for every kind (``ANY``), or None."""
     if kind in PROVIDERS and kind not in _LOADED:
         importlib.import_module(PROVIDERS[kind])
         _LOADED.add(kind)
-    return _REGISTRY.get((compressor_cls, kind))
+    return _REGISTRY.get((compressor_cls, kind)) or _REGISTRY.get((compressor_cls, ANY))
+
+
+def feedback_of(memory):
+    """The path that runs ``memory`` for a communicator: the one registered for its exact
+    class (``register(MemoryClass)``: compensation in the memory's own slot, the error
+    written while compressing), else ``grace_dl.memory.base.Feedback`` (its own
+    ``compensate``/``update``). One per memory object: the path keeps which names it
+    compensated in place until their update."""
+    path = _FEEDBACK.get(memory)
+    if path is None:
+        from grace_dl.memory.base import Feedback
+        cls = type(memory)
+        path_cls = _REGISTRY.get((cls, ANY))
+        if path_cls is None:
+            base = next((b for b in cls.__mro__[1:] if (b, ANY) in _REGISTRY), None)
+            if base is not None and cls not in _TOLD:
+                _TOLD.add(cls)
+                LOG.info("%s derives from %s, which has a speed path; %s runs its own "
+                         "compensate and update (the reference path)", cls.__name__,
+                         base.__name__, cls.__name__)
+            path_cls = Feedback
+        path = _FEEDBACK[memory] = path_cls(memory)
+    return path
+
+
+def overrides(cls: type, base: type, name: str) -> bool:
+    """Whether ``cls`` (a subclass of ``base``) defines its own ``name`` instead of
+    ``base``'s (a wrapper that says what it wraps, ``functools.wraps``, counts as the function
+    it wraps). Asked once, when a communicator is built, to keep a speed path that relies on
+    ``base``'s method away from a subclass that changed it."""
+    own = getattr(cls, name, None)
+    return own is not None and inspect.unwrap(own) is not getattr(base, name)
+
+
+def own(compressor):
+    """The path ``compressor`` runs where no device kind has one of its own (TensorFlow
+    tensors, a torch device without speed paths): its class's ``ANY`` path, else the
+    reference."""
+    path_cls = _REGISTRY.get((type(compressor), ANY))
+    return Reference(compressor) if path_cls is None else path_cls(compressor)

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 from grace_dl import dtypes
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors import paths
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range, one_of
 from grace_dl.validate import seed as check_seed
@@ -81,10 +82,7 @@ class PowerSGDCompressor(Compressor):
     tensor go uncompressed. ``seed``: keys the initial Q, identical on every rank.
     """
 
-    allreduce_safe = True
-    rounds = 2
-    unbiased = False
-    needs_shape = True
+    caps = Capabilities(allreduce_safe=True, rounds=2, needs_shape=True)
 
     def __init__(self, compress_rank: int = 1, min_compression_rate: float = 2.0,
                  start_step: int = 0, seed: int = 0):
@@ -112,20 +110,19 @@ class PowerSGDCompressor(Compressor):
             return None
         return n, m, r
 
-    def payload_nbytes(self, numel, dtype="float32"):
-        """``None``: the bytes depend on the matrix shape; see ``payload_nbytes_for_shape``."""
-        return None
-
-    def payload_nbytes_for_shape(self, shape, dtype="float32", layout="torch") -> int:
-        """Bytes one rank sends for a tensor of ``shape`` over both rounds once compression has
-        started: r*(n+m)*itemsize, or n*m*itemsize for a tensor that goes uncompressed.
-        ``layout`` ("torch" or "tensorflow") says which axis is the output one."""
+    def payload_nbytes(self, size, dtype="float32", layout="torch"):
+        """Bytes one rank sends for a tensor of shape ``size`` over both rounds once
+        compression has started: r*(n+m)*itemsize, or n*m*itemsize for a tensor that goes
+        uncompressed; ``None`` for a number of elements (the bytes depend on the matrix
+        shape). ``layout`` ("torch" or "tensorflow") says which axis is the output one."""
+        if isinstance(size, int):
+            return None
         one_of("layout", layout, LAYOUTS)
         itemsize = dtypes.itemsize(dtype)
-        plan = self.matrix_shape(shape, layout)
+        plan = self.matrix_shape(size, layout)
         if plan is None:
             numel = 1
-            for d in shape:
+            for d in size:
                 numel *= d
             return numel * itemsize
         n, m, r = plan
@@ -175,25 +172,6 @@ class PowerSGDCompressor(Compressor):
         q = self._keep_warm_start(ops, ctx, payload)
         return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(q)), ctx.shape)
 
-    def decompress_into(self, payload, ctx, out=None):
-        """``decompress`` with P_hat (reduced Q)^T multiplied straight into ``out`` (the
-        caller's gradient) where its memory is the matrix's (torch layout, contiguous)."""
-        ops = ops_for(payload[0])
-        if out is None or not ctx.low_rank or ops.NAME != "torch" or not out.is_contiguous() \
-                or tuple(out.shape) != tuple(ctx.shape) or out.dtype != payload[0].dtype:
-            return self.decompress(payload, ctx)
-        q = self._keep_warm_start(ops, ctx, payload)
-        n, r = ops.shape(ctx.p_hat)
-        ops.assign_matmul(ops.reshape(out, (n, ops.shape(q)[0])), ctx.p_hat, ops.transpose(q))
-        return out
-
-    def divided(self, payload, divisor):
-        """The last round's payload for the average, O((n + m) r) instead of a pass over the
-        n x m result: ``[Q / divisor, Q]`` (the reduced Q divided, the sum itself kept as the
-        next warm start, so the state is the same as after a dense division); an uncompressed
-        tensor's values divided (as many elements as the division it replaces)."""
-        return [payload[0] / divisor, payload[0]]
-
     def _keep_warm_start(self, ops, ctx, payload):
         """Store the reduced Q (``payload[-1]``: the sum, also in a ``divided`` payload) as the
         next step's warm start; return the Q to multiply with (``payload[0]``)."""
@@ -215,7 +193,7 @@ class PowerSGDCompressor(Compressor):
         """``residual -= P_hat Q_w^T`` as rank-r updates of the residual itself, with no
         n x m product of its own (torch: a contiguous residual, as a matrix view; TensorFlow:
         a 2-D kernel, whose matrix is its transpose: ``-= Q_w P_hat^T``); else the
-        base class's."""
+        plain subtraction of ``local_share``."""
         if not ctx.low_rank:
             return False
         ops = ops_for(ctx.p_hat)
@@ -228,7 +206,8 @@ class PowerSGDCompressor(Compressor):
         elif len(ctx.shape) == 2:
             ops.assign_sub_matmul(residual, ctx.q_local, ops.transpose(ctx.p_hat))
             return True
-        return super().subtract_local_share(ctx, residual)
+        ops.assign_sub(residual, self.local_share(ctx))
+        return True
 
     # ------------------------------------------------------------------ helpers
     def _q_slot(self, ops, name, shape, like):
@@ -264,6 +243,31 @@ class PowerSGDCompressor(Compressor):
         rank = len(shape)
         torch_shape = tuple(shape[i] for i in _keras_to_torch(rank))
         return ops.permute(ops.reshape(matrix, torch_shape), _torch_to_keras(rank))
+
+
+@paths.register(PowerSGDCompressor)
+class PowerSGDPath(paths.Reference):
+    """PowerSGD's own faster composition on every device: the product written into the
+    output buffer, an average folded into Q."""
+
+    def decompress_into(self, payload, ctx, out=None):
+        """``decompress`` with P_hat (reduced Q)^T multiplied straight into ``out`` (the
+        caller's gradient) where its memory is the matrix's (torch layout, contiguous)."""
+        ops = ops_for(payload[0])
+        if out is None or not ctx.low_rank or ops.NAME != "torch" or not out.is_contiguous() \
+                or tuple(out.shape) != tuple(ctx.shape) or out.dtype != payload[0].dtype:
+            return self.compressor.decompress(payload, ctx)
+        q = self.compressor._keep_warm_start(ops, ctx, payload)
+        n, r = ops.shape(ctx.p_hat)
+        ops.assign_matmul(ops.reshape(out, (n, ops.shape(q)[0])), ctx.p_hat, ops.transpose(q))
+        return out
+
+    def divided(self, payload, divisor):
+        """The last round's payload for the average, O((n + m) r) instead of a pass over the
+        n x m result: ``[Q / divisor, Q]`` (the reduced Q divided, the sum itself kept as the
+        next warm start, so the state is the same as after a dense division); an uncompressed
+        tensor's values divided (as many elements as the division it replaces)."""
+        return [payload[0] / divisor, payload[0]]
 
 
 def orthonormalize(ops, matrix):

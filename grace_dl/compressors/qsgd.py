@@ -28,7 +28,8 @@ magnitude, so one large value does not turn its bucket into NaN.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor, error_views
+from grace_dl.compressors import paths
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor, error_views
 from grace_dl.compressors.flat import (
     add_dither,
     bits_for,
@@ -44,8 +45,7 @@ from grace_dl.validate import in_range
 
 @register_compressor("qsgd")
 class QSGDCompressor(Compressor):
-    unbiased = True
-    two_phase_safe = True
+    caps = Capabilities(two_phase_safe=True, unbiased=True)
 
     def __init__(self, quantum_num: int = 127, bucket_size: int = 512, seed: int = 0):
         super().__init__(seed)
@@ -74,19 +74,11 @@ class QSGDCompressor(Compressor):
     def compress(self, tensor, name, call=LOCAL):
         return self._compress(tensor, name, call)
 
-    def compress_with_error(self, tensor, name, call, error, decoded=None):
-        """``compress``, also writing ``tensor - decompress(payload)`` into ``error`` and the
-        decompression into ``decoded`` (when given) block by block, from the codes while they
-        are in cache (the same float operations as ``decompress``, so the same values). Needs
-        a float32 ``tensor`` and ``error``/``decoded`` with flat views (torch); else None."""
-        outs = self._error_outs(tensor, error, decoded)
-        return None if outs is None else self._compress(tensor, name, call, outs)
-
     def _error_outs(self, tensor, error, decoded):
         """``compress_with_error``'s 1-D outputs, or None where it does not apply."""
         if ops_for(tensor).dtype(tensor) != "float32":
             return None
-        return error_views(self, QSGDCompressor, tensor, error, decoded, "float32")
+        return error_views(tensor, error, decoded, "float32")
 
     def _compress(self, tensor, name, call, outs=(), fast_levels=None):
         """``(payload, ctx)``; ``outs``: 1-D float32 tensors of the input's length, the first
@@ -167,18 +159,6 @@ class QSGDCompressor(Compressor):
     def decompress(self, payload, ctx):
         return self._decode(payload, ctx)
 
-    def decompress_into(self, payload, ctx, out=None):
-        """``decompress`` written straight into ``out`` where it has a float32 flat view
-        (torch) and the input was float32; else into a new tensor."""
-        return self._decode(payload, ctx, out)
-
-    def combine(self, payloads, ctx, out=None):
-        """The sum of every rank's decoded payload, built in one buffer (``out`` when it can
-        be written, as in ``decompress_into``): the first payload is decoded into it, each
-        other one added block by block, in rank order (the same float sums as ``aggregate``
-        of the decompressed tensors, without N dense tensors)."""
-        return self._combine(payloads, ctx, out)
-
     def _combine(self, payloads, ctx, out=None, fast_values=None):
         """``combine``, with ``_decode``'s ``fast_values``."""
         total = self._decode(payloads[0], ctx, out, fast_values=fast_values)
@@ -188,12 +168,6 @@ class QSGDCompressor(Compressor):
         for payload in payloads[1:]:
             self._decode(payload, ctx, total, accumulate=True, fast_values=fast_values)
         return total
-
-    def divided(self, payload, divisor):
-        """The payload with its norms divided by ``divisor``: it decodes to the values divided
-        (exactly for a power of two, else within a rounding), without a pass over them."""
-        packed, norms = payload
-        return [packed, norms / divisor]
 
     def _decode(self, payload, ctx, out=None, accumulate=False, fast_values=None):
         """The payload's values (``norm / s * (code - s)``), into ``out``'s flat view when it
@@ -253,3 +227,37 @@ def _bucket_norms(ops, xb, nb):
         return ops.norm(xb / ops.reshape(peak, (nb, 1)), axis=1) * peak
 
     return ops.cond(ops.isfinite(ops.sum(norms)), lambda: norms, rescaled)
+
+
+@paths.register(QSGDCompressor)
+class QSGDPath(paths.Reference):
+    """qsgd's own faster composition on every device: the error written while compressing,
+    decodings built in the output buffer (N payloads added into one), an average folded
+    into the norms."""
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        """``compress``, also writing ``tensor - decompress(payload)`` into ``error`` and the
+        decompression into ``decoded`` (when given) block by block, from the codes while they
+        are in cache (the same float operations as ``decompress``, so the same values). Needs
+        a float32 ``tensor`` and ``error``/``decoded`` with flat views (torch); else None."""
+        outs = self.compressor._error_outs(tensor, error, decoded)
+        return None if outs is None else self.compressor._compress(tensor, name, call, outs)
+
+    def decompress_into(self, payload, ctx, out=None):
+        """``decompress`` written straight into ``out`` where it has a float32 flat view
+        (torch) and the input was float32; else into a new tensor."""
+        return self.compressor._decode(payload, ctx, out)
+
+    def combine(self, payloads, ctx, out=None):
+        """The sum of every rank's decoded payload, built in one buffer (``out`` when it can
+        be written, as in ``decompress_into``): the first payload is decoded into it, each
+        other one added block by block, in rank order (the same float sums as ``aggregate``
+        of the decompressed tensors, without N dense tensors)."""
+        return self.compressor._combine(payloads, ctx, out)
+
+    def divided(self, payload, divisor):
+        """The payload with its norms divided by ``divisor``: it decodes to the values divided
+        (exactly for a power of two, else within a rounding), without a pass over them."""
+        packed, norms = payload
+        return [packed, norms / divisor]
+

@@ -29,18 +29,14 @@ from __future__ import annotations
 import math
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors import signbits
-from grace_dl.compressors.base import LOCAL, Compressor, error_views
+from grace_dl.compressors import paths, signbits
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor, error_views
 from grace_dl.registry import register_compressor
 
 
 @register_compressor("signsgd")
 class SignSGDCompressor(Compressor):
-    allreduce_safe = False
-    equal_sizes = False
-    average = False
-    two_phase_safe = True
-    unbiased = False
+    caps = Capabilities(equal_sizes=False, average=False, two_phase_safe=True)
 
     def __init__(self):
         super().__init__()
@@ -54,34 +50,10 @@ class SignSGDCompressor(Compressor):
         return [signbits.pack_signs(ops, signbits.encode(ops, flat),
                                     ops.pack_compare(flat, "eq", 0), signbits.status(ops, flat))]
 
-    def compress_with_error(self, tensor, name, call, error, decoded=None):
-        """``compress``, with the error ``tensor - sign(tensor)`` (NaN everywhere when the
-        status byte is set, as the decoded payload is) and the decoded signs written block by
-        block from the tensor itself, instead of unpacking the two bit planes again. Needs
-        ``error``/``decoded`` of the tensor's dtype with flat views (torch); else None."""
-        ops = ops_for(tensor)
-        # (signum, a subclass, sends its momentum's signs: it decodes after)
-        outs = error_views(self, SignSGDCompressor, tensor, error, decoded, ops.dtype(tensor))
-        if outs is None:
-            return None
-        flat = ops.flatten(tensor)
-        payload = self._encode(ops, flat)
-
-        def error_of(xc, *dc):
-            v = ops.sign(xc)
-            if dc:
-                ops.assign(dc[0], v)
-            return xc - v
-
-        ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
-        if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):   # torch only here
-            all_nan(ops, outs)      # as decoding gives
-        return payload, (ops.shape(tensor), ops.dtype(tensor))
-
     def decompress(self, payload, ctx):
-        return self.decompress_into(payload, ctx)
+        return self._unpack(payload, ctx)
 
-    def decompress_into(self, payload, ctx, out=None):
+    def _unpack(self, payload, ctx, out=None):
         """The signs decoded from the two planes in one table-lookup pass
         (``signbits.ternary``), into ``out`` when it has a flat view (torch), else into a new
         tensor; NaN everywhere when the status byte is set."""
@@ -91,15 +63,6 @@ class SignSGDCompressor(Compressor):
         neg, zero = signbits.planes(ops, packed, math.prod(shape))
         return self._signs(ops, signbits.positive(ops, neg, zero), neg,
                            signbits.flag(ops, packed), shape, dtype, out)
-
-    def combine(self, payloads, ctx, out=None):
-        """The majority vote counted on every rank's packed planes (``signbits.vote``: no
-        rank's signs are unpacked) and decoded once, into ``out`` as in ``decompress_into``;
-        NaN everywhere when any rank's status byte is set."""
-        shape, dtype = ctx
-        ops = ops_for(payloads[0][0])
-        pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(shape))
-        return self._signs(ops, pos, neg, statuses(ops, payloads), shape, dtype, out)
 
     @staticmethod
     def _signs(ops, pos, neg, status, shape, dtype, out):
@@ -159,3 +122,45 @@ def all_nan(ops, outs) -> None:
     """Set every element of the tensors ``outs`` to NaN."""
     for o in outs:
         ops.assign(o, ops.full(ops.shape(o), float("nan"), ops.dtype(o), like=o))
+
+
+@paths.register(SignSGDCompressor)
+class SignSGDPath(paths.Reference):
+    """signsgd's own faster composition on every device: the error written while encoding,
+    the signs decoded into the output buffer, the majority vote counted on the packed
+    planes."""
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        """``compress``, with the error ``tensor - sign(tensor)`` (NaN everywhere when the
+        status byte is set, as the decoded payload is) and the decoded signs written block by
+        block from the tensor itself, instead of unpacking the two bit planes again. Needs
+        ``error``/``decoded`` of the tensor's dtype with flat views (torch); else None."""
+        ops = ops_for(tensor)
+        outs = error_views(tensor, error, decoded, ops.dtype(tensor))
+        if outs is None:
+            return None
+        flat = ops.flatten(tensor)
+        payload = self.compressor._encode(ops, flat)
+
+        def error_of(xc, *dc):
+            v = ops.sign(xc)
+            if dc:
+                ops.assign(dc[0], v)
+            return xc - v
+
+        ops.blockwise(error_of, flat, *outs[1:], out=outs[0])
+        if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):   # torch only here
+            all_nan(ops, outs)      # as decoding gives
+        return payload, (ops.shape(tensor), ops.dtype(tensor))
+
+    def decompress_into(self, payload, ctx, out=None):
+        return self.compressor._unpack(payload, ctx, out)
+
+    def combine(self, payloads, ctx, out=None):
+        """The majority vote counted on every rank's packed planes (``signbits.vote``: no
+        rank's signs are unpacked) and decoded once, into ``out`` as in ``decompress_into``;
+        NaN everywhere when any rank's status byte is set."""
+        shape, dtype = ctx
+        ops = ops_for(payloads[0][0])
+        pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(shape))
+        return self.compressor._signs(ops, pos, neg, statuses(ops, payloads), shape, dtype, out)

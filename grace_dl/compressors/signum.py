@@ -18,19 +18,19 @@ the voted signs would fold them into a momentum of its own.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL
-from grace_dl.compressors.signsgd import SignSGDCompressor
+from grace_dl.compressors import paths
+from grace_dl.compressors.base import LOCAL, Capabilities
+from grace_dl.compressors.signsgd import SignSGDCompressor, SignSGDPath
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
 
 
 @register_compressor("signum")
 class SignumCompressor(SignSGDCompressor):
-    two_phase_safe = False
-    accumulates = ("momentum/",)    # kept finite after each step and zeroed by reset()
-
+    caps = Capabilities(equal_sizes=False, average=False)
     def __init__(self, momentum: float = 0.9):
         super().__init__()
+        self.state.accumulates = ("momentum/",)    # kept finite after each step, reset() zeroes
         self.momentum = in_range("momentum", momentum, 0.0, 1.0, hi_open=True)
 
     def momentum_step(self, ops, tensor, name):
@@ -46,3 +46,11 @@ class SignumCompressor(SignSGDCompressor):
         slot = self.momentum_step(ops, tensor, name)
         return self._encode(ops, ops.read(slot)), (ops.shape(tensor), ops.dtype(tensor))
 
+
+@paths.register(SignumCompressor)
+class SignumPath(SignSGDPath):
+    """signsgd's composition, except the error written while encoding: signum sends its
+    momentum's signs, so its error is decoded after."""
+
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.compressors.buckets import bucketize
 from grace_dl.compressors.flat import bits_for, flat_f32, pack, restore, unpack
 from grace_dl.registry import register_compressor
@@ -30,7 +30,7 @@ from grace_dl.validate import in_range
 
 @register_compressor("sketch")
 class SketchCompressor(Compressor):
-    two_phase_safe = True
+    caps = Capabilities(two_phase_safe=True)
 
     def __init__(self, quantiles: int = 64, sample_size: int = 16384, seed: int = 0):
         super().__init__(seed)

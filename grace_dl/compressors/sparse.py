@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
+from grace_dl.compressors.base import Capabilities, Compressor
+from grace_dl.compressors.paths import Reference
 from grace_dl.dtypes import itemsize  # noqa: F401  (re-exported for the sparsifiers)
 
 INDEX_DTYPE = "int32"
@@ -140,8 +141,7 @@ class SparseCompressor(Compressor):
     """Base of the sparsifiers whose payload is ``[values, int32 positions]`` (topk, threshold,
     dgc). The ctx is ``(shape, numel)``. Subclasses choose the positions."""
 
-    two_phase_safe = False
-    sparse = True
+    caps = Capabilities(sparse=True)
 
     def pack(self, ops, tensor, positions):
         """Payload and ctx for sending ``tensor``'s flat entries at ``positions``."""
@@ -161,26 +161,31 @@ class SparseCompressor(Compressor):
         ops = ops_for(values)
         return ops.reshape(ops.scatter(positions, values, n), shape)
 
-    def sent_indices(self, payload, ctx):
-        """Flat positions of the entries this payload carries (the DGC memory masks them)."""
-        return payload[1]
-
     def sent_entries(self, payload, ctx):
         return payload[1], payload[0]
+
+
+class SparsePath(Reference):
+    """A ``SparseCompressor``'s own faster composition on every device (``paths.ANY``; the
+    registering class names it): a decompression, or every rank's values, added into one
+    buffer at their positions by one scatter (``fast_sum``: a device's speed path gives one);
+    an average folded into the k values."""
+
+    #: ``scatter_sum``'s ``fast_sum`` (None: the ops' scatter)
+    fast_sum = None
 
     def divided(self, payload, divisor):
         return [payload[0] / divisor, payload[1]]
 
     def decompress_into(self, payload, ctx, out=None):
-        return scatter_sum(ops_for(payload[0]), [payload[1]], [payload[0]], ctx, out)
+        return scatter_sum(ops_for(payload[0]), [payload[1]], [payload[0]], ctx, out,
+                           self.fast_sum)
 
     def combine(self, payloads, ctx, out=None):
         """Every rank's values added into one dense buffer at their positions, in rank order
         (the same sums as adding the ranks' decompressed tensors in rank order)."""
-        if type(self).aggregate is not Compressor.aggregate:
-            return super().combine(payloads, ctx)
         return scatter_sum(ops_for(payloads[0][0]), [p[1] for p in payloads],
-                           [p[0] for p in payloads], ctx, out)
+                           [p[0] for p in payloads], ctx, out, self.fast_sum)
 
 
 def scatter_sum(ops, positions: list, values: list, ctx, out=None, fast_sum=None):

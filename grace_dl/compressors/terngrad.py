@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.compressors.flat import add_dither, dither_bits, flat_f32, restore
 from grace_dl.registry import register_compressor
 
@@ -29,8 +29,7 @@ _DITHER = dither_bits(1)  # one step per max|v|: 16 bits, bias <= max|v| / 2**17
 
 @register_compressor("terngrad")
 class TernGradCompressor(Compressor):
-    unbiased = True
-    two_phase_safe = True
+    caps = Capabilities(two_phase_safe=True, unbiased=True)
 
     def __init__(self, seed: int = 0):
         super().__init__(seed)

@@ -18,8 +18,8 @@ import math
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors import sparse
-from grace_dl.compressors.base import LOCAL
+from grace_dl.compressors import paths, sparse
+from grace_dl.compressors.base import LOCAL, Capabilities
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -29,9 +29,7 @@ _F32_TINY = float(np.finfo(np.float32).tiny)
 
 @register_compressor("threshold")
 class ThresholdCompressor(SparseCompressor):
-    allreduce_safe = False
-    equal_sizes = False
-    unbiased = False
+    caps = Capabilities(equal_sizes=False, sparse=True)
 
     def __init__(self, threshold: float = 0.01):
         super().__init__()
@@ -53,3 +51,6 @@ class ThresholdCompressor(SparseCompressor):
             above = float(np.nextafter(np.float32(thr), np.float32(np.inf)))
             return self.pack(ops, tensor, ops.positions_at_least(flat, above))
         return self.pack(ops, tensor, ops.nonzero((flat > thr) | (flat < -thr)))
+
+
+paths.register(ThresholdCompressor)(sparse.SparsePath)

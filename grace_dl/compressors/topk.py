@@ -21,8 +21,8 @@ path runs, so the draw never changes the result, only the time. Tensors under
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors import sparse
-from grace_dl.compressors.base import LOCAL
+from grace_dl.compressors import paths, sparse
+from grace_dl.compressors.base import LOCAL, Capabilities
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range, one_of
@@ -30,9 +30,7 @@ from grace_dl.validate import in_range, one_of
 
 @register_compressor("topk")
 class TopKCompressor(SparseCompressor):
-    allreduce_safe = False
-    equal_sizes = True
-    unbiased = False
+    caps = Capabilities(sparse=True)
 
     def __init__(self, compress_ratio: float = 0.01, approximate: bool = True, seed: int = 0):
         super().__init__(seed)
@@ -61,3 +59,6 @@ class TopKCompressor(SparseCompressor):
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * (sparse.itemsize(dtype) + 4)
+
+
+paths.register(TopKCompressor)(sparse.SparsePath)

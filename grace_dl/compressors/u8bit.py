@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import LOCAL, Compressor
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
 from grace_dl.compressors.flat import flat_f32, restore
 from grace_dl.registry import register_compressor
 
@@ -62,7 +62,7 @@ _CELL_INDEX, _CELL_SPLIT = _cell_tables()
 
 @register_compressor("u8bit")
 class U8bitCompressor(Compressor):
-    two_phase_safe = True
+    caps = Capabilities(two_phase_safe=True)
 
     def __init__(self):
         super().__init__()

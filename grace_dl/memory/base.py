@@ -8,7 +8,7 @@ and travels through ``state_dict``/``load_state_dict``.
 non-finite entries of a tensor's slots are set to 0 (``State.keep_finite``, one elementwise
 pass per slot). A NaN/Inf in the compensated gradient is sent in the step it occurs in (the
 compressor carries it, or the communicator marks the payload of one that may leave it out:
-``Compressor.drops_nonfinite``), so the averaged gradient shows it as uncompressed training
+``Capabilities.drops_nonfinite``), so the averaged gradient shows it as uncompressed training
 would, and AMP's ``GradScaler`` or a user's ``isfinite`` guard sees it; the next step starts
 from a finite memory instead of sending NaN forever. ``reset(name=None)`` zeroes the state of
 one tensor or of all (after rolling the model back, for instance).
@@ -22,22 +22,22 @@ from grace_dl.state import Stateful
 
 
 class Memory(Stateful, ABC):
-    #: every slot of a memory accumulates (``reset`` zeroes them all); the plain-named one
-    #: (``""``) is what ``keep_finite`` cleans unless a memory names its slots' prefixes
-    accumulates: tuple = ("",)
+    """Base class of every error-feedback memory: ``compensate`` before compression,
+    ``update`` after it, and ``refusal`` to name a compressor it cannot serve. Its state's
+    plain-named slots (``""``) accumulate (``State.accumulates``: kept finite after each
+    update, zeroed by ``reset``); a memory with other accumulating slots names their
+    prefixes in its ``__init__``.
 
-    #: whether ``update`` reads its ``approximation`` (the communicator skips computing it
-    #: otherwise)
-    needs_approximation: bool = True
+    Faster ways to run a memory (compensating in its own slot, the error written while
+    compressing) are speed paths behind the one seam (``grace_dl.compressors.paths``,
+    ``feedback_of``), registered for a memory's exact class."""
+
+    def __init__(self):
+        super().__init__(accumulates=("",))
 
     @abstractmethod
     def compensate(self, tensor, name: str):
         """Return the tensor to compress: ``tensor`` corrected by the stored error for ``name``."""
-
-    def compensate_for(self, tensor, name: str, compressor):
-        """``compensate`` as a communicator calls it, knowing the compressor (a memory may
-        then compensate in place: the result is only read until ``update``)."""
-        return self.compensate(tensor, name)
 
     @abstractmethod
     def update(self, tensor, name: str, compressor, payload, ctx, approximation=None) -> None:
@@ -49,40 +49,52 @@ class Memory(Stateful, ABC):
         copy what must be kept), the ranks' average for multi-round methods. Called outside
         a communicator without it, ``sent`` decompresses the payload."""
 
-    def accumulator(self, name: str, like, compressor):
-        """The slot that ``compensate_for`` adds the tensor sent as ``name`` into, to add its
-        parts into first (``like``: that tensor), or None where this memory has none. After
-        this call the next ``compensate_for(tensor, name, ...)`` adds nothing: the caller has
-        added the whole tensor into the slot by then and sends a tensor of ``like``'s shape
-        whose values are not read (the torch optimizer's buckets add each member's gradient
-        here instead of copying it into the bucket, one dense pass less per step)."""
-        return None
-
-    def error_slot(self, name: str, compressor):
-        """The tensor that ``update`` would set to ``compensated - approximation``, when it
-        holds the compensated tensor itself (compensated in place), else None. A communicator
-        may have the compressor write its error there while compressing
-        (``Compressor.compress_with_error``) and then call ``error_written`` instead of
-        ``update``."""
-        return None
-
-    def error_written(self, name: str) -> None:
-        """The compressor wrote this step's error into ``error_slot(name)``: the update for
-        ``name`` is done."""
-        raise NotImplementedError(f"{type(self).__name__} offers no error slot")
-
-    @staticmethod
-    def sent(compressor, payload, ctx, approximation):
-        """``approximation``, or the payload decompressed when none was given."""
-        return compressor.decompress(payload, ctx) if approximation is None else approximation
-
-    def wants_approximation(self, compressor) -> bool:
-        """Whether ``update`` reads ``approximation`` when it serves ``compressor`` (the
-        communicator computes the approximation only then)."""
-        return self.needs_approximation
-
     def refusal(self, compressor) -> str | None:
         """Why this memory cannot serve ``compressor`` (None when it can); the communicator
         raises it at construction."""
         return None
 
+
+def sent(compressor, payload, ctx, approximation):
+    """``approximation``, or the payload decompressed when none was given."""
+    return compressor.decompress(payload, ctx) if approximation is None else approximation
+
+
+class Feedback:
+    """A memory as a communicator runs it (``grace_dl.compressors.paths.feedback_of``): the
+    reference path, the memory's own ``compensate`` and ``update``. Speed paths derive from
+    it, registered for a memory's exact class, and may
+
+    - compensate in the memory's own slot (``compensate``, knowing the compressor), and offer
+      that slot to the framework glue to add a tensor's parts into first (``accumulator``;
+      the next ``compensate`` of that name then adds nothing: the caller has added the whole
+      tensor and sends a tensor of ``like``'s shape whose values are not read);
+    - offer the slot that ``update`` would set to ``compensated - approximation`` while it
+      holds the compensated tensor (``error_slot``), for the compressor's path to write its
+      error there while compressing; the communicator then calls ``error_written``;
+    - say that ``update`` does not read ``approximation`` (``wants_approximation``), so the
+      communicator does not compute it."""
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def compensate(self, tensor, name, compressor):
+        return self.memory.compensate(tensor, name)
+
+    def update(self, tensor, name, compressor, payload, ctx, approximation=None):
+        self.memory.update(tensor, name, compressor, payload, ctx, approximation)
+
+    def accumulator(self, name, like, compressor):
+        return None
+
+    def error_slot(self, name, compressor):
+        return None
+
+    def error_written(self, name) -> None:
+        raise NotImplementedError(f"{type(self.memory).__name__} offers no error slot")
+
+    def wants_approximation(self, compressor) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.memory).__name__})"

@@ -23,17 +23,16 @@ set to 0 (``grace_dl.memory.base``): a NaN/Inf is sent in its own step, not kept
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.memory.base import Memory
+from grace_dl.memory import base
 from grace_dl.registry import register_memory
 from grace_dl.validate import in_range
 
 
 @register_memory("dgc")
-class DgcMemory(Memory):
-    accumulates = ("momentum/", "velocity/")
-
+class DgcMemory(base.Memory):
     def __init__(self, momentum: float = 0.9, gradient_clipping=None):
         super().__init__()
+        self.state.accumulates = ("momentum/", "velocity/")
         self.momentum = in_range("momentum", momentum, 0.0, 1.0, hi_open=True)
         if gradient_clipping is None or gradient_clipping is False:
             self.gradient_clipping = None
@@ -61,16 +60,17 @@ class DgcMemory(Memory):
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
-        approximation = self.sent(compressor, payload, ctx, approximation)
+        approximation = base.sent(compressor, payload, ctx, approximation)
         ops.assign(self.state.zeros(f"velocity/{name}", ops, tensor), tensor - approximation)
         n = ops.numel(tensor)
-        positions = compressor.sent_indices(payload, ctx)
-        if positions is None:   # a dense payload: what it carries is where it is nonzero
+        entries = compressor.sent_entries(payload, ctx)
+        if entries is None:     # a dense payload: what it carries is where it is nonzero
             kept = ops.reshape(ops.flatten(approximation) == 0, ops.shape(tensor))
         else:
+            positions = entries[0]
             hit = ops.scatter(positions, ops.ones_like(ops.cast(positions, "float32")), n)
             kept = ops.reshape(hit == 0, ops.shape(tensor))
         momentum = self.state.zeros(f"momentum/{name}", ops, tensor)
         u = ops.read(momentum)
         ops.assign(momentum, ops.where(kept, u, ops.zeros_like(u)))
-        self.keep_finite(name)
+        self.state.clean(name)

@@ -17,13 +17,14 @@ units); the communicated result does not depend on it.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.memory.base import Memory
+from grace_dl.memory import base
 from grace_dl.registry import register_memory
+from grace_dl.state import config_of
 from grace_dl.validate import in_range
 
 
 @register_memory("efsignsgd")
-class EFSignSGDMemory(Memory):
+class EFSignSGDMemory(base.Memory):
     def __init__(self, lr: float = 1.0):
         super().__init__()
         self.lr = in_range("lr", lr, 0.0, None, lo_open=True)
@@ -33,7 +34,7 @@ class EFSignSGDMemory(Memory):
         return ops.read(self.state.zeros(name, ops, tensor)) + tensor * self.lr
 
     def refusal(self, compressor) -> str | None:
-        other = compressor.config().get("lr", self.lr)
+        other = config_of(compressor).get("lr", self.lr)
         if other != self.lr:
             return (f"memory efsignsgd has lr={self.lr!r} but its compressor "
                     f"{type(compressor).__name__} has lr={other!r}; they must match")
@@ -41,6 +42,6 @@ class EFSignSGDMemory(Memory):
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         ops = ops_for(tensor)
-        sent = self.sent(compressor, payload, ctx, approximation)
+        sent = base.sent(compressor, payload, ctx, approximation)
         ops.assign(self.state.zeros(name, ops, tensor), tensor - sent)
-        self.keep_finite(name)      # a NaN/Inf is sent once, never kept (memory.base)
+        self.state.clean(name)      # a NaN/Inf is sent once, never kept (memory.base)

@@ -40,6 +40,8 @@ warns otherwise): momentum is applied here.
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
+from grace_dl.compressors import paths
+from grace_dl.memory import base
 from grace_dl.memory.dgc import DgcMemory
 from grace_dl.registry import register_memory
 from grace_dl.validate import one_of
@@ -67,18 +69,14 @@ class MomentumMemory(DgcMemory):
         ops.assign(momentum, u)
         return u
 
-    @property
-    def needs_approximation(self) -> bool:
-        return self.error_feedback
-
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         if self.error_feedback and self.factor_masking:
             return super().update(tensor, name, compressor, payload, ctx, approximation)
         if self.error_feedback:
             ops = ops_for(tensor)
             ops.assign(self.state.zeros(f"velocity/{name}", ops, tensor),
-                       tensor - self.sent(compressor, payload, ctx, approximation))
-        self.keep_finite(name)      # the momentum too: a NaN/Inf is sent once, never kept
+                       tensor - base.sent(compressor, payload, ctx, approximation))
+        self.state.clean(name)      # the momentum too: a NaN/Inf is sent once, never kept
 
     def _clip(self, ops, tensor):
         if self.gradient_clipping is None:
@@ -87,3 +85,12 @@ class MomentumMemory(DgcMemory):
         limit = self.gradient_clipping
         return tensor * ops.cast(limit / ops.maximum(norm, limit + ops.zeros_like(norm)),
                                  ops.dtype(tensor))
+
+
+@paths.register(MomentumMemory)
+class MomentumFeedback(base.Feedback):
+    """Without error feedback ``update`` reads no approximation: the communicator need not
+    decompress this rank's own payload."""
+
+    def wants_approximation(self, compressor) -> bool:
+        return self.memory.error_feedback

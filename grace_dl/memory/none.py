@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from grace_dl.memory.base import Memory
+from grace_dl.compressors import paths
+from grace_dl.memory.base import Feedback, Memory
 from grace_dl.registry import register_memory
 
 
 @register_memory("none")
 class NoneMemory(Memory):
-    needs_approximation = False
-
     def compensate(self, tensor, name):
         return tensor
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         pass
+
+
+@paths.register(NoneMemory)
+class NoneFeedback(Feedback):
+    """Nothing is kept: the communicator need not decompress this rank's own payload."""
+
+    def wants_approximation(self, compressor) -> bool:
+        return False

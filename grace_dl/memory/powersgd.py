@@ -19,56 +19,69 @@ A NaN/Inf entry leaves ``e`` at 0 there after the update (``grace_dl.memory.base
 from __future__ import annotations
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Compressor
-from grace_dl.memory.base import Memory
+from grace_dl.compressors import paths
+from grace_dl.compressors.powersgd import PowerSGDCompressor
+from grace_dl.memory import base
 from grace_dl.registry import register_memory
 
 
 @register_memory("powersgd")
-class PowerSGDMemory(Memory):
-    def __init__(self):
-        super().__init__()
-        self._in_slot: set[str] = set()    # names compensated in their slot, not yet updated
-
+class PowerSGDMemory(base.Memory):
     def compensate(self, tensor, name):
         ops = ops_for(tensor)
         return ops.read(self.state.zeros(name, ops, tensor)) + tensor
 
-    def compensate_for(self, tensor, name, compressor):
-        """In the error's own slot (no new tensor); the update then subtracts this rank's
-        share there. Not for compressors whose payload is the compensated tensor itself."""
-        if compressor.sends_tensor:
-            return self.compensate(tensor, name)
-        ops = ops_for(tensor)
-        self._in_slot.add(name)
-        return ops.read(ops.assign_add(self.state.zeros(name, ops, tensor), tensor))
-
-    def wants_approximation(self, compressor) -> bool:
-        """Multi-round: ``update`` takes this rank's share from the compressor instead."""
-        return compressor.rounds == 1
-
     def refusal(self, compressor) -> str | None:
-        if compressor.rounds > 1 and \
-                type(compressor).local_share is Compressor.local_share:
-            return (f"memory 'powersgd' needs a compressor with local_share() (powersgd) or a "
+        if compressor.caps.rounds > 1 and not isinstance(compressor, PowerSGDCompressor):
+            return (f"memory 'powersgd' needs compressor powersgd (its local_share) or a "
                     f"single-round one, got {type(compressor).__name__} with "
-                    f"rounds={compressor.rounds}")
+                    f"rounds={compressor.caps.rounds}")
         return None
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
+        self._assign_error(tensor, name, compressor, payload, ctx, approximation, False)
+
+    def _assign_error(self, tensor, name, compressor, payload, ctx, approximation, in_slot):
+        """The slot set to ``tensor`` (which it holds already when ``in_slot``) minus this
+        rank's share of the result (multi-round) or what was sent (single-round)."""
         ops = ops_for(tensor)
         slot = self.state.zeros(name, ops, tensor)
-        in_slot = name in self._in_slot     # the slot holds ``tensor`` already
-        self._in_slot.discard(name)
-        if compressor.rounds > 1:
+        if compressor.caps.rounds > 1:
             if not in_slot:
                 ops.assign(slot, tensor)
             if not compressor.subtract_local_share(ctx, slot):
                 ops.assign(slot, ops.zeros_like(tensor))
         else:
-            sent = self.sent(compressor, payload, ctx, approximation)
+            sent = base.sent(compressor, payload, ctx, approximation)
             if in_slot:
                 ops.assign_sub(slot, sent)
             else:
                 ops.assign(slot, tensor - sent)
-        self.keep_finite(name)      # a NaN/Inf is sent once, never kept (memory.base)
+        self.state.clean(name)      # a NaN/Inf is sent once, never kept (memory.base)
+
+
+@paths.register(PowerSGDMemory)
+class PowerSGDFeedback(base.Feedback):
+    """Compensation in the error's own slot (no new tensor); the update then subtracts this
+    rank's share there. Not for compressors whose payload is the compensated tensor itself;
+    multi-round: ``update`` takes this rank's share from the compressor, not the
+    approximation."""
+
+    def __init__(self, memory):
+        super().__init__(memory)
+        self._in_slot: set[str] = set()    # names compensated in their slot, not yet updated
+
+    def compensate(self, tensor, name, compressor):
+        if compressor.caps.sends_tensor:
+            return self.memory.compensate(tensor, name)
+        ops = ops_for(tensor)
+        self._in_slot.add(name)
+        return ops.read(ops.assign_add(self.memory.state.zeros(name, ops, tensor), tensor))
+
+    def update(self, tensor, name, compressor, payload, ctx, approximation=None):
+        in_slot = name in self._in_slot
+        self._in_slot.discard(name)
+        self.memory._assign_error(tensor, name, compressor, payload, ctx, approximation, in_slot)
+
+    def wants_approximation(self, compressor) -> bool:
+        return compressor.caps.rounds == 1

@@ -23,8 +23,8 @@ from grace_dl.compressors.adaq import AdaqCompressor
 from grace_dl.compressors.base import error_views
 from grace_dl.compressors.dgc import DgcCompressor
 from grace_dl.compressors.paths import Reference, register
-from grace_dl.compressors.qsgd import QSGDCompressor
-from grace_dl.compressors.randomk import RandomKCompressor
+from grace_dl.compressors.qsgd import QSGDCompressor, QSGDPath
+from grace_dl.compressors.randomk import RandomKCompressor, RandomKPath
 from grace_dl.compressors.signum import SignumCompressor
 from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
@@ -50,7 +50,7 @@ def _from(array):
 
 # ------------------------------------------------------------------ signs
 @register(signsgd.SignSGDCompressor, KIND)
-class SignSGDOnCpu(Reference):
+class SignSGDOnCpu(signsgd.SignSGDPath):
     """signsgd: both planes and the status in one compiled pass (``native.sign_planes``, with
     the error and decoding for error feedback), the signs decoded by another
     (``native.ternary``), two-phase's server step in a third (``native.sign_vote_feedback``)."""
@@ -71,8 +71,7 @@ class SignSGDOnCpu(Reference):
                                                                ops.dtype(tensor))
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
-        outs = error_views(self.compressor, signsgd.SignSGDCompressor, tensor, error, decoded,
-                           ops.dtype(tensor))
+        outs = error_views(tensor, error, decoded, ops.dtype(tensor))
         full = None if outs is None else self._planes(tensor.reshape(-1), *outs)
         if full is None:
             return super().compress_with_error(tensor, name, call, error, decoded)
@@ -169,7 +168,7 @@ def _qsgd_values(codes, step, s, out, accumulate=False):
 
 
 @register(QSGDCompressor, KIND)
-class QSGDOnCpu(Reference):
+class QSGDOnCpu(QSGDPath):
     """qsgd: the whole buckets' levels (with the error and decoding) and their values each in
     one compiled pass (``native.qsgd_levels``, ``native.qsgd_values``)."""
 
@@ -213,19 +212,10 @@ def _sparse_sum(out, positions, values):
     return None if got is None else out
 
 
-class SparseOnCpu(Reference):
+class SparseOnCpu(sparse.SparsePath):
     """The ranks' values summed into the output buffer in one compiled pass."""
 
-    def _sum(self, positions, values, ctx, out):
-        return sparse.scatter_sum(ops, positions, values, ctx, out, fast_sum=_sparse_sum)
-
-    def decompress_into(self, payload, ctx, out=None):
-        return self._sum([self.compressor.sent_entries(payload, ctx)[0]], [payload[0]], ctx,
-                         out)
-
-    def combine(self, payloads, ctx, out=None):
-        return self._sum([self.compressor.sent_entries(p, ctx)[0] for p in payloads],
-                         [p[0] for p in payloads], ctx, out)
+    fast_sum = staticmethod(_sparse_sum)
 
 
 @register(TopKCompressor, KIND)
@@ -252,14 +242,7 @@ class ThresholdOnCpu(SparseOnCpu):
 
 
 @register(RandomKCompressor, KIND)
-class RandomKOnCpu(SparseOnCpu):
-    def combine(self, payloads, ctx, out=None):
-        total = payloads[0][0]          # the same positions on every rank: values summed
-        for p in payloads[1:]:
-            total = total + p[0]
-        return self.decompress_into([total], ctx, out)
+class RandomKOnCpu(RandomKPath):
+    """The ranks' summed values scattered into the output buffer in one compiled pass."""
 
-    def decompress_into(self, payload, ctx, out=None):
-        if ctx[1] == 0:
-            return self.compressor.decompress(payload, ctx)
-        return self._sum([ctx[2]], [payload[0]], ctx, out)
+    fast_sum = staticmethod(_sparse_sum)

@@ -317,7 +317,7 @@ class Auto(StrategyBuilder):
             return  # nothing shares a bucket: the per-variable options cover it
         flat = bucketed(variables, self.bucket_bytes)
         for i, p in enumerate(self.candidates[1:], 1):
-            if self._compressors[p].needs_shape:
+            if self._compressors[p].caps.needs_shape:
                 continue
             costs = [variable_cost(p, v.shape, v.dtype, calib, net, self._compressors[p])
                      for v in flat]

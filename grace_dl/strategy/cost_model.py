@@ -51,6 +51,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from grace_dl.compressors.base import nbytes_for_shape
 from grace_dl.dtypes import itemsize
 from grace_dl.strategy.pipeline import PS, Pipeline
 
@@ -154,7 +155,7 @@ class Prediction:
 
 
 def payload_bytes(compressor, shape: tuple, dtype: str) -> int | None:
-    nbytes = compressor.payload_nbytes_for_shape(tuple(shape), dtype)
+    nbytes = nbytes_for_shape(compressor, shape, dtype)
     return None if nbytes is None else int(nbytes)
 
 

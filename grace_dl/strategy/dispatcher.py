@@ -122,7 +122,7 @@ def _finishes_alone(handle: Handle) -> bool:
     communicator starts no more (single-round allreduce or allgather)."""
     comm = handle.comm
     return handle.phase is not None and comm.name in ("allreduce", "allgather") \
-        and comm.compressor.rounds == 1
+        and comm.compressor.caps.rounds == 1
 
 
 class StrategyDispatcher(Router, FanOut):
@@ -199,7 +199,7 @@ class StrategyDispatcher(Router, FanOut):
         from grace_dl.communicators.buckets import bucket_name
 
         first = self._routes[members[0]]
-        if first.comm.compressor.needs_shape:
+        if first.comm.compressor.caps.needs_shape:
             raise ValueError(f"group {label[1:]} is a bucket, but its compressor "
                              f"{first.pipeline.compressor!r} needs each variable's shape; "
                              f"clear bucket or choose a compressor that takes a flat tensor")

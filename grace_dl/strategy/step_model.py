@@ -384,7 +384,7 @@ def sent_raw(compressor, shape) -> bool:
     (``none+none+<communicator>``) costs, not what the job measured for PowerSGD's two-round
     matrix exchange, which costs several times as much a call."""
     plan = getattr(compressor, "matrix_shape", None)
-    return getattr(compressor, "rounds", 1) > 1 and plan is not None and plan(tuple(shape)) is None
+    return compressor.caps.rounds > 1 and plan is not None and plan(tuple(shape)) is None
 
 
 def pieces_of(compressor, numel: int, dtype: str, piece_bytes: int | None) -> int:
@@ -394,7 +394,7 @@ def pieces_of(compressor, numel: int, dtype: str, piece_bytes: int | None) -> in
     ``sends_tensor``)."""
     from grace_dl.communicators.pieces import piece_sizes
 
-    if piece_bytes is None or not compressor.two_phase_safe or compressor.sends_tensor:
+    if piece_bytes is None or not compressor.caps.two_phase_safe or compressor.caps.sends_tensor:
         return 1
     sizes = piece_sizes(numel, itemsize(dtype), piece_bytes)
     return 1 if sizes is None else len(sizes)
@@ -419,7 +419,7 @@ def deferred_rounds(pipeline: Pipeline, compressor, shape) -> bool:
     most of the step.)"""
     if pipeline.communicator == "twophase":
         return True
-    return getattr(compressor, "rounds", 1) > 1 and not sent_raw(compressor, shape)
+    return compressor.caps.rounds > 1 and not sent_raw(compressor, shape)
 
 
 def _analytic_cost(pipeline: Pipeline, shape, numel: int, dtype: str, calib: Calibration,

@@ -192,7 +192,7 @@ class GraceState:
         self.per_parameter = granularity == "parameter" or (
             granularity == "auto" and needs_shapes(grace))
         # a fused allgather of a bucket's units needs no lengths when sizes are equal
-        self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.equal_sizes
+        self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
         # None where buckets go whole (per-parameter units go whole too: they are fused)
         self._piece_bytes = None if self.per_parameter else \
             effective_piece_bytes(grace, piece_bytes)

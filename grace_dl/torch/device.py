@@ -36,8 +36,8 @@ from grace_dl.compressors.inceptionn import InceptionnCompressor
 from grace_dl.compressors.natural import NaturalCompressor
 from grace_dl.compressors.onebit import OneBitCompressor
 from grace_dl.compressors.paths import Reference, register
-from grace_dl.compressors.qsgd import QSGDCompressor
-from grace_dl.compressors.signsgd import SignSGDCompressor
+from grace_dl.compressors.qsgd import QSGDCompressor, QSGDPath
+from grace_dl.compressors.signsgd import SignSGDCompressor, SignSGDPath
 from grace_dl.compressors.signum import SignumCompressor
 from grace_dl.compressors.sketch import SketchCompressor
 from grace_dl.compressors.terngrad import TernGradCompressor
@@ -120,7 +120,7 @@ class TableCoded(Reference):
 
 
 @register(QSGDCompressor, KIND)
-class QSGDOnDevice(TableCoded):
+class QSGDOnDevice(TableCoded, QSGDPath):
     """qsgd: one kernel for the codes (and the row norms, the error and the decoding)."""
 
     def __init__(self, compressor):
@@ -252,7 +252,7 @@ class EFSignSGDOnDevice(OneBitCoded):
 
 # ------------------------------------------------------------------ pure signs
 @register(SignSGDCompressor, KIND)
-class SignSGDOnDevice(Reference):
+class SignSGDOnDevice(SignSGDPath):
     """signsgd: one kernel writes the planes into the payload's buffer and the NaN/zero
     flags, the vote on the packed planes (``signbits.vote``), one kernel decodes a payload
     or the vote's planes (NaN everywhere when a status says so). Whether the zero plane
@@ -334,7 +334,7 @@ class SignumOnDevice(SignSGDOnDevice):
 
 # ------------------------------------------------------------------ sparsifiers
 @register(TopKCompressor, KIND)
-class TopKOnDevice(Reference):
+class TopKOnDevice(sparse.SparsePath):
     """topk: ``torch.topk`` of the magnitudes, a selection of static shape. The same entries
     as the reference's, except that ties at the k-th magnitude may go to other positions
     (the reference gives them to the lowest) and the positions are not sorted."""
@@ -352,7 +352,7 @@ class TopKOnDevice(Reference):
 
 
 @register(DgcCompressor, KIND)
-class DgcOnDevice(Reference):
+class DgcOnDevice(sparse.SparsePath):
     """dgc: the sample and its threshold on the device; the candidates' count (the payload's
     size, data-dependent by definition) is the one value read back; ``torch.topk`` keeps the
     k largest of them when there are more."""
@@ -387,7 +387,7 @@ class DgcOnDevice(Reference):
 
 
 @register(ThresholdCompressor, KIND)
-class ThresholdOnDevice(Reference):
+class ThresholdOnDevice(sparse.SparsePath):
     """threshold: one comparison pass; the count of what passes is the one read-back."""
 
     def compress(self, tensor, name, call):

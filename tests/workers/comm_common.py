@@ -94,7 +94,7 @@ def _sum(ts):
 
 
 def _finish(total, size, compressor, op):
-    return total / size if op == "average" and compressor.average else total
+    return total / size if op == "average" and compressor.caps.average else total
 
 
 def reference_allreduce(ranks, xs, name, op):
@@ -104,7 +104,7 @@ def reference_allreduce(ranks, xs, name, op):
     0's payload of each round."""
     comp = ranks[0].compressor
     size = len(ranks)
-    if comp.rounds == 1:
+    if comp.caps.rounds == 1:
         sent = [r.compress(x, name) for r, x in zip(ranks, xs)]
     else:
         compensated = [r.memory.compensate(x, name) for r, x in zip(ranks, xs)]
@@ -117,7 +117,7 @@ def reference_allreduce(ranks, xs, name, op):
             break
         sent = following
         rounds.append(sent[0][0])
-    if comp.rounds > 1:
+    if comp.caps.rounds > 1:
         for r, c, (_, ctx) in zip(ranks, compensated, sent):
             r.memory.update(c, name, _Mean(r.compressor, size), summed, ctx)
     return _finish(comp.decompress(summed, sent[0][1]), size, comp, op), rounds

@@ -14,8 +14,8 @@ import grace_dl.torch.horovod as hvd
 import mp
 from counting import counting_hook
 from grace_dl import grace_from_params
-from grace_dl.memory.base import Memory
-from grace_dl.memory.residual import ResidualMemory
+from grace_dl.memory.base import Feedback
+from grace_dl.memory.residual import ResidualFeedback
 from grace_dl.strategy import Pipeline, from_strategy
 from grace_dl.strategy.builders import assemble
 from grace_dl.strategy.variables import bucket_layout, variables_of
@@ -131,12 +131,12 @@ for step in range(STEPS, STEPS + 2):
         o.step()
 out["resume"] = {"continued": C.params(m), "resumed": C.params(model)}
 
-# 4b. Gradients added into the residual (Memory.accumulator, a whole bucket and one in pieces)
+# 4b. Gradients added into the residual (Feedback.accumulator, a whole bucket and one in pieces)
 # train to the same bits as gradients copied into the bucket first (the path without it).
 ACCUMULATED = (("topk", TOPK, {}), ("qsgd", QSGD2, {"piece_bytes": 64}))
 out["added"] = {label: C.params(run(params, bucket_bytes=SMALL, **kw)[0])
                 for label, params, kw in ACCUMULATED}
-with mock.patch.object(ResidualMemory, "accumulator", Memory.accumulator):
+with mock.patch.object(ResidualFeedback, "accumulator", Feedback.accumulator):
     out["copied"] = {label: C.params(run(params, bucket_bytes=SMALL, **kw)[0])
                      for label, params, kw in ACCUMULATED}
 
