@@ -431,5 +431,13 @@ def ddp(doc: dict, plot: str | None = None) -> str:
     return "\n".join(out)
 
 
+def gpu_steps(doc: dict, plot: str | None = None) -> str:
+    """The measured table, then the step model's projection of it to a cluster
+    (``benchmarks/projection.py``: a model, labelled so)."""
+    from benchmarks import projection
+
+    return generic(doc).rstrip("\n") + "\n\n" + projection.markdown(doc)
+
+
 SECTIONS = {"e2e": e2e, "convergence": convergence, "recipes": recipes, "overhead": overhead,
-            "ddp": ddp}
+            "ddp": ddp, "gpu_steps": gpu_steps}

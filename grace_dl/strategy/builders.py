@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 
 from grace_dl.communicators.buckets import DEFAULT_BUCKET_BYTES
 from grace_dl.strategy import strategy_pb2 as pb
-from grace_dl.strategy.cost_model import PATTERNS, Network
+from grace_dl.strategy.cost_model import PATTERNS, Network, device_kind
 from grace_dl.strategy.pipeline import LEGACY_NAMES, Pipeline
 from grace_dl.strategy.resource_spec import ResourceSpec
 from grace_dl.strategy.step_model import (
@@ -36,10 +36,17 @@ from grace_dl.strategy.step_model import (
     Calibration,
     Cost,
     StepPrediction,
+    calibration_for,
     simulate,
     variable_cost,
 )
-from grace_dl.strategy.variables import Variable, bucket_layout, bucketed, variables_of
+from grace_dl.strategy.variables import (
+    Variable,
+    bucket_layout,
+    bucketed,
+    device_of,
+    variables_of,
+)
 from grace_dl.validate import in_range, one_of
 
 VERSION = 1
@@ -212,7 +219,10 @@ class Auto(StrategyBuilder):
     Costs come from ``throughput``: a measurement file (``grace-dl strategy measure``; run under
     horovodrun it holds the job's collectives and every candidate pipeline timed end to end), a
     ``Calibration`` or ``Throughput``; else the resource spec's ``compression_throughput``; else
-    the spec's bandwidth and latency with pessimistic compression costs. ``compute_s``: the
+    the spec's bandwidth and latency with pessimistic compression costs. On a GPU (``device``
+    "cuda", or, with ``device=None``, parameters on a CUDA device) compression costs are the
+    GPU's: a measurement not taken on a GPU gives way to the shipped H100 one
+    (``step_model.calibration_for``). ``compute_s``: the
     model's forward + backward time, which communication can overlap (0: none to hide behind).
 
     Choice: each variable's cheapest candidate alone (kept only when ``margin`` better than
@@ -227,15 +237,18 @@ class Auto(StrategyBuilder):
     uncompressed Horovod.
 
     After ``build``: ``prediction`` (the chosen step, a ``StepPrediction``), ``baseline`` (the
-    uncompressed step), ``report`` (each variable's cost under every candidate); the strategy's
+    uncompressed step), ``report`` (each variable's cost under every candidate), ``device``
+    (``"cuda"`` or ``"cpu"``: whose compression costs it used); the strategy's
     ``predicted_step_s`` holds the prediction. Candidates whose payload size depends on the
     data (threshold, DGC) cannot be predicted and raise ``ValueError``.
     """
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, chunk_size: int = 1, spec="AUTO",
                  throughput=None, compute_s: float = 0.0, margin: float = 0.1,
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, device=None):
         super().__init__(chunk_size, spec)
+        self._device = None if device is None else device_kind(device)
+        self.device = self._device
         self.bucket_bytes = None if bucket_bytes is None else \
             in_range("bucket_bytes", bucket_bytes, 1, None, kind=int)
         pipelines = [Pipeline.from_params(c) for c in candidates]
@@ -258,12 +271,20 @@ class Auto(StrategyBuilder):
         self.baseline: StepPrediction | None = None
 
     def _calibration(self, resources) -> Calibration:
-        if self.calibration is not None:
-            return self.calibration
-        return Calibration.coerce(resources.throughput_path)
+        given = self.calibration
+        if given is None:
+            given = Calibration.coerce(resources.throughput_path)
+        return calibration_for(self.device, given)
 
     def build(self, named_parameters_or_shapes, resource_spec=None):
-        strategy = super().build(named_parameters_or_shapes, resource_spec)
+        source = named_parameters_or_shapes
+        if not isinstance(source, dict):
+            try:
+                source = list(source)   # read twice: for the device and for the variables
+            except TypeError:
+                pass                    # variables_of says what it expected
+        self.device = self._device or device_kind(device_of(source))
+        strategy = super().build(source, resource_spec)
         strategy.predicted_step_s = self.prediction.step_s
         return strategy
 

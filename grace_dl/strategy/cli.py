@@ -3,7 +3,7 @@
     build    --variables shapes.yaml | --model pkg.module:factory
              --builder allreduce|uniform|size-threshold|ps|auto  [--params '{...}']
              [--chunk-size N] [--spec AUTO|NCCL|RING] [--min-elements N] [--destination R]
-             [--candidates '[{...}, ...]'] [--throughput file.json]
+             [--candidates '[{...}, ...]'] [--throughput file.json] [--device cpu|cuda]
              [--resource-spec cluster.yaml] -o strategy.pbtxt|strategy.pb
     show     strategy-file [--text] [--measured SECONDS|run.json]  (Auto's predicted step
              time next to the measured one)
@@ -104,7 +104,7 @@ def _builder(args):
     candidates = (_json(args.candidates, "--candidates") if args.candidates
                   else builders.DEFAULT_CANDIDATES)
     return builders.Auto(candidates, chunk_size=args.chunk_size or 1, spec=args.spec,
-                         throughput=args.throughput,
+                         throughput=args.throughput, device=args.device,
                          bucket_bytes=None if args.bucket_bytes == 0 else args.bucket_bytes)
 
 
@@ -268,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--destination", type=int, default=0, help="ps: the reducing rank")
     b.add_argument("--candidates", help="auto: JSON list of GRACE key objects")
     b.add_argument("--throughput", help="auto: measured compression throughput JSON")
+    b.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="auto: where the job's gradients live (cuda: the GPU's compression "
+                        "costs); default: the model's parameters' device, else cpu")
     b.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
                    help="auto: also price candidates with the variables in buckets of this "
                         "size (default 25 MiB, DDP's); 0: never bucket")

@@ -43,6 +43,14 @@ Throughput file (JSON; ``grace-dl strategy measure`` / ``grace_dl.strategy.measu
 
 An entry matches a candidate with the same compressor name whose parameters include the
 entry's ``params`` (an entry with ``{}`` matches any parameters); the most specific match wins.
+
+**On a GPU** compression costs are a GPU's, not the host's: ``for_device("cuda")`` is the
+throughput shipped in ``gpu_throughput.json`` beside this module, derived from the committed
+H100 measurement (``benchmarks/results/gpu_compressors.json``, by ``python -m
+benchmarks.gpu_costs --write``: each method's line through its 16M- and 64M-element calls, as
+``grace_dl.strategy.measure`` fits its two sizes). Its entries match any parameters (``{}``;
+the parameters they were measured with are in ``measured_with``). ``grace-dl strategy
+measure`` times CPU tensors; a file it wrote says ``"device": "cpu (...)"``.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ from grace_dl.dtypes import itemsize
 from grace_dl.strategy.pipeline import PS, Pipeline
 
 FORMAT = "grace_dl.compression_throughput/1"
+#: compression costs measured on a GPU, shipped with the package (module docstring)
+GPU_THROUGHPUT = Path(__file__).resolve().parent / "gpu_throughput.json"
 PATTERNS = ("allreduce", "allgather", "broadcast", "twophase", PS)
 
 
@@ -98,12 +108,28 @@ def communication_time(pattern: str, payload: float, dense: float, net: Network)
     raise ValueError(f"no cost model for communicator {pattern!r}; modelled: {list(PATTERNS)}")
 
 
-class Throughput:
-    """Per-compressor compress/decompress cost, measured or default."""
+def device_kind(device) -> str:
+    """``"cuda"`` for a GPU (``"cuda"``, ``"cuda:1"``, ``"gpu"``, a ``torch.device`` of type
+    cuda, a TF device string naming a GPU), else ``"cpu"``."""
+    if device is None:
+        return "cpu"
+    kind = str(getattr(device, "type", device)).lower()
+    return "cuda" if kind.startswith("cuda") or "gpu" in kind else "cpu"
 
-    def __init__(self, entries=(), source: str | None = None):
+
+class Throughput:
+    """Per-compressor compress/decompress cost, measured or default; ``device``: where it
+    was measured (the document's ``device``), if it says."""
+
+    def __init__(self, entries=(), source: str | None = None, device: str | None = None):
         self.entries = list(entries)
         self.source = source
+        self.device = device
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether these costs were measured on a GPU."""
+        return self.device is not None and device_kind(self.device.split(" ")[0]) == "cuda"
 
     @classmethod
     def load(cls, path) -> Throughput:
@@ -129,7 +155,7 @@ class Throughput:
             except (KeyError, TypeError) as err:
                 raise ValueError(f"throughput file {source!r} entry {i} is malformed "
                                  f"({err}); see grace_dl.strategy.cost_model") from None
-        return cls(entries, source)
+        return cls(entries, source, data.get("device"))
 
     def costs(self, compressor: str, params: dict) -> tuple[Linear, Linear]:
         best, best_size = None, -1
@@ -140,6 +166,15 @@ class Throughput:
         if best is not None:
             return best
         return (FREE, FREE) if compressor == "none" else (DEFAULT, DEFAULT)
+
+
+def for_device(device) -> Throughput:
+    """The compression costs to assume on ``device`` when nothing was measured there: on a GPU
+    the shipped H100 measurement (``GPU_THROUGHPUT``), on a CPU none (the pessimistic
+    default)."""
+    if device_kind(device) == "cuda":
+        return Throughput.load(GPU_THROUGHPUT)
+    return Throughput()
 
 
 @dataclass(frozen=True)

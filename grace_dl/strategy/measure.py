@@ -41,6 +41,13 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def line(small: int, t_small: float, large: int, t_large: float) -> dict:
+    """A throughput entry's ``{"overhead_s", "per_element_s"}``: the line through the seconds
+    of one call at two sizes (elements), both clipped at zero."""
+    per = max(0.0, (t_large - t_small) / (large - small))
+    return {"overhead_s": max(0.0, t_small - per * small), "per_element_s": per}
+
+
 def measure(candidates, sizes=(4096, 262144), repeats: int = 5,
             framework: str = "torch", job: bool | None = None, mbit: float | None = None) -> dict:
     """The measurement document (a dict, ready for ``json.dump``) for ``candidates`` (dicts of
@@ -71,9 +78,7 @@ def measure(candidates, sizes=(4096, 262144), repeats: int = 5,
                                       repeats))
         entry = {"compressor": pipeline.compressor, "params": pipeline.params("compressor")}
         for i, what in enumerate(("compress", "decompress")):
-            t_small, t_large = points[small][i], points[large][i]
-            per = max(0.0, (t_large - t_small) / (large - small))
-            entry[what] = {"overhead_s": max(0.0, t_small - per * small), "per_element_s": per}
+            entry[what] = line(small, points[small][i], large, points[large][i])
         entries.append(entry)
     document = {"format": FORMAT,
                 "device": f"cpu ({platform.processor() or platform.machine()})",

@@ -76,6 +76,8 @@ from grace_dl.strategy.cost_model import (
     Network,
     Throughput,
     communication_time,
+    device_kind,
+    for_device,
     payload_bytes,
 )
 from grace_dl.strategy.pipeline import Pipeline
@@ -276,6 +278,21 @@ class Calibration:
 
     def collective(self, name: str, dtype: str) -> Fit | None:
         return self.collectives.get((name, dtype))
+
+
+def calibration_for(device, calib=None) -> Calibration:
+    """The calibration a job whose tensors live on ``device`` predicts with (``calib``: what
+    was given, anything ``Calibration.coerce`` takes). On a CPU, ``calib`` as it is. On a GPU
+    (``cost_model.device_kind``), compression costs must be the GPU's: unless ``calib``'s
+    throughput was measured on a GPU (its document's ``device``), it is replaced by the
+    shipped H100 measurement (``cost_model.for_device``), and pipelines timed end to end
+    with it (``pipelines``, ``pieced``: compression on host tensors) are dropped; the job's
+    collectives and overlaps stay, since they measured the network."""
+    calib = Calibration.coerce(calib)
+    if device_kind(device) != "cuda" or calib.throughput.on_gpu:
+        return calib
+    return Calibration(for_device(device), calib.collectives, None, calib.workers, calib.mbit,
+                       calib.overlap, None, calib.measured_cpu_overlap, calib.fp16_overlap)
 
 
 def _pipeline_fits(entry: dict) -> tuple[Fit, Fit]:

@@ -111,6 +111,21 @@ def variables_of(named_parameters_or_shapes) -> list[Variable]:
     return out
 
 
+def device_of(source):
+    """Where the tensors of ``source`` (as ``variables_of`` takes it) live: the device of the
+    first that says (a torch tensor's ``device``, a TF variable's device string), ``None``
+    when none does (shapes)."""
+    items = source.values() if isinstance(source, dict) else source
+    if not isinstance(items, (list, tuple, type({}.values()))):
+        return None     # an iterator: reading it here would leave nothing to build from
+    for item in items:
+        value = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+        device = getattr(value, "device", None)
+        if device:
+            return device
+    return None
+
+
 def bucket_layout(variables, bucket_bytes: int) -> list[list[int]]:
     """Positions of ``variables`` (forward order) in the buckets ``DistributedOptimizer(
     bucket_bytes=...)`` packs them into (``grace_dl.communicators.buckets``): buckets in the
