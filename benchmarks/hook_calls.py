@@ -208,7 +208,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
     }
 
 
-TITLE = "Python calls inside grace_dl per DDP hook step"
+TITLE = "DDP hook: Python calls and files per step"
 ABOUT = (
     "One process, gloo at world size 1, `DistributedDataParallel` with one bucket "
     "(`bucket_cap_mb_list=[100]`) and grace_dl's hook with default options, each pipeline of "
