@@ -74,3 +74,33 @@ def test_table_puts_targets_beside_counts_and_the_main_prints_it(capsys, tmp_pat
                                                  doc["runs"][0]["records"]] == ["none", "fp16"]
     assert tables.hook_calls(doc).startswith(text.split("\n")[0])
     assert doc["runs"][0]["command"].startswith("python -m benchmarks.hook_calls --pipelines")
+
+
+def test_a_hook_on_another_thread_is_counted_through_cover_this_thread():
+    """On a GPU DDP calls the hook on an autograd device thread, started before the counter
+    (``threading.setprofile`` does not reach it): the hook's wrapper covers that thread."""
+    import threading
+
+    import torch
+
+    from grace_dl import backend
+
+    go, done = threading.Event(), threading.Event()
+
+    def worker():
+        go.wait()
+        backend.ops_for(torch.zeros(1))             # not covered: not counted
+        with counter.cover_this_thread():
+            backend.ops_for(torch.zeros(1))
+        done.set()
+
+    counter = hook_calls.CallCounter()
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with counter:
+        go.set()
+        assert done.wait(30)
+    thread.join()
+    calls = counter.grace_calls()
+    assert calls[("backend.py", backend.ops_for.__code__.co_firstlineno, "ops_for")] == 1
+    assert len(counter.threads) == 2
