@@ -11,7 +11,7 @@ Gbit/s per GPU, ``grace_dl.strategy.step_model.predict_step`` simulates one step
   backward, optimizer, and, for a compressing pipeline, its compression, decompression and
   bookkeeping (at world size 1 the collectives move nothing, so that is all the step holds);
 * **the wire**: each exchange costs the alpha-beta time of ``cost_model.communication_time``
-  for its payload bytes (the compressor's ``payload_nbytes_for_shape``, built from the registry
+  for its payload bytes (``compressors.base.nbytes_for_shape``, built from the registry
   as ``benchmarks/gpu.py`` builds the step table's pipelines), ``b`` the link's bytes per
   second, ``a`` ``LATENCY_S`` per message step:
 
@@ -135,7 +135,7 @@ def choice_of(label: str):
     if isinstance(spec, str):
         return spec, False
     pipeline = Pipeline.from_params(dict(spec))
-    return pipeline, pipeline.build_compressor().needs_shape
+    return pipeline, pipeline.build_compressor().caps.needs_shape
 
 
 def calibration() -> Calibration:

@@ -22,7 +22,7 @@ from benchmarks import records, tables
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "benchmarks.md"
-ORDER = ["e2e", "ddp", "overhead", "convergence", "recipes", "kernels", "compressors"]
+ORDER = ["e2e", "ddp", "overhead", "hook_calls", "convergence", "recipes", "kernels", "compressors"]
 # Everything but the runs' ids, dates and commands is in the tables; these say what a run is.
 RUN_COLUMNS = ["run", "when (UTC)", "commit", "machine", "command"]
 

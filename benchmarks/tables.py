@@ -439,5 +439,54 @@ def gpu_steps(doc: dict, plot: str | None = None) -> str:
     return generic(doc).rstrip("\n") + "\n\n" + projection.markdown(doc)
 
 
+# --------------------------------------------------------------------------------- hook calls
+HOOK_CALLS_COLUMNS = ["pipeline", "calls", "target calls", "files", "target files",
+                      "grace tensors", "top files (calls)"]
+
+
+def hook_calls_rows(records: list[dict]) -> list[dict]:
+    """One row per pipeline: its calls and files per step beside the issue's targets."""
+    out = []
+    for r in records:
+        if "error" in r:
+            out.append({"pipeline": r["pipeline"], "calls": "failed"})
+            continue
+        steps = r.get("calls_per_step", [r["calls"]])
+        out.append({
+            "pipeline": r["pipeline"],
+            "calls": r["calls"] if len(set(steps)) == 1
+            else f"{r['calls']} (steps: {'/'.join(map(str, steps))})",
+            "target calls": f"<= {r['target_calls']}" if r.get("target_calls") else "",
+            "files": r["files"],
+            "target files": f"<= {r['target_files']}" if r.get("target_files") else "",
+            "grace tensors": r.get("grace_tensors"),
+            "top files (calls)": ", ".join(f"{f} {n}" for f, n in r["top_files"][:4])})
+    return out
+
+
+def hook_calls_table(records: list[dict]) -> str:
+    """The counts beside the targets, then each pipeline's busiest functions."""
+    out = [table(HOOK_CALLS_COLUMNS, hook_calls_rows(records))]
+    for r in records:
+        if "error" not in r:
+            out += ["", f"`{r['pipeline']}`: the {len(r['top_functions'])} functions called "
+                        f"most of its {r['calls']} calls (file:line qualified name):", "",
+                    table(["calls", "function"], [{"calls": n, "function": f"`{f}`"}
+                                                  for f, n in r["top_functions"]])]
+    failed = [r for r in records if "error" in r]
+    if failed:
+        out += ["", "Failed: " + "; ".join(f"{r['pipeline']}: {r['error']}" for r in failed)]
+    return "\n".join(out) + "\n"
+
+
+def hook_calls(doc: dict, plot: str | None = None) -> str:
+    out = []
+    for run in doc["runs"]:
+        if len(doc["runs"]) > 1:
+            out += [f"Run `{run['id']}`:", ""]
+        out += [hook_calls_table(run["records"])]
+    return "\n".join(out)
+
+
 SECTIONS = {"e2e": e2e, "convergence": convergence, "recipes": recipes, "overhead": overhead,
-            "ddp": ddp, "gpu_steps": gpu_steps}
+            "ddp": ddp, "gpu_steps": gpu_steps, "hook_calls": hook_calls}

@@ -28,9 +28,10 @@ pay for it. Decompressions per step: 1 for allreduce (the sum is decompressed on
 allgather/broadcast/ps (every rank's payload), 2 for twophase (its two exchanges), plus 1 when
 the memory is not ``none`` (error feedback decompresses the local payload).
 
-Payload bytes come from the compressor: ``payload_nbytes_for_shape(shape, dtype)`` when it has
-one (PowerSGD), else ``payload_nbytes(numel, dtype)``. A compressor that returns ``None`` (its
-size depends on the data: threshold, DGC, adaq) cannot be predicted and is not a candidate.
+Payload bytes come from the compressor: ``nbytes_for_shape(compressor, shape, dtype)``, its
+``payload_nbytes`` of the shape (PowerSGD) or of the number of elements. A compressor that
+returns ``None`` (its size depends on the data: threshold, DGC, adaq) cannot be predicted and
+is not a candidate.
 
 Throughput file (JSON; ``grace-dl strategy measure`` / ``grace_dl.strategy.measure`` writes one)::
 

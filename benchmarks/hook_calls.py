@@ -1,0 +1,261 @@
+"""How many Python calls inside grace_dl one DDP hook step makes: what the hook costs the host.
+
+    python -m benchmarks.hook_calls                                  # Markdown table on stdout
+    python -m benchmarks.hook_calls --json                           # + results file, in the cache
+    python -m benchmarks.hook_calls --json benchmarks/results/hook_calls.json   # the page's
+
+On a GPU a bucket compresses in less time than one round of Python (docs DESIGN, *Pieces and
+per-bucket Python*), so the host work of the hook is what bounds a step there; this counts it
+on any machine, without a GPU and without timing noise.
+
+For each pipeline (``benchmarks/pipelines.py``'s ``GRACE`` table, the one the DDP benchmarks
+use) one process builds a small MLP (``--model small``: 64-128-128-10, 6 parameter tensors,
+26k parameters) under ``DistributedDataParallel`` with **one bucket**
+(``bucket_cap_mb_list=[100]``), registers grace_dl's hook (``grace_dl.torch.ddp``, default
+options) on a single-process gloo group (world size 1, a ``HashStore``: no port), runs
+``--warmup`` steps (the first step's agreement check, DDP's bucket rebuild and lazy imports are
+not counted), then counts ``--steps`` steps one by one. A step is counted from the start of
+``loss.backward()`` to its return, which is where DDP waits on the hook's future and copies its
+result into ``.grad`` (the forward pass and the optimizer step are outside it); the hook runs
+inside it, on whichever thread runs the backward pass (a thin wrapper installs the profiler
+there too), and grace_dl's futures have no callbacks of their own. Counted are ``sys.setprofile``
+``"call"`` events (Python frames entered: functions, comprehensions and each resumption of a
+generator; not C functions) whose code lies in a file inside the ``grace_dl`` package, with the
+garbage collector off so that no finaliser lands in a step at random. ``files`` is how many
+distinct grace_dl files those calls are in.
+
+The issue's targets (``TARGETS``: calls per step, and files) stand beside the counts; a
+pipeline without a target has none yet. ``--model mlp5m`` counts the DDP benchmark's 5.8M
+MLP instead (one 23 MB bucket, which quantizers send as 4 MiB pieces: more grace tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import grace_dl
+from benchmarks import records, tables
+from benchmarks.pipelines import GRACE
+
+PACKAGE = Path(grace_dl.__file__).resolve().parent
+#: the pipelines counted by default, in the table's order
+PIPELINES = ("none", "topk", "qsgd-2phase", "fp16", "randomk", "signsgd-2phase", "powersgd")
+#: issue 42's targets per pipeline: (calls per step, distinct grace_dl files)
+TARGETS = {"none": (40, 8), "topk": (100, 8), "qsgd-2phase": (200, 8)}
+TOP = 10
+
+
+def small_mlp() -> nn.Module:
+    """benchmarks/ddp_worker.py's digits model: 6 parameter tensors, 26k parameters."""
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
+
+
+def _models():
+    from benchmarks.ddp_worker import mlp_5m
+
+    return {"small": (small_mlp, (64,)), "mlp5m": (mlp_5m, (1, 28, 28))}
+
+
+class CallCounter:
+    """``sys.setprofile`` ``"call"`` events by code object while active (``with counter:``);
+    ``grace_calls()`` keeps those whose file is inside ``root`` (the grace_dl package)."""
+
+    def __init__(self, root: Path = PACKAGE):
+        self.prefix = str(Path(root).resolve()) + os.sep
+        self.codes: collections.Counter = collections.Counter()
+        self.threads: set[int] = set()
+        self.active = False
+        self.profile = self._profile        # one bound method: sys.getprofile() compares it
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            self.codes[frame.f_code] += 1
+
+    def cover_this_thread(self):
+        """A context that profiles the current thread too while the counter is active (the
+        hook may run on an autograd worker thread, which ``sys.setprofile`` did not reach)."""
+        if not self.active or sys.getprofile() is self.profile:
+            return contextlib.nullcontext()
+        self.threads.add(threading.get_ident())
+
+        @contextlib.contextmanager
+        def covered():
+            before = sys.getprofile()
+            sys.setprofile(self.profile)
+            try:
+                yield
+            finally:
+                sys.setprofile(before)
+        return covered()
+
+    def __enter__(self):
+        self.codes.clear()
+        self.threads = {threading.get_ident()}
+        self._gc = gc.isenabled()
+        gc.disable()
+        self.active = True
+        self._before = sys.getprofile(), threading.getprofile()
+        threading.setprofile(self.profile)
+        sys.setprofile(self.profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._before[0])
+        threading.setprofile(self._before[1])
+        self.active = False
+        if self._gc:
+            gc.enable()
+
+    def inside(self, code) -> bool:
+        name = code.co_filename
+        return not name.startswith("<") and os.path.realpath(name).startswith(self.prefix)
+
+    def grace_calls(self) -> dict:
+        """``{(file relative to the package, first line, qualified name): calls}``."""
+        out: dict = {}
+        for code, n in self.codes.items():
+            if self.inside(code):
+                rel = os.path.relpath(os.path.realpath(code.co_filename), self.prefix)
+                key = (rel, code.co_firstlineno, getattr(code, "co_qualname", code.co_name))
+                out[key] = out.get(key, 0) + n
+        return out
+
+
+def _process_group():
+    """Start a single-process gloo group unless a group exists (then it is used); whether
+    this started one (and should destroy it)."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    return True
+
+
+def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
+          batch: int = 32) -> dict:
+    """One pipeline's record: grace_dl calls and files per counted step, and where they go."""
+    from grace_dl import grace_from_params
+    from grace_dl.torch import ddp as grace_ddp
+
+    if pipeline not in GRACE:
+        raise ValueError(f"pipeline must be one of {sorted(GRACE)}, got {pipeline!r}")
+    build, shape = _models()[model]
+    created = _process_group()
+    try:
+        torch.manual_seed(0)
+        net = DDP(build(), bucket_cap_mb_list=[100])    # one bucket
+        state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
+        counter = CallCounter()
+        hooked = []
+
+        def hook(state, bucket):            # unannotated: DDP checks only given annotations
+            hooked.append(bucket.index())
+            with counter.cover_this_thread():
+                return grace_ddp.comm_hook(state, bucket)
+
+        net.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        loss_fn = nn.CrossEntropyLoss()
+        x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+        per_step, buckets = [], []
+        for step in range(warmup + steps):
+            opt.zero_grad()
+            loss = loss_fn(net(x), y)
+            hooked.clear()
+            if step < warmup:
+                loss.backward()
+            else:
+                with counter:
+                    loss.backward()
+                per_step.append(counter.grace_calls())
+                buckets.append(len(hooked))
+            opt.step()
+        units = len(state.last_step_names)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    last = per_step[-1]
+    files: collections.Counter = collections.Counter()
+    for (rel, _, _), n in last.items():
+        files[rel] += n
+    functions = sorted(last.items(), key=lambda kv: (-kv[1], kv[0]))
+    target = TARGETS.get(pipeline)
+    return {
+        "pipeline": pipeline, "grace": dict(GRACE[pipeline]), "model": model,
+        "params": sum(p.numel() for p in net.parameters()),
+        "tensors": sum(1 for _ in net.parameters()),
+        "buckets": max(buckets), "grace_tensors": units,
+        "calls": sum(last.values()), "files": len(files),
+        "calls_per_step": [sum(s.values()) for s in per_step],
+        "target_calls": target[0] if target else None,
+        "target_files": target[1] if target else None,
+        "top_files": [[f, n] for f, n in sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))],
+        "top_functions": [[f"{rel}:{line} {name}", n] for (rel, line, name), n in functions[:TOP]],
+        "threads": len(counter.threads),
+    }
+
+
+TITLE = "DDP hook: Python calls and files per step"
+ABOUT = (
+    "One process, gloo at world size 1, `DistributedDataParallel` with one bucket "
+    "(`bucket_cap_mb_list=[100]`) and grace_dl's hook with default options, each pipeline of "
+    "`benchmarks/pipelines.py` (`benchmarks/hook_calls.py`). After the warm-up steps, *calls* "
+    "are the `sys.setprofile` `call` events (Python frames entered, generator resumptions "
+    "included; C functions not) whose code is in a grace_dl file, from the start of "
+    "`loss.backward()` to its return (the hook, its future's completion, DDP's copy into "
+    "`.grad`; not the forward pass or the optimizer step), for one step; *files* how many "
+    "distinct grace_dl files they are in. *target*: issue 42's aim for that pipeline (none "
+    "where it set none). The count does not depend on the machine; it moves with the code. "
+    "Below: where the calls of each pipeline go, by function (file:line qualified name).")
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=sorted(GRACE))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps counted, one by one")
+    ap.add_argument("--model", default="small", choices=("small", "mlp5m"))
+    ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
+                    help="also write the results file (benchmarks/records.py's format) to PATH "
+                         "(default: hook_calls.json in the cache, benchmarks.records."
+                         "scratch_dir; the page's is benchmarks/results/hook_calls.json)")
+    ap.add_argument("--id", default="hook_calls",
+                    help="the run's id (a run of the same id in the results file is replaced)")
+    args = ap.parse_args(argv)
+    if args.warmup < 2 or args.steps < 1:
+        raise SystemExit("--warmup must be at least 2 (DDP rebuilds its buckets after the "
+                         "first step) and --steps at least 1")
+    torch.set_num_threads(1)
+    rows = []
+    for p in args.pipelines:
+        try:
+            rows.append(count(p, args.warmup, args.steps, args.model))
+        except Exception as err:  # noqa: BLE001  (a pipeline that fails is reported)
+            rows.append({"pipeline": p, "error": repr(err)[:300]})
+        print(json.dumps({k: v for k, v in rows[-1].items()
+                          if k not in ("top_files", "top_functions", "grace")}),
+              file=sys.stderr, flush=True)
+    print(tables.hook_calls_table(rows), end="")
+    if args.json is not None:
+        out = Path(args.json) if args.json else records.default_out("hook_calls")
+        command = "python -m benchmarks.hook_calls " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        run = records.new_run(args.id, command, rows)
+        records.record_run(out, "hook_calls", TITLE, run, about=ABOUT)
+        print(f"wrote {out}", file=sys.stderr)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

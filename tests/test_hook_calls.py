@@ -1,0 +1,106 @@
+"""benchmarks/hook_calls.py counts the Python calls inside grace_dl of one DDP hook step: the
+count is positive, the same from step to step and run to run, every counted file is a
+grace_dl file, and the counts do not grow past what they were when the counter was written
+(issue 42 wants them far lower: a refactor that thins the hook lowers the bounds below)."""
+
+import pytest
+
+from benchmarks import hook_calls, records, tables
+
+#: measured at the commit that added the counter (small MLP, one bucket, default hook
+#: options): (calls, files) per step; the bounds allow 10% more
+MEASURED = {"none": (103, 17), "topk": (267, 19), "qsgd-2phase": (690, 20)}
+MARGIN = 1.10
+
+
+def test_only_calls_in_grace_dl_files_are_counted():
+    def outside():
+        return 1
+
+    import torch
+
+    from grace_dl import backend
+
+    counter = hook_calls.CallCounter()
+    with counter:
+        for _ in range(3):
+            outside()
+        backend.ops_for(torch.zeros(1))
+    got = counter.grace_calls()
+    assert sum(counter.codes.values()) > sum(got.values())   # outside() was seen, not kept
+    assert not any(name.endswith("outside") for _, _, name in got)
+    assert ("backend.py", backend.ops_for.__code__.co_firstlineno, "ops_for") in got
+    for rel, _, _ in got:
+        assert (hook_calls.PACKAGE / rel).is_file() and not rel.startswith(".."), rel
+
+
+def test_none_step_is_counted_the_same_every_time_inside_grace_dl():
+    first = hook_calls.count("none", warmup=2, steps=2)
+    again = hook_calls.count("none", warmup=2, steps=2)
+    assert first["calls"] > 0 and first["files"] > 0
+    assert first["calls_per_step"] == [first["calls"]] * 2       # step to step
+    assert (again["calls"], again["files"]) == (first["calls"], first["files"])  # run to run
+    assert again["top_functions"] == first["top_functions"]
+    assert first["buckets"] == 1 and first["grace_tensors"] == 1
+    assert sum(n for _, n in first["top_files"]) == first["calls"]
+    assert len(first["top_files"]) == first["files"]
+    for rel, _ in first["top_files"]:
+        path = (hook_calls.PACKAGE / rel).resolve()
+        assert path.is_file() and hook_calls.PACKAGE in path.parents, rel
+    assert any(f.startswith("torch/ddp.py:") for f, _ in first["top_functions"]) or \
+        any(f == "torch/ddp.py" for f, _ in first["top_files"])      # the hook itself ran
+
+
+@pytest.mark.parametrize("pipeline", sorted(MEASURED))
+def test_counts_do_not_grow(pipeline):
+    calls, files = MEASURED[pipeline]
+    got = hook_calls.count(pipeline, warmup=2, steps=1)
+    assert got["buckets"] == 1
+    assert got["calls"] <= int(calls * MARGIN), (got["calls"], got["top_functions"])
+    assert got["files"] <= int(files * MARGIN), (got["files"], got["top_files"])
+    assert got["target_calls"] == hook_calls.TARGETS[pipeline][0]
+
+
+def test_table_puts_targets_beside_counts_and_the_main_prints_it(capsys, tmp_path):
+    out = tmp_path / "hook_calls.json"
+    assert hook_calls.main(["--pipelines", "none", "fp16", "--warmup", "2", "--steps", "1",
+                            "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| pipeline | calls | target calls | files | target files |" in text
+    assert "| none | " in text and "| <= 40 | " in text and "| <= 8 | " in text
+    assert "`fp16`: the 10 functions called most" in text
+    doc = records.load(out)
+    assert doc["benchmark"] == "hook_calls" and [r["pipeline"] for r in
+                                                 doc["runs"][0]["records"]] == ["none", "fp16"]
+    assert tables.hook_calls(doc).startswith(text.split("\n")[0])
+    assert doc["runs"][0]["command"].startswith("python -m benchmarks.hook_calls --pipelines")
+
+
+def test_a_hook_on_another_thread_is_counted_through_cover_this_thread():
+    """On a GPU DDP calls the hook on an autograd device thread, started before the counter
+    (``threading.setprofile`` does not reach it): the hook's wrapper covers that thread."""
+    import threading
+
+    import torch
+
+    from grace_dl import backend
+
+    go, done = threading.Event(), threading.Event()
+
+    def worker():
+        go.wait()
+        backend.ops_for(torch.zeros(1))             # not covered: not counted
+        with counter.cover_this_thread():
+            backend.ops_for(torch.zeros(1))
+        done.set()
+
+    counter = hook_calls.CallCounter()
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with counter:
+        go.set()
+        assert done.wait(30)
+    thread.join()
+    calls = counter.grace_calls()
+    assert calls[("backend.py", backend.ops_for.__code__.co_firstlineno, "ops_for")] == 1
+    assert len(counter.threads) == 2
