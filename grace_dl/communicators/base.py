@@ -453,6 +453,14 @@ class Communicator(Router, ABC):
         payload (``caps.drops_nonfinite``) the payload is marked (``marked``) with a 0/NaN
         scalar read from the compensated tensor (one reduction over it, no host sync); the
         compressor's accumulating state (signum's momentum) is cleaned after compressing."""
+        if self.feedback.keeps_nothing:     # memory ``none``: nothing to compensate or keep
+            payload, ctx = self.compress(tensor, name, call)
+            encoded = Encoded(name, payload, ctx, tensor, call)
+            if self.compressor.state.accumulates:
+                self.compressor.state.clean(name)
+            if self.compressor.caps.drops_nonfinite:
+                encoded.payload = marked(payload, nonfinite_mark(tensor))
+            return encoded
         compensated = self.feedback.compensate(tensor, name, self.compressor)
         mark = nonfinite_mark(compensated) if self.compressor.caps.drops_nonfinite else None
         encoded = None
@@ -471,7 +479,8 @@ class Communicator(Router, ABC):
                     encoded.approximation = self.approximate(encoded)
                 self.feedback.update(compensated, name, self.compressor, payload, ctx,
                                      encoded.approximation)
-        self.compressor.state.clean(name)
+        if self.compressor.state.accumulates:
+            self.compressor.state.clean(name)
         if mark is not None:
             encoded.payload = marked(encoded.payload, mark)
         return encoded

@@ -115,7 +115,10 @@ def count(comm, ops, name: str, sent=0, received=0) -> None:
     """Add to ``comm.bytes`` for tensor ``name`` each time this runs (also under
     ``tf.function``, where the values may be run-time scalars)."""
     counter = comm.bytes
-    ops.host_callback(lambda s, r: counter.add(name, sent=s, received=r), sent, received)
+    if type(sent) is int and type(received) is int:
+        counter.add(name, sent, received)
+    else:
+        ops.host_callback(lambda s, r: counter.add(name, sent=s, received=r), sent, received)
 
 
 def ring_allreduce_bytes(nbytes_: int, size: int) -> int:

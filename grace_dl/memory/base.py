@@ -75,6 +75,10 @@ class Feedback:
     - say that ``update`` does not read ``approximation`` (``wants_approximation``), so the
       communicator does not compute it."""
 
+    #: the memory compensates with nothing and keeps nothing (memory ``none``): the
+    #: communicator then calls neither ``compensate`` nor ``update``
+    keeps_nothing = False
+
     def __init__(self, memory):
         self.memory = memory
 

@@ -18,7 +18,9 @@ class NoneMemory(Memory):
 
 @paths.register(NoneMemory)
 class NoneFeedback(Feedback):
-    """Nothing is kept: the communicator need not decompress this rank's own payload."""
+    """Nothing is compensated or kept: the communicator skips the memory altogether."""
+
+    keeps_nothing = True
 
     def wants_approximation(self, compressor) -> bool:
         return False

@@ -126,6 +126,7 @@ DDP checks the hook's annotations, so this module does not use postponed evaluat
 
 
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -152,6 +153,19 @@ DEFAULT_AGREEMENT_TIMEOUT = 30.0
 #: the same count on every rank of the group (each runs the same script), which keys the
 #: store entries of the next check
 _CHECKS: dict = {}
+
+
+@dataclass(frozen=True)
+class _BucketLayout:
+    """What ``GraceState._send`` works out of one DDP bucket's parameters."""
+
+    names: list             # the parameters' names, in the bucket's order
+    order: list             # bucket positions in canonical order
+    canonical: list         # the names in canonical order
+    in_order: bool          # the bucket is in canonical order already
+    name: str               # the grace tensor's name when the bucket goes as one
+    numels: list            # the parameters' numels, in canonical order
+    pieces: list | None     # the lengths of the pieces its buffer goes in (None: whole)
 
 
 class GraceState:
@@ -219,6 +233,9 @@ class GraceState:
         self._target = None                     # a loaded checkpoint's grouping (bucket mode)
         self._layout: list = []                 # the grouping of the last completed step
         self._checked = False
+        # bucket index -> (its parameters' ids, _BucketLayout): what _send works out of a
+        # bucket's parameters once, not every step
+        self._bucket_layouts: dict = {}
         self._step_names: list[str] = []
         self.last_step_names: list[str] = []    # the grace tensors of the last step, in order
 
@@ -294,6 +311,7 @@ class GraceState:
             list(dist.get_process_group_ranks(group))
         state["_named_unmet"] = self._given_names is not None and not self._order
         state["_names"], state["_given_names"] = {}, None
+        state["_bucket_layouts"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -364,8 +382,11 @@ class GraceState:
     # whether its result lands in the bucket by itself: sent with the bucket's buffer or a
     # gradient view as ``into``). Other units (a bucket cat in canonical order, a resumed
     # run's regrouping) are copied into the gradients' views of the bucket after receive.
-    def _start_unit(self, tensor, name, names, numels, into=None, collectives=None):
-        sizes = None if collectives is not None else self._piece_sizes(tensor)
+    def _start_unit(self, tensor, name, names, numels, into=None, collectives=None,
+                    sizes=False):
+        """``sizes``: the pieces' lengths when known (None: whole), else worked out here."""
+        if sizes is False:
+            sizes = None if collectives is not None else self._piece_sizes(tensor)
         if sizes is None:
             handles = [self.grace.send(tensor, name, self.op, collectives or self.collectives,
                                        into=into)]
@@ -384,9 +405,14 @@ class GraceState:
             return None
         return piece_sizes(tensor.numel(), tensor.element_size(), self._piece_bytes)
 
-    def _send(self, bucket):
-        self._bind()
+    def _layout_of(self, bucket) -> _BucketLayout:
+        """``bucket``'s names and their canonical order, worked out when its parameters are
+        new (the first steps, DDP's rebuilt buckets), else the kept one."""
         params = bucket.parameters()
+        ids = [id(p) for p in params]
+        kept = self._bucket_layouts.get(bucket.index())
+        if kept is not None and kept[0] == ids and not bucket.buffer().is_sparse:
+            return kept[1]
         names = [self._name_of(p) for p in params]
         sparse = [n for n, g in zip(names, bucket.gradients()) if g.is_sparse]
         if sparse or bucket.buffer().is_sparse:
@@ -394,11 +420,34 @@ class GraceState:
                              f"(nn.Embedding(sparse=True)?); grace compresses dense tensors: "
                              f"build the module with dense gradients (sparse=False), as the "
                              f"Horovod optimizer's sparse_as_dense=True does")
+        # canonical order: descending first-met index, DDP's rebuilt (ready) order for most
+        # models; a bucket in another order (the first iteration's) is permuted
+        order = sorted(range(len(names)), key=lambda i: -self._index[names[i]])
+        canonical = [names[i] for i in order]
+        buffer = bucket.buffer()
+        layout = _BucketLayout(names, order, canonical, order == list(range(len(names))),
+                               self.bucket_name(canonical),
+                               [params[i].numel() for i in order], self._piece_sizes(buffer))
+        self._bucket_layouts[bucket.index()] = (ids, layout)
+        return layout
+
+    def _send(self, bucket):
+        self._bind()
+        layout = self._layout_of(bucket)
+        names = layout.names
         if not self._checked:
             self._check_ranks_agree(bucket, names)
         buffer = bucket.buffer()
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         fut = torch.futures.Future(devices=devices)
+        if layout.in_order and not self.per_parameter and self._target is None:
+            # the common step: the bucket's buffer is the one grace tensor, its result
+            # written there (no gradient views needed)
+            flat = buffer.detach()
+            self._start_unit(flat, layout.name, layout.canonical, layout.numels, into=flat,
+                             sizes=layout.pieces)
+            self._buckets.append((fut, buffer))
+            return fut
         grads = [g.detach() for g in bucket.gradients()]   # views into buffer
         self._views.update(zip(names, grads))
         if self.per_parameter:
@@ -411,10 +460,7 @@ class GraceState:
                 self._start_unit(g, n, [n], [g.numel()], into=g, collectives=group)
             group.close()
         else:
-            # canonical order: descending first-met index, DDP's rebuilt (ready) order for
-            # most models; a bucket in another order (the first iteration's) is permuted
-            order = sorted(range(len(names)), key=lambda i: -self._index[names[i]])
-            canonical = [names[i] for i in order]
+            order, canonical = layout.order, layout.canonical
             if self._target is not None and canonical not in self._target:
                 # first iteration after a resume, DDP's layout is not the saved one: wait for
                 # the whole step and regroup as the checkpointed run did (_complete)

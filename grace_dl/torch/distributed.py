@@ -162,6 +162,7 @@ class DistCollectives(Collectives):
 
     def __init__(self, process_group=None):
         self.process_group = process_group
+        self._ranks = None      # (rank, size), read once the group exists
 
     def _group(self):
         if not dist.is_available() or not dist.is_initialized():
@@ -169,11 +170,19 @@ class DistCollectives(Collectives):
                                "torch.distributed.init_process_group(...) first")
         return self.process_group
 
+    def _rank_size(self) -> tuple:
+        """This rank and the group's size, asked of torch.distributed once (a group's
+        membership does not change)."""
+        if self._ranks is None:
+            group = self._group()
+            self._ranks = dist.get_rank(group), dist.get_world_size(group)
+        return self._ranks
+
     def size(self) -> int:
-        return dist.get_world_size(self._group())
+        return self._rank_size()[1]
 
     def rank(self) -> int:
-        return dist.get_rank(self._group())
+        return self._rank_size()[0]
 
     def _wire(self, tensor):
         """(``tensor`` on a device the group's backend can move, function back). NCCL moves
