@@ -60,6 +60,7 @@ switch cannot take effect; ``send`` raises ``ValueError`` there. Use eager execu
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import numpy as np
@@ -68,6 +69,8 @@ from grace_dl.communicators.base import (
     AVERAGE,
     ByteCounter,
     FanOut,
+    accumulator,
+    advance_each,
     fingerprint_of,
     receive_each,
 )
@@ -243,6 +246,24 @@ class Schedule(FanOut):
 
     def synchronize(self, tensor, name: str, op: str = AVERAGE, collectives=None, into=None):
         return self.receive(self.send(tensor, name, op, collectives, into))
+
+    def advance(self, pending) -> int:
+        """The running stage's ``advance`` (``Router.advance``; every handle of a step is that
+        stage's) on ``pending``'s handles, the deque left in the order the stage left them."""
+        outer = {id(h.inner): h for h in pending}
+        inner = collections.deque(h.inner for h in pending)
+        done = advance_each(self.active, inner)
+        pending.clear()
+        pending.extend(outer[id(h)] for h in inner)
+        return done
+
+    def accumulator(self, name: str, like):
+        """The running stage's slot for ``name`` (``communicators.base.accumulator``); None
+        while a residual carried over from the last stage waits to be added to ``name``'s
+        next gradient (``send`` adds it to the tensor, whose values the slot would not read)."""
+        if name in self._carry:
+            return None
+        return accumulator(self.active, name, like)
 
     def end_step(self) -> dict:
         """Close the step in the running stage, count it, and switch stage if the next step

@@ -142,6 +142,31 @@ def test_residual_is_flushed_into_a_stage_without_memory():
     assert grc.state_dict()["carry"] == {}
 
 
+def test_buckets_add_into_the_running_stages_residual():
+    """``accumulator`` under a Schedule: the running stage's residual slot, so the torch
+    optimizer's buckets add their gradients there (the same payloads and results as sending
+    the whole tensor), across switches; None under a stage without one."""
+    from grace_dl.communicators.base import accumulator
+
+    plain, parts = Schedule({0: TOPK, 2: DENSE, 3: TOPK}), Schedule({0: TOPK, 2: DENSE, 3: TOPK})
+    for step in range(5):
+        g = grads(step)["a"]
+        want = plain.receive(plain.send(g.clone(), "a", collectives=OneRank())).clone()
+        slot = accumulator(parts, "a", g)
+        assert (slot is None) == (step == 2 or parts.stage_start == 2), step
+        if slot is None:
+            sent = g.clone()
+        else:
+            slot.view(-1)[:5].add_(g.view(-1)[:5])
+            slot.view(-1)[5:].add_(g.view(-1)[5:])
+            sent = torch.full_like(g, float("nan"))     # its values are not read
+        got = parts.receive(parts.send(sent, "a", collectives=OneRank()))
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        plain.end_step()
+        parts.end_step()
+    assert accumulator(Schedule({0: DENSE}), "a", grads(0)["a"]) is None   # memory none
+
+
 def test_dgc_momentum_moves_with_the_velocity():
     mom = {"compressor": "none", "memory": "momentum", "error_feedback": False,
            "factor_masking": False, "communicator": "allreduce"}

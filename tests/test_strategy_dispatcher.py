@@ -212,3 +212,27 @@ def test_send_receive_on_an_explicit_engine_in_node_order(params):
             assert torch.equal(out, xs[n])
     with pytest.raises(ValueError, match="already received"):
         d.receive(handles["a"])
+
+
+def test_buckets_add_into_the_routed_communicators_residual():
+    """``accumulator`` under a dispatcher: the slot of the communicator ``name`` is routed to
+    (the torch optimizer's buckets add their gradients there), the same results as sending
+    the whole tensor; None for a node without a residual."""
+    from grace_dl.communicators.base import accumulator
+
+    nodes = (("w", (4, 4), TOPK, 0), ("b", (4,), {}, 1))
+    plain, parts = from_strategy(_strategy(*nodes)), from_strategy(_strategy(*nodes))
+    plain._verified = parts._verified = True    # one process: nothing to agree with
+    assert accumulator(parts, "b", torch.zeros(4)) is None
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 4, generator=g)
+        want = plain.receive(plain.send(x.clone(), "w", collectives=OneRank())).clone()
+        slot = accumulator(parts, "w", x)
+        slot.view(-1)[:7].add_(x.view(-1)[:7])
+        slot.view(-1)[7:].add_(x.view(-1)[7:])
+        got = parts.receive(parts.send(torch.full_like(x, float("nan")), "w",
+                                       collectives=OneRank()))
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        plain.end_step()
+        parts.end_step()

@@ -10,7 +10,8 @@ import pytest
 import mp
 
 N = 2
-MULTI = ("powersgd", "signsgd-2phase", "qsgd-2phase", "signsgd-2phase-pieces", "strategy")
+MULTI = ("powersgd", "signsgd-2phase", "qsgd-2phase", "signsgd-2phase-pieces", "strategy",
+         "schedule")
 SINGLE = ("topk", "randomk", "topk-buckets")
 
 

@@ -233,6 +233,11 @@ class FanOut:
     def parts(self) -> list:
         return []
 
+    def accumulator(self, name: str, like):
+        """Where the tensor sent next as ``name`` may be added in parts first
+        (``accumulator``), or None (default: none)."""
+        return None
+
     @property
     def process_set(self):
         return self._process_set
@@ -270,8 +275,11 @@ def accumulator(grace, name: str, like):
     """Where the parts of the tensor ``grace`` will send as ``name`` (shaped like ``like``) may
     be added before it is sent (``Feedback.accumulator``: the residual's slot, whose send then
     adds nothing), or None: only for a communicator whose ``encode`` is the base one, which
-    compensates through its memory's path (decided when it was built); a strategy
-    dispatcher routes by name and is left out."""
+    compensates through its memory's path (decided when it was built), or a ``grace=`` object
+    made of others that says where (a ``Schedule``: its running stage's; a strategy
+    dispatcher: that of the communicator it routes ``name`` to)."""
+    if isinstance(grace, FanOut):
+        return grace.accumulator(name, like)
     if not isinstance(grace, Communicator) or not grace.compensates_in_memory:
         return None
     return grace.feedback.accumulator(name, like, grace.compressor)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from math import prod
 
 from grace_dl.backend import collectives_for, ops_for
-from grace_dl.communicators.base import ByteCounter, FanOut, Handle, Router
+from grace_dl.communicators.base import ByteCounter, FanOut, Handle, Router, accumulator
 from grace_dl.communicators.fusion import AUTO, NCCL, RING, HostCollectives
 from grace_dl.strategy import strategy_pb2 as pb
 from grace_dl.strategy.pipeline import Pipeline
@@ -257,6 +257,12 @@ class StrategyDispatcher(Router, FanOut):
 
     def communicator(self, name: str):
         return self.node(name).comm
+
+    def accumulator(self, name: str, like):
+        """The slot of ``name``'s communicator (``communicators.base.accumulator``: its
+        memory's residual, where the torch optimizer's buckets add their gradients), or
+        None."""
+        return accumulator(self.node(name).comm, name, like)
 
     # ------------------------------------------------------------------ the communicator protocol
     def route(self, tensor, name: str, collectives):

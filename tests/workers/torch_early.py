@@ -12,7 +12,7 @@ from torch import nn
 
 import grace_dl.torch.horovod as hvd
 import mp
-from grace_dl import grace_from_params
+from grace_dl import Schedule, grace_from_params
 from grace_dl.strategy import Pipeline, from_strategy
 from grace_dl.strategy.builders import assemble
 from grace_dl.strategy.variables import variables_of
@@ -68,6 +68,8 @@ PIPELINES = {
     "qsgd-2phase-grouped": ({"compressor": "qsgd", "quantum_num": 64, "memory": "residual",
                              "communicator": "twophase"}, {"groups": 1}),
     "strategy": (None, {}),
+    # a Schedule: PowerSGD for a step, then signSGD two-phase (its running stage's advance)
+    "schedule": ("schedule", {}),
 }
 
 
@@ -84,7 +86,13 @@ def strategy(model):
 def train(params, early, **kwargs):
     model = Paused()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    grace = strategy(model) if params is None else grace_from_params(dict(params))
+    if params is None:
+        grace = strategy(model)
+    elif params == "schedule":
+        grace = Schedule({0: dict(PIPELINES["powersgd"][0]),
+                          1: dict(PIPELINES["signsgd-2phase"][0])})
+    else:
+        grace = grace_from_params(dict(params))
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                    grace=grace, early_rounds=early, **kwargs)
     g = torch.Generator().manual_seed(rank)
