@@ -461,18 +461,14 @@ class Communicator(Router, ABC):
         payload (``caps.drops_nonfinite``) the payload is marked (``marked``) with a 0/NaN
         scalar read from the compensated tensor (one reduction over it, no host sync); the
         compressor's accumulating state (signum's momentum) is cleaned after compressing."""
-        if self.feedback.keeps_nothing:     # memory ``none``: nothing to compensate or keep
-            payload, ctx = self.compress(tensor, name, call)
-            encoded = Encoded(name, payload, ctx, tensor, call)
-            if self.compressor.state.accumulates:
-                self.compressor.state.clean(name)
-            if self.compressor.caps.drops_nonfinite:
-                encoded.payload = marked(payload, nonfinite_mark(tensor))
-            return encoded
-        compensated = self.feedback.compensate(tensor, name, self.compressor)
+        keeps_nothing = self.feedback.keeps_nothing     # memory ``none``: skipped
+        compensated = tensor if keeps_nothing else \
+            self.feedback.compensate(tensor, name, self.compressor)
         mark = nonfinite_mark(compensated) if self.compressor.caps.drops_nonfinite else None
         encoded = None
-        if self.compressor.caps.rounds == 1:
+        if keeps_nothing:
+            encoded = Encoded(name, *self.compress(compensated, name, call), compensated, call)
+        elif self.compressor.caps.rounds == 1:
             slot = self.feedback.error_slot(name, self.compressor)
             got = None if slot is None else self.compress_with_error(compensated, name, call,
                                                                     slot)
