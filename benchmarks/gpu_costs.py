@@ -73,12 +73,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     text = render()
     if args.check:
-        if GPU_THROUGHPUT.exists() and GPU_THROUGHPUT.read_text() == text:
-            print(f"{GPU_THROUGHPUT.name} is up to date")
-            return 0
-        print(f"{GPU_THROUGHPUT.name} differs from the conversion of {SOURCE.name}: run "
-              "python -m benchmarks.gpu_costs --write", file=sys.stderr)
-        return 1
+        return records.up_to_date(GPU_THROUGHPUT, text, f"the conversion of {SOURCE.name}",
+                                  "python -m benchmarks.gpu_costs --write")
     if args.write:
         GPU_THROUGHPUT.write_text(text)
         print(f"wrote {GPU_THROUGHPUT}")

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 FORMAT = "grace_dl.results/1"
@@ -184,3 +185,14 @@ def record_run(path: Path, benchmark: str, title: str, run: dict, about: str | N
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump(doc))
     return doc
+
+
+def up_to_date(path: Path, fresh: str, made_from: str, command: str) -> int:
+    """A ``--check``: 0 (and says so) when the committed ``path`` holds ``fresh``, the text
+    its generator makes now, else 1 and the ``command`` that regenerates it."""
+    shown = path.relative_to(ROOT)
+    if path.exists() and path.read_text() == fresh:
+        print(f"{shown} is up to date")
+        return 0
+    print(f"{shown} differs from {made_from}: run {command}", file=sys.stderr)
+    return 1

@@ -182,13 +182,9 @@ def main(argv=None) -> int:
                             "of --results")
     args = ap.parse_args(argv)
     if args.check:
-        fresh, _ = render(Path(args.results))
-        if PAGE.exists() and PAGE.read_text() == fresh:
-            print(f"{PAGE.relative_to(ROOT)} is up to date")
-            return 0
-        print(f"{PAGE.relative_to(ROOT)} differs from the rendering of {args.results}: "
-              "run python -m benchmarks.report --write", file=sys.stderr)
-        return 1
+        return records.up_to_date(PAGE, render(Path(args.results))[0],
+                                  f"the rendering of {args.results}",
+                                  "python -m benchmarks.report --write")
     if args.write:
         out_dir, link = PAGE.parent, "../benchmarks/results"
     else:
