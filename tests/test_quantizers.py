@@ -12,7 +12,7 @@ import torch
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import Call
-from grace_dl.compressors.buckets import bucketize
+from grace_dl.compressors.binning import bucketize
 from grace_dl.compressors.fp16 import BF16Compressor, FP16Compressor
 from grace_dl.compressors.inceptionn import InceptionnCompressor
 from grace_dl.compressors.natural import NaturalCompressor

@@ -22,7 +22,7 @@ import numpy as np
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import LOCAL, Capabilities, Compressor
-from grace_dl.compressors.buckets import bucketize
+from grace_dl.compressors.binning import bucketize
 from grace_dl.compressors.flat import bits_for, flat_f32, pack, restore, unpack
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range

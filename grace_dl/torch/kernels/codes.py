@@ -456,7 +456,7 @@ SKETCH_BLOCK = 2048
 
 
 def order_key(x):
-    """int32 keys of float32 ``x`` ordered as the floats (``compressors.buckets.order_key``)."""
+    """int32 keys of float32 ``x`` ordered as the floats (``compressors.binning.order_key``)."""
     bits = x.view(torch.int32)
     key = ((bits >> 31) & 0x7FFFFFFF) ^ bits
     return key + ((key >> 31) & 1)

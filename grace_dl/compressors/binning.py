@@ -1,5 +1,6 @@
-"""Bucketing float32 values against a few sorted edges in a handful of whole-tensor passes
-(``torch.bucketize``'s per-element binary search costs ~100x a copy on CPU).
+"""Binning float32 values against a few sorted edges (``bucketize``, sketch's quantile bins) in
+a handful of whole-tensor passes (``torch.bucketize``'s per-element binary search costs ~100x a
+copy on CPU).
 
 Values and edges are first mapped to int32 keys that order like the floats (-0 equal to +0;
 exact in TF too, which flushes subnormal floats to zero in float comparisons). The top 15 bits
