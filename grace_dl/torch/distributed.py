@@ -179,10 +179,12 @@ class DistCollectives(Collectives):
         return self._ranks
 
     def size(self) -> int:
-        return self._rank_size()[1]
+        ranks = self._ranks
+        return (ranks or self._rank_size())[1]
 
     def rank(self) -> int:
-        return self._rank_size()[0]
+        ranks = self._ranks
+        return (ranks or self._rank_size())[0]
 
     def _wire(self, tensor):
         """(``tensor`` on a device the group's backend can move, function back). NCCL moves
