@@ -452,3 +452,34 @@ def test_signum_feeds_back_the_error_of_its_momentum_signs():
     momentum = 0.5 * (0.5 * x) + 0.5 * comp
     np.testing.assert_allclose(grc.state_dict()["memory"]["w"],
                                (comp - torch.sign(momentum)).numpy(), rtol=1e-6)
+
+
+def test_a_memory_subclass_runs_its_own_methods_and_an_unhashable_one_works():
+    """The seam for memories: a subclass of ``residual`` gets the reference path (its own
+    ``compensate``/``update``, which it may have changed), and a memory that cannot be a
+    weak key (``__eq__`` without ``__hash__``) still gets a path; both train as the plain
+    composition does."""
+    from grace_dl.memory.base import Feedback
+    from grace_dl.memory.residual import ResidualMemory
+
+    class Mine(ResidualMemory):
+        pass
+
+    class Unhashable(ResidualMemory):
+        def __eq__(self, other):
+            return self is other
+
+    assert type(feedback_of(Mine())) is Feedback
+    assert type(feedback_of(ResidualMemory())).__name__ == "ResidualFeedback"
+    for memory in (Mine(), Unhashable()):
+        fast = lookup("communicator", "allgather")(_compressor("topk"), memory)
+        assert fast.feedback.memory is memory
+        slow = lookup("memory", "residual")()
+        for step in range(2):
+            x = _tensor(step)
+            out = fast.synchronize(x.clone(), "w", collectives=OneRank())
+            compensated = slow.compensate(x, "w")
+            payload, ctx = fast.compressor.compress(compensated, "w")   # the same draw-free top
+            slow.update(compensated, "w", fast.compressor, payload, ctx)
+            np.testing.assert_array_equal(memory.state_dict()["w"], slow.state_dict()["w"])
+            assert out.shape == x.shape

@@ -180,21 +180,28 @@ def feedback_of(memory):
     written while compressing), else ``grace_dl.memory.base.Feedback`` (its own
     ``compensate``/``update``). One per memory object: the path keeps which names it
     compensated in place until their update."""
-    path = _FEEDBACK.get(memory)
+    try:
+        path = _FEEDBACK.get(memory)
+    except TypeError:       # a memory that cannot be a weak key (unhashable): not shared
+        return _feedback_path(memory)
     if path is None:
-        from grace_dl.memory.base import Feedback
-        cls = type(memory)
-        path_cls = _REGISTRY.get((cls, ANY))
-        if path_cls is None:
-            base = next((b for b in cls.__mro__[1:] if (b, ANY) in _REGISTRY), None)
-            if base is not None and cls not in _TOLD:
-                _TOLD.add(cls)
-                LOG.info("%s derives from %s, which has a speed path; %s runs its own "
-                         "compensate and update (the reference path)", cls.__name__,
-                         base.__name__, cls.__name__)
-            path_cls = Feedback
-        path = _FEEDBACK[memory] = path_cls(memory)
+        path = _FEEDBACK[memory] = _feedback_path(memory)
     return path
+
+
+def _feedback_path(memory):
+    """A new path for ``memory``: its exact class's registered one, else ``Feedback``."""
+    from grace_dl.memory.base import Feedback
+    cls = type(memory)
+    path_cls = _REGISTRY.get((cls, ANY))
+    if path_cls is not None:
+        return path_cls(memory)
+    base = next((b for b in cls.__mro__[1:] if (b, ANY) in _REGISTRY), None)
+    if base is not None and cls not in _TOLD:
+        _TOLD.add(cls)
+        LOG.info("%s derives from %s, which has a speed path; %s runs its own compensate and "
+                 "update (the reference path)", cls.__name__, base.__name__, cls.__name__)
+    return Feedback(memory)
 
 
 def overrides(cls: type, base: type, name: str) -> bool:
