@@ -135,17 +135,18 @@ class CallCounter:
         return out
 
 
-def _process_group():
-    """Start a single-process gloo group unless a group exists (then it is used); whether
-    this started one (and should destroy it)."""
+def _process_group(device: str = "cpu"):
+    """Start a single-process group (gloo; NCCL for ``device`` cuda) unless a group exists
+    (then it is used); whether this started one (and should destroy it)."""
     if dist.is_initialized():
         return False
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1,
+                            store=dist.HashStore())
     return True
 
 
 def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
-          batch: int = 32) -> dict:
+          batch: int = 32, device: str = "cpu") -> dict:
     """One pipeline's record: grace_dl calls and files per counted step, and where they go."""
     from grace_dl import grace_from_params
     from grace_dl.torch import ddp as grace_ddp
@@ -153,10 +154,10 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
     if pipeline not in GRACE:
         raise ValueError(f"pipeline must be one of {sorted(GRACE)}, got {pipeline!r}")
     build, shape = _models()[model]
-    created = _process_group()
+    created = _process_group(device)
     try:
         torch.manual_seed(0)
-        net = DDP(build(), bucket_cap_mb_list=[100])    # one bucket
+        net = DDP(build().to(device), bucket_cap_mb_list=[100])    # one bucket
         state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
         counter = CallCounter()
         hooked = []
@@ -169,7 +170,8 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
         net.register_comm_hook(state, hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         loss_fn = nn.CrossEntropyLoss()
-        x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+        x = torch.randn(batch, *shape, device=device)
+        y = torch.randint(0, 10, (batch,), device=device)
         per_step, buckets = [], []
         for step in range(warmup + steps):
             opt.zero_grad()
@@ -195,6 +197,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
     target = TARGETS.get(pipeline)
     return {
         "pipeline": pipeline, "grace": dict(GRACE[pipeline]), "model": model,
+        "device": device,
         "params": sum(p.numel() for p in net.parameters()),
         "tensors": sum(1 for _ in net.parameters()),
         "buckets": max(buckets), "grace_tensors": units,
@@ -226,6 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps counted, one by one")
     ap.add_argument("--model", default="small", choices=("small", "mlp5m"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the model and its gradients live (cuda: NCCL at world size "
+                         "1, the device paths); the committed table is the CPU's")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="also write the results file (benchmarks/records.py's format) to PATH "
                          "(default: hook_calls.json in the cache, benchmarks.records."
@@ -240,7 +246,7 @@ def main(argv=None) -> int:
     rows = []
     for p in args.pipelines:
         try:
-            rows.append(count(p, args.warmup, args.steps, args.model))
+            rows.append(count(p, args.warmup, args.steps, args.model, device=args.device))
         except Exception as err:  # noqa: BLE001  (a pipeline that fails is reported)
             rows.append({"pipeline": p, "error": repr(err)[:300]})
         print(json.dumps({k: v for k, v in rows[-1].items()

@@ -4,8 +4,9 @@
 # every pipeline's device path under CUDA's sync debug mode, and the DDP step table. Each part
 # has a time limit, so the whole fits one 10-minute call; each writes into $OUT as it goes.
 #
-#   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [steps] [profile]
-#                                              (default: the first four; profile: benchmarks/gpu_profile.py)
+#   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [steps] [profile] [calls]
+#          (default: the first four; profile: benchmarks/gpu_profile.py; calls: the DDP hook's
+#           Python calls per step on CUDA tensors, benchmarks/hook_calls.py)
 set -u
 OUT="${OUT:-/tmp/grace_dl_gpu}"
 mkdir -p "$OUT"
@@ -32,6 +33,8 @@ for part in "${parts[@]}"; do
     profile) timeout 120 python3 -m benchmarks.gpu_profile --out "$OUT" --calls 10 \
                --methods ${PROFILE_METHODS:-qsgd signsgd signum topk randomk dgc threshold adaq sketch inceptionn} \
                >>"$log" 2>&1 ;;
+    calls) timeout 120 python3 -m benchmarks.hook_calls --device cuda --id cuda \
+             --json "$OUT/hook_calls.json" >>"$log" 2>&1 ;;
     *) echo "unknown part $part" >>"$log" ;;
   esac
   echo "== $part done rc=$? $(date -u +%T)" >>"$log"
