@@ -25,7 +25,7 @@ Per step, rank 0 records (medians over the measured steps):
 
 For grace pipelines, the phases are timed by wrapping the pipeline object's methods (no timer
 lives in the library), each phase's time without the other phases timed inside it:
-``compensate`` (the memory's ``compensate_for``), ``compress`` (the communicator's ``encode``
+``compensate`` (the memory path's ``compensate``), ``compress`` (the communicator's ``encode``
 without its compensate and memory update: with ``compress_with_error``, which writes the error
 feedback while compressing, ``memory_update`` is ~0), ``memory_update`` (the memory's
 ``update``, and the local approximation), ``issue``, ``wait`` (``Collectives.synchronize``),

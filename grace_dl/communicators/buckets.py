@@ -13,7 +13,7 @@ step counters) follows the bucket's content, not its position.
 quantizers, signs and fp16 that is the per-tensor bits give or take one chunk header per
 bucket; a sparsifier selects over the whole bucket (topk: a global top-k, so layers with large
 gradients take more of the k; ``compress_ratio`` is a fraction of the bucket). Compressors that
-need each layer's shape (PowerSGD's matrices: ``Compressor.needs_shape``) and strategy
+need each layer's shape (PowerSGD's matrices: ``caps.needs_shape``) and strategy
 dispatchers (which route by gradient name) cannot be bucketed (``check_bucket_bytes``).
 
 The torch optimizer (``grace_dl.torch.buckets``), the DDP hook (``grace_dl.torch.ddp``, on DDP's

@@ -329,7 +329,7 @@ class TwoPhase(PackingCommunicator):
 
     def _server_step(self, payloads, ctx, like, handle: Handle, key: str, start: int):
         """This rank's chunk combined, fed back and re-compressed in one go where the
-        compressor fuses it (``Compressor.combine_with_feedback``), its decoding written
+        compressor fuses it (its path's ``combine_with_feedback``), its decoding written
         straight into the handle's ``into`` when that is a float32 tensor with a flat view
         and nothing divides it (else into a buffer). ``(flattened payload, decoded,
         written in into)``, or None: run ``combine`` and ``_recompress``."""

@@ -16,7 +16,7 @@ as two dense factors in two allreduce rounds (r = min(compress_rank, n, m)):
    step's warm start (kept in ``self.state``, so checkpoints carry it).
 
 Bytes: r * (n + m) * itemsize per step instead of n * m * itemsize (see
-``payload_nbytes_for_shape``). Biased (a rank-r projection), so use it with error feedback:
+``payload_nbytes`` of the shape). Biased (a rank-r projection), so use it with error feedback:
 memory ``powersgd`` keeps each rank's M - P_hat Q_w^T (the paper's Algorithm 1). Allreduce-safe:
 both rounds are sums, and every rank starts from the same Q, drawn from (``seed``, name) where the
 tensor lives (``ops.normal``), so every rank projects onto the same P_hat.

@@ -14,7 +14,7 @@ Momentum is applied here, before sparsification, so the optimizer should run pla
 (momentum 0) when this memory is used. Clipping is by L2 norm of the local gradient, before it
 enters the momentum (the paper's local clipping; pass the global max-norm scaled by
 ``N ** -0.5`` for N ranks to match it). Positions come from the compressor's
-``sent_indices(payload, ctx)`` (every grace_dl sparsifier has it); where that is ``None`` the
+``sent_entries(payload, ctx)`` (every grace_dl sparsifier has it); where that is ``None`` the
 nonzero entries of the decompressed payload are taken as sent. A NaN or infinite gradient norm
 makes the clipped gradient NaN. After each update the non-finite entries of ``u`` and ``v`` are
 set to 0 (``grace_dl.memory.base``): a NaN/Inf is sent in its own step, not kept for later ones.

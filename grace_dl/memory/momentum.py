@@ -31,7 +31,7 @@ unbiased estimate of the *current* momentum, and the momentum averages random-k'
 away over ~1/(1-momentum) steps. (The same unbiased random-k with the optimizer's momentum
 instead diverged: the optimizer keeps re-applying each n/k-times amplified coordinate.)
 
-Which coordinates were sent comes from the compressor's ``sent_indices(payload, ctx)`` (every
+Which coordinates were sent comes from the compressor's ``sent_entries(payload, ctx)`` (every
 grace_dl sparsifier has it); where that is ``None`` the nonzero entries of the decompressed
 payload are taken as sent. Use it with optimizer momentum 0 (the torch ``DistributedOptimizer``
 warns otherwise): momentum is applied here.

@@ -7,7 +7,7 @@ the parameters that need gradients, in reverse registration order, packed as
 buffer is allocated once and kept); when the bucket's last member is in, the whole buffer is
 sent through the communicator (in pieces where ``piece_bytes`` applies, as any large
 gradient), so early buckets travel while the backward pass goes on. Where the memory
-compensates in a slot of its own (``Memory.accumulator``: residual error feedback), each
+compensates in a slot of its own (``Feedback.accumulator``: residual error feedback), each
 gradient is added into its range of the bucket's slot (or of its pieces' slots) instead, and
 the compensation at send adds nothing: the copy into the buffer is saved, and the buffer only
 receives the result. A parameter alone in its bucket is sent as its own gradient (no copy).
