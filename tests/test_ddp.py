@@ -76,6 +76,60 @@ def test_auto_granularity_follows_the_compressor():
     assert per_param.per_parameter and not bucket.per_parameter and forced.per_parameter
 
 
+def test_an_uncompressed_bucket_summed_in_place_is_the_send_path():
+    """``sums_in_place``: grace ``none`` (allreduce, memory none) is summed by the hook
+    itself, in place; the same parameters, bytes counted, grace tensors and checkpoint
+    layout as through the send path, here at world size 1 on gloo (2 ranks: the torchrun
+    test against DDP's own averaging). Other pipelines, and subclasses, keep the send path."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from grace_dl.compressors.none import NoneCompressor
+    from grace_dl.torch import ddp as grace_ddp
+
+    none = {"compressor": "none", "memory": "none", "communicator": "allreduce"}
+    assert grace_ddp.sums_in_place(grace_from_params(dict(none)))
+    assert not grace_ddp.sums_in_place(grace_from_params({**none, "memory": "residual"}))
+    assert not grace_ddp.sums_in_place(grace_from_params({**none, "compressor": "fp16"}))
+
+    class Mine(NoneCompressor):
+        pass
+
+    mine = grace_from_params(dict(none))
+    assert not grace_ddp.sums_in_place(type(mine)(Mine(), mine.memory))
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        runs = {}
+        for in_place in (True, False):
+            torch.manual_seed(0)
+            net = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                          torch.nn.Linear(16, 2)), bucket_cap_mb_list=[100])
+            state = grace_ddp.GraceState(grace_from_params(dict(none)))
+            state._sums_in_place = in_place
+            net.register_comm_hook(state, grace_ddp.comm_hook)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                opt.zero_grad()
+                net(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+            runs[in_place] = ({k: v.detach().clone() for k, v in net.state_dict().items()},
+                              state.grace.bytes.steps, state.last_step_names,
+                              state.state_dict()["layout"])
+        (fast, fast_bytes, fast_names, fast_layout), slow = runs[True], runs[False]
+        for k in fast:
+            assert torch.equal(fast[k], slow[0][k]), k
+        assert (fast_bytes, fast_names, fast_layout) == slow[1:]
+        assert fast_names and fast_layout
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 def test_load_state_dict_refuses_another_configuration():
     from grace_dl.torch import ddp as grace_ddp
 

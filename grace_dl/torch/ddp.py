@@ -132,6 +132,7 @@ import torch
 import torch.distributed as dist
 
 from grace_dl import agreement
+from grace_dl.communicators.allreduce import Allreduce
 from grace_dl.communicators.base import AVERAGE, Communicator, check_op, receive_each
 from grace_dl.communicators.buckets import bucket_name, needs_shapes
 from grace_dl.communicators.fusion import GroupCollectives
@@ -142,6 +143,8 @@ from grace_dl.communicators.pieces import (
     piece_sizes,
     send_pieces,
 )
+from grace_dl.communicators.wire import ring_allreduce_bytes
+from grace_dl.compressors.none import NoneCompressor
 from grace_dl.contracts import check_grace
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy, to_torch
@@ -153,6 +156,16 @@ DEFAULT_AGREEMENT_TIMEOUT = 30.0
 #: the same count on every rank of the group (each runs the same script), which keys the
 #: store entries of the next check
 _CHECKS: dict = {}
+
+
+def sums_in_place(grace) -> bool:
+    """Whether the hook may sum a bucket itself, in place, as PyTorch's allreduce hook does:
+    ``grace`` is exactly grace's ``Allreduce`` of compressor ``none`` with memory ``none`` and
+    (checked per bucket: no fusion groups), whose send path does just that (compress: the
+    tensor itself; issue: an allreduce of it in place, averaged by its postscale) around many
+    Python calls. The same collective, bits and byte counts; chosen when the state is built."""
+    return (type(grace) is Allreduce and type(grace.compressor) is NoneCompressor
+            and grace.feedback.keeps_nothing)
 
 
 @dataclass(frozen=True)
@@ -207,6 +220,8 @@ class GraceState:
             granularity == "auto" and needs_shapes(grace))
         # a fused allgather of a bucket's units needs no lengths when sizes are equal
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
+        #: the bucket summed in place as PyTorch's allreduce hook does (``sums_in_place``)
+        self._sums_in_place = sums_in_place(grace)
         # None where buckets go whole (per-parameter units go whole too: they are fused)
         self._piece_bytes = None if self.per_parameter else \
             effective_piece_bytes(grace, piece_bytes)
@@ -396,7 +411,7 @@ class GraceState:
             # each piece is sent from its slice, and its result lands back there
             whole = tensor
             handles = send_pieces(self.grace, tensor, name, self.op, self.collectives, sizes)
-        self._units.append((handles, names, numels, into is not None, whole))
+        self._units.append((handles, names, numels, into is not None, whole, False))
         self._step_names.append(name)
 
     def _piece_sizes(self, tensor):
@@ -444,8 +459,10 @@ class GraceState:
             # the common step: the bucket's buffer is the one grace tensor, its result
             # written there (no gradient views needed)
             flat = buffer.detach()
-            self._start_unit(flat, layout.name, layout.canonical, layout.numels, into=flat,
-                             sizes=layout.pieces)
+            if not (self._sums_in_place and layout.pieces is None
+                    and self.grace.fusion is None and self._sum_in_place(flat, layout)):
+                self._start_unit(flat, layout.name, layout.canonical, layout.numels, into=flat,
+                                 sizes=layout.pieces)
             self._buckets.append((fut, buffer))
             return fut
         grads = [g.detach() for g in bucket.gradients()]   # views into buffer
@@ -476,6 +493,23 @@ class GraceState:
         self._buckets.append((fut, buffer))
         return fut
 
+    def _sum_in_place(self, flat, layout) -> bool:
+        """Start the allreduce of the bucket's buffer, in place, averaged by its postscale:
+        what grace's ``Allreduce`` does with an uncompressed tensor that is its ``into``
+        (``sums_in_place``), with its bytes counted, without the send path around it; False
+        where the engine cannot sum this buffer in place (the send path then runs)."""
+        coll, grace = self.collectives, self.grace
+        size = coll.size()
+        scale = 1.0 / size if self.op == AVERAGE else 1.0
+        pending = coll.allreduce_async_(flat, grace.wire_name(layout.name, "p0"), scale)
+        if pending is None:
+            return False
+        moved = ring_allreduce_bytes(coll.allreduce_nbytes(flat), size)
+        grace.bytes.add(layout.name, moved, moved)
+        self._units.append(([pending], layout.canonical, layout.numels, True, None, True))
+        self._step_names.append(layout.name)
+        return True
+
     def _start_deferred(self) -> None:
         """Send the deferred gradients grouped as the saved layout groups them (in its order);
         any left over (parameters the checkpoint did not know) go as one unit."""
@@ -493,8 +527,12 @@ class GraceState:
             if self._deferred:
                 self._start_deferred()
             units = self._units
-            outs = iter(receive_each(self.grace, [h for u in units for h in u[0]]))
-            for handles, names, numels, in_bucket, whole in units:
+            sent = [h for u in units if not u[5] for h in u[0]]
+            outs = iter(receive_each(self.grace, sent) if sent else ())
+            for handles, names, numels, in_bucket, whole, summed in units:
+                if summed:      # a bucket summed in place (_sum_in_place)
+                    self.collectives.synchronize(handles[0])
+                    continue
                 got = [next(outs) for _ in handles]
                 if not in_bucket:
                     out = got[0] if whole is None else whole
@@ -506,7 +544,7 @@ class GraceState:
             self.grace.end_step()
             self.iteration += 1
             self.last_step_names, self._step_names = self._step_names, []
-            self._layout = [names for _, names, _, _, _ in units]
+            self._layout = [u[1] for u in units]
             self._target = None  # DDP's own (rebuilt) layout from now on
         except BaseException as err:
             for fut, _ in self._buckets:
