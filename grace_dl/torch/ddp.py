@@ -35,7 +35,10 @@ with ``into=`` that memory, and the future returns the buffer. The grace tensors
 kind and dtype per bucket: PowerSGD sends one allreduce of the bucket's Ps (and uncompressed
 tensors) and one of its Qs, as PyTorch's ``powerSGD_hook`` does. Communication of early buckets thus
 overlaps the rest of the backward pass; the wire traffic is the communicator's (see its
-module docstring), and ``grc.bytes.steps[-1]`` says how many bytes this rank moved.
+module docstring), and ``grc.bytes.steps[-1]`` says how many bytes this rank moved. Grace
+``none`` (``Allreduce``, memory ``none``: ``sums_in_place``) is summed by the hook itself, in
+place, as PyTorch's allreduce hook does: the send path's collective, bits and byte counts
+without its Python.
 
 **Granularity.** ``"bucket"``: one grace tensor per bucket (a flat 1-D buffer), so a
 compressor sees whole buckets and the number of collectives is the number of buckets
