@@ -54,3 +54,31 @@ def test_communicators_use_the_bounded_counter():
     for _ in range(DEFAULT_WINDOW + 5):
         grc.end_step()
     assert len(grc.bytes.steps) == DEFAULT_WINDOW
+
+
+@pytest.mark.parametrize("framework", ["torch", "tf-function"])
+def test_bytes_are_counted_on_every_step_also_inside_a_traced_function(framework):
+    """``wire.count`` with sizes known when the code is written (Python ints): torch adds them
+    each time the line runs; inside ``tf.function`` a callback does, so a traced step counts on
+    every call, not once at trace."""
+    from types import SimpleNamespace
+
+    from grace_dl.communicators import wire
+
+    comm = SimpleNamespace(bytes=ByteCounter())
+    if framework == "torch":
+        from grace_dl.torch import ops
+
+        def step():
+            wire.count(comm, ops, "w", sent=40, received=8)
+    else:
+        tf = pytest.importorskip("tensorflow")
+        from grace_dl.tensorflow import ops
+
+        @tf.function
+        def step():
+            wire.count(comm, ops, "w", sent=40, received=8)
+            return tf.constant(0)
+    for _ in range(3):
+        step()
+    assert (comm.bytes.sent["w"], comm.bytes.received["w"]) == (120, 24)

@@ -115,9 +115,9 @@ def count(comm, ops, name: str, sent=0, received=0) -> None:
     """Add to ``comm.bytes`` for tensor ``name`` each time this runs (also under
     ``tf.function``, where the values may be run-time scalars)."""
     counter = comm.bytes
-    if type(sent) is int and type(received) is int:
-        counter.add(name, sent, received)
-    else:
+    if ops.NAME == "torch" and type(sent) is int and type(received) is int:
+        counter.add(name, sent, received)      # torch runs this line each step: no callback
+    else:   # (TF inside tf.function: a callback, or the count would be taken once, at trace)
         ops.host_callback(lambda s, r: counter.add(name, sent=s, received=r), sent, received)
 
 
