@@ -78,7 +78,6 @@ from grace_dl import agreement, validate
 from grace_dl.communicators.base import (
     AVERAGE,
     SUM,
-    Handle,
     accumulator,
     advance_each,
     receive_each,
@@ -383,8 +382,8 @@ class _GraceDistributedOptimizer:
         """Queue what a hook just sent (a handle, pieces' handles, or a bucket that filled up)
         and complete the queued exchanges whose collectives have finished."""
         sent = getattr(started, "handles", started)     # a bucket: None until it is sent
-        self._pending.extend(sent if isinstance(sent, list) else
-                             [sent] if isinstance(sent, Handle) else [])
+        # (a handle of any grace= object: a Schedule's wraps its stage's)
+        self._pending.extend(sent if isinstance(sent, list) else [] if sent is None else [sent])
         self.phases_completed_early += advance_each(self.grace, self._pending)
 
     # ------------------------------------------------------------------ one tensor's pipeline
