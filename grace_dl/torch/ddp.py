@@ -163,10 +163,11 @@ _CHECKS: dict = {}
 
 def sums_in_place(grace) -> bool:
     """Whether the hook may sum a bucket itself, in place, as PyTorch's allreduce hook does:
-    ``grace`` is exactly grace's ``Allreduce`` of compressor ``none`` with memory ``none`` and
-    (checked per bucket: no fusion groups), whose send path does just that (compress: the
-    tensor itself; issue: an allreduce of it in place, averaged by its postscale) around many
-    Python calls. The same collective, bits and byte counts; chosen when the state is built."""
+    ``grace`` is exactly grace's ``Allreduce`` of compressor ``none`` with memory ``none``
+    (and, checked per bucket, no fusion groups), whose send path does just that (compress:
+    the tensor itself; issue: an allreduce of it in place, averaged by its postscale) around
+    many Python calls. The same collective, bits and byte counts; chosen when the state is
+    built."""
     return (type(grace) is Allreduce and type(grace.compressor) is NoneCompressor
             and grace.feedback.keeps_nothing)
 
