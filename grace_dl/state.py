@@ -51,6 +51,9 @@ class State:
 
     def zeros(self, key: str, ops, like):
         """A slot shaped and typed like the tensor ``like``, starting at zero."""
+        var = self._slots.get(key)
+        if var is not None and self._owner[key] == ops.__name__:
+            return var          # (every step: the slot exists)
         shape = ops.shape(like)
         return self.slot(key, ops, lambda: np.zeros(shape, np.float32), ops.dtype(like), like)
 
@@ -130,8 +133,11 @@ class State:
     def clean(self, name: str) -> None:
         """Set the non-finite entries of tensor ``name``'s accumulating slots to 0 (a NaN/Inf
         is sent once, never kept: ``grace_dl.memory.base``)."""
+        slots = self._slots
         for prefix in self.accumulates:
-            self.keep_finite(prefix + name)
+            var = slots.get(prefix + name)
+            if var is not None:
+                _ops_of(self._owner[prefix + name]).assign_finite(var)
 
     def zero(self, keys) -> None:
         """Set the slots (and loaded values not yet used) of ``keys`` to zero."""
@@ -189,9 +195,14 @@ def config_of(obj) -> dict:
 
 def _ops_of(module: str):
     """The ops backend module named ``module`` (``State._owner``'s entries)."""
-    import importlib
+    import sys
 
-    return importlib.import_module(module)
+    ops = sys.modules.get(module)
+    if ops is None:
+        import importlib
+
+        ops = importlib.import_module(module)
+    return ops
 
 
 def _to_numpy(var) -> np.ndarray:

@@ -41,7 +41,7 @@ class Gathering(Phase):
     parts: list
     lengths: Any
     shapes: list
-    numels: list
+    numels: list | None     # the parts' element counts (None: they travel packed)
     sent: Any
     #: the parts' ``wire.layout`` when they travel packed in ``parts[0]``, else None
     packed: Any = None
@@ -60,35 +60,42 @@ class Allgather(PackingCommunicator):
     def issue(self, encoded: Encoded, handle: Handle) -> Gathering:
         coll = handle.coll
         ops = ops_for(encoded.payload[0])
-        flats, shapes = wire.flatten(encoded.payload)
-        sent = wire.nbytes(flats)
+        flats, shapes = ops.flat_parts(encoded.payload)         # (``wire.flatten``)
+        sent = ops.total_nbytes(flats)
         lengths = None
         if not self.compressor.caps.equal_sizes:
             numels = ops.numels(flats)
             lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
             sent = sent + ops.nbytes(numels)
-        if lengths is None and self.packs(flats):
-            packed = wire.layout(flats)
-            parts = [coll.allgather_async(wire.pack(flats), self.wire_name(handle.name, "p"))]
+        packed = None if lengths is not None or not self.pack_parts or len(flats) < 2 else \
+            ops.part_layout(flats)                              # (``packed_layout``)
+        if packed is not None:
+            parts = [coll.allgather_async(ops.pack_parts(flats),
+                                          self.wire_name(handle.name, "p"))]
+            numels = None
         else:
-            packed = None
             parts = [coll.allgather_async(f, self.wire_name(handle.name, f"p{i}"))
                      for i, f in enumerate(flats)]
+            numels = [ops.numel(f) for f in flats]
         wire.count(self, ops, handle.name, sent=sent)
-        return Gathering(parts, lengths, shapes, [ops.numel(f) for f in flats], sent, packed)
+        return Gathering(parts, lengths, shapes, numels, sent, packed)
 
     def complete(self, phase: Gathering, handle: Handle):
         coll = handle.coll
         size = coll.size()
-        gathered = [coll.synchronize(h) for h in phase.parts]
-        ops = ops_for(gathered[0])
         if phase.packed is not None:
-            pieces = wire.unpack_all(gathered[0], [phase.packed] * size)
+            gathered = coll.synchronize(phase.parts[0])
+            ops = ops_for(gathered)
+            pieces = ops.unpack_parts(gathered, [phase.packed] * size)   # (``wire.unpack_all``)
             received = phase.sent * (size - 1)
         elif phase.lengths is None:
+            gathered = [coll.synchronize(h) for h in phase.parts]
+            ops = ops_for(gathered[0])
             pieces = [ops.split(g, [n] * size) for g, n in zip(gathered, phase.numels)]
             received = phase.sent * (size - 1)
         else:
+            gathered = [coll.synchronize(h) for h in phase.parts]
+            ops = ops_for(gathered[0])
             lengths = ops.reshape(coll.synchronize(phase.lengths), (size, len(gathered)))
             by_part = ops.transpose(lengths)
             pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]

@@ -182,12 +182,19 @@ class Router:
                 if id(h) not in seen:
                     seen.add(id(h))
                     order.append(h)
+        live = []
         for handle, into in zip(handles, intos):
             handle.received = True
             if into is not None:
                 handle.into = into
-        _advance_together([h for h in order if not h.done])
-        return [_finish(h, into) for h, into in zip(handles, intos)]
+        for h in order:
+            if not h.done:
+                live.append(h)
+        _advance_together(live)
+        out = []
+        for h, into in zip(handles, intos):
+            out.append(_finish(h, into))
+        return out
 
     def advance(self, pending) -> int:
         """Start later phases early, before ``receive``: ``pending`` is a ``collections.deque``
@@ -302,9 +309,12 @@ def divided_payloads(handle: Handle, payloads: list) -> list:
         return payloads
     # (a path's ``divided`` is its exact class's: one whose ``aggregate`` is a sum)
     path = handle.comm.paths.on(payloads)
-    divided = [path.divided(p, divisor) for p in payloads]
-    if any(d is None for d in divided):
-        return payloads
+    divided = []
+    for p in payloads:
+        d = path.divided(p, divisor)
+        if d is None:
+            return payloads
+        divided.append(d)
     handle.finished_in_place = True
     return divided
 
@@ -314,7 +324,10 @@ def marked(payload, mark):
     parts (a sparsifier's k values, adaq's two means): O(k), and a NaN input decompresses to
     NaN wherever the payload carries a value."""
     ops = ops_for(mark)
-    return [p + ops.cast(mark, ops.dtype(p)) if ops.is_floating(p) else p for p in payload]
+    out = []
+    for p in payload:
+        out.append(p + ops.cast_like(mark, p) if ops.is_floating(p) else p)
+    return out
 
 
 def nonfinite_mark(tensor):
@@ -365,17 +378,24 @@ def _advance_together(handles) -> None:
     """Run the phases of ``handles`` in lockstep passes (``Router.receive_all``); a finished
     handle's result is left as ``Ready``. Fusion groups' collectives record each pass's calls
     (``collect``) and send them fused when the pass ends."""
+    live = []
     for handle in handles:
         if handle.phase is None:
             handle.comm.fusion.flush(handle.comm, handle.name)
-    live = [h for h in handles if not isinstance(h.phase, Ready)]
+        if not isinstance(handle.phase, Ready):
+            live.append(handle)
     while live:
-        groups = {id(h.coll): h.coll for h in live if hasattr(h.coll, "collect")}
+        groups = {}
+        for h in live:
+            if hasattr(h.coll, "collect"):
+                groups[id(h.coll)] = h.coll
         for coll in groups.values():
             coll.collect()
         nxt = []
-        for handle in live:
-            if _complete_phase(handle):
+        for handle in live:     # (``_complete_phase``, inline)
+            out = handle.comm.complete(handle.phase, handle)
+            handle.phase = out if isinstance(out, Phase) else Ready(out)
+            if not isinstance(handle.phase, Ready):
                 nxt.append(handle)
         for coll in groups.values():
             coll.close()
@@ -564,9 +584,10 @@ class PackingCommunicator(Communicator):
         super().__init__(compressor, memory, process_set)
         self.pack_parts = validate.boolean("pack_parts", pack_parts)
 
-    def packs(self, flats) -> bool:
-        """Whether the 1-D parts ``flats`` of one payload travel packed."""
-        return self.pack_parts and wire.packable(flats)
+    def packed_layout(self, flats):
+        """The 1-D parts ``flats`` of one payload's ``wire.layout`` where they travel packed,
+        else None."""
+        return wire.packed_layout(flats) if self.pack_parts else None
 
     def config(self) -> dict:
         return {**super().config(), "pack_parts": self.pack_parts}

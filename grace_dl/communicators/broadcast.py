@@ -74,13 +74,14 @@ class Broadcast(PackingCommunicator):
         ops = ops_for(encoded.payload[0])
         flats, shapes = wire.flatten(encoded.payload)
         sent = wire.nbytes(flats)
-        if self.compressor.caps.equal_sizes and self.packs(flats):
+        layout = self.packed_layout(flats) if self.compressor.caps.equal_sizes else None
+        if layout is not None:
             # one buffer per root; a non-root's own packed payload has the root's size and
             # serves as its receive buffer
             packed = wire.pack(flats)
             rounds = self._broadcasts(coll, handle.name, [packed], lambda r, i: packed,
                                       packed=True)
-            phase = Broadcasting(flats, shapes, rounds, sent, packed=wire.layout(flats))
+            phase = Broadcasting(flats, shapes, rounds, sent, packed=layout)
         elif self.compressor.caps.equal_sizes:
             # a non-root's own part has the root's shape: it serves as the receive buffer
             phase = Broadcasting(flats, shapes, self._broadcasts(coll, handle.name, flats,

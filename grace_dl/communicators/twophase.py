@@ -168,7 +168,7 @@ class TwoPhase(PackingCommunicator):
         flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
         ragged = not self.compressor.caps.equal_sizes
-        packed = not ragged and self.packs(flat[0][0])
+        packed = not ragged and self.packed_layout(flat[0][0]) is not None
         # every rank sends chunk j's payload of the same length: sizes known up front
         if packed:
             buffers = [wire.pack(flat[j][0]) for j in range(m)]

@@ -22,67 +22,50 @@ from grace_dl.registry import lookup, names
 
 def flatten(payload):
     """(1-D parts, their original shapes)."""
-    ops = ops_for(payload[0])
-    return [ops.flatten(p) for p in payload], [ops.shape(p) for p in payload]
+    return ops_for(payload[0]).flat_parts(payload)
 
 
 def packable(flats) -> bool:
     """Whether 1-D parts ``flats`` travel packed: more than one part, none of them ``bool``
     (TF cannot reinterpret a bool's bytes)."""
+    return len(flats) > 1 and ops_for(flats[0]).part_layout(flats) is not None
+
+
+def packed_layout(flats):
+    """``layout(flats)`` where the parts travel packed (``packable``), else None."""
     if len(flats) < 2:
-        return False
-    ops = ops_for(flats[0])
-    return all(ops.dtype(f) != "bool" for f in flats)
+        return None
+    return ops_for(flats[0]).part_layout(flats)
 
 
 def pack(flats):
-    """The 1-D parts' bytes, one after another, as one 1-D uint8 tensor."""
-    ops = ops_for(flats[0])
-    return ops.cat([_bytes(ops, f) for f in flats])
-
-
-def _bytes(ops, flat):
-    """``ops.to_bytes(flat)``; an empty uint8 tensor for a part with no elements (a
-    zero-element tensor's flat view may have stride 0, which no byte view takes)."""
-    n = ops.numel(flat)
-    if isinstance(n, int) and n == 0:
-        return ops.zeros((0,), "uint8", like=flat)
-    return ops.to_bytes(flat)
+    """The 1-D parts' bytes, one after another, as one 1-D uint8 tensor (no padding: a part
+    with no elements adds none)."""
+    return ops_for(flats[0]).pack_parts(flats)
 
 
 def layout(flats) -> list:
     """``(dtype, bytes)`` of each 1-D part: what ``unpack`` needs to cut a packed buffer."""
-    ops = ops_for(flats[0])
-    return [(ops.dtype(f), ops.nbytes(f)) for f in flats]
+    return ops_for(flats[0]).part_layout(flats)
 
 
 def unpack(buffer, parts: list) -> list:
     """A ``pack``-ed 1-D uint8 ``buffer`` of parts laid out as ``parts`` (``layout``) cut back
     into its 1-D parts."""
-    ops = ops_for(buffer)
-    pieces = ops.split(buffer, [n for _, n in parts])
-    return [ops.from_bytes(p, dt) for p, (dt, _) in zip(pieces, parts)]
+    return [p[0] for p in ops_for(buffer).unpack_parts(buffer, [parts])]
 
 
 def unpack_all(buffer, layouts: list) -> list:
     """Segments of packed payloads one after another in ``buffer`` (a gather: one per rank, or
     per chunk), laid out as ``layouts`` (``[]`` for an empty segment), cut into
     ``pieces[i][s]``: part i of (non-empty) segment s."""
-    ops = ops_for(buffer)
-    segments = ops.split(buffer, [sum(n for _, n in parts) for parts in layouts])
-    return [list(p) for p in zip(*[unpack(b, parts)
-                                   for b, parts in zip(segments, layouts) if parts])]
+    return ops_for(buffer).unpack_parts(buffer, layouts)
 
 
 def unflatten(piece, shape, equal_sizes: bool = True):
     """``piece`` in the layout of a local part of ``shape``: that exact shape when sizes are
     equal across ranks, else the same trailing dimensions with a free first one."""
-    ops = ops_for(piece)
-    if equal_sizes or len(shape) == 0:
-        return ops.reshape(piece, shape)
-    if len(shape) == 1:
-        return piece
-    return ops.reshape(piece, (-1, *shape[1:]))
+    return ops_for(piece).shaped_parts([[piece]], [shape], 1, equal_sizes)[0][0]
 
 
 def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
@@ -94,9 +77,8 @@ def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
     average may be folded into the payloads' values (``base.divided_payloads``)."""
     from grace_dl.communicators.base import divided_payloads
 
-    equal = comm.compressor.caps.equal_sizes
-    payloads = [[unflatten(p[r], s, equal) for p, s in zip(pieces, shapes)]
-                for r in range(ranks)]
+    payloads = ops_for(pieces[0][0]).shaped_parts(
+        pieces, shapes, ranks, comm.compressor.caps.equal_sizes) if pieces else [[]] * ranks
     if average:
         payloads = divided_payloads(handle, payloads)
     return comm.paths.on(payloads).combine(payloads, handle.encoded.ctx, handle.into)
@@ -105,10 +87,7 @@ def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
 def nbytes(tensors):
     """Total bytes of ``tensors`` (a Python int, or a scalar tensor inside ``tf.function``
     when a size is only known at run time)."""
-    total = 0
-    for t in tensors:
-        total = total + ops_for(t).nbytes(t)
-    return total
+    return ops_for(tensors[0]).total_nbytes(tensors) if tensors else 0
 
 
 def count(comm, ops, name: str, sent=0, received=0) -> None:

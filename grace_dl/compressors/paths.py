@@ -66,6 +66,18 @@ def kind_of(tensor) -> str:
     return "tensorflow"
 
 
+#: ``grace_dl.torch.kernels``' emulation flag (a one-element list), once a torch tensor was met
+_TORCH_EMULATED: list | None = None
+
+
+def _torch_emulated() -> list:
+    global _TORCH_EMULATED
+    from grace_dl.torch.kernels import _EMULATED
+
+    _TORCH_EMULATED = _EMULATED
+    return _EMULATED
+
+
 class Reference:
     """The compressor's own methods composed plainly: the path every speed path is held to.
     Besides ``compress``/``decompress`` it offers what communicators need beyond them, each
@@ -137,7 +149,12 @@ class Paths:
             if not tensor:
                 return self._reference
             tensor = tensor[0]
-        kind = kind_of(tensor)
+        device = getattr(tensor, "device", None)
+        if hasattr(device, "type"):     # a torch tensor: ``kind_of``, inline (every step)
+            emulated = _TORCH_EMULATED or _torch_emulated()
+            kind = "cuda" if device.type == "cuda" or emulated[0] else "cpu"
+        else:
+            kind = "tensorflow"
         path = self._by_kind.get(kind)
         if path is None:
             path = self._by_kind[kind] = self._choose(kind)

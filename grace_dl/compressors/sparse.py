@@ -14,6 +14,7 @@ Selection rules, identical in torch and TensorFlow (so both backends pick the sa
 from __future__ import annotations
 
 import math
+import operator
 
 from grace_dl.backend import ops_for
 from grace_dl.compressors.base import Capabilities, Compressor
@@ -184,8 +185,12 @@ class SparsePath(Reference):
     def combine(self, payloads, ctx, out=None):
         """Every rank's values added into one dense buffer at their positions, in rank order
         (the same sums as adding the ranks' decompressed tensors in rank order)."""
-        return scatter_sum(ops_for(payloads[0][0]), [p[1] for p in payloads],
-                           [p[0] for p in payloads], ctx, out, self.fast_sum)
+        return scatter_sum(ops_for(payloads[0][0]), list(map(_POSITIONS, payloads)),
+                           list(map(_VALUES, payloads)), ctx, out, self.fast_sum)
+
+
+#: a sparse payload's values and positions
+_VALUES, _POSITIONS = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def scatter_sum(ops, positions: list, values: list, ctx, out=None, fast_sum=None):

@@ -293,13 +293,16 @@ def sparse_sum(out: np.ndarray, positions: list, values: list):
     if not _enabled or not _f32(out) or ranks == 0 or ranks != len(values) or ranks > 256:
         return None
     dtype = positions[0].dtype
-    if dtype not in (np.int32, np.int64) or not all(
-            p.ndim == 1 and _dense(p, dtype, p.size) and _f32(v, p.size)
-            for p, v in zip(positions, values)):
+    if dtype not in (np.int32, np.int64):
         return None
-    idx = (ctypes.c_void_p * ranks)(*(p.ctypes.data for p in positions))
-    vals = (ctypes.c_void_p * ranks)(*(v.ctypes.data for v in values))
-    count = np.array([p.size for p in positions], np.int64)
+    idx, vals = (ctypes.c_void_p * ranks)(), (ctypes.c_void_p * ranks)()
+    count = np.empty(ranks, np.int64)
+    for r in range(ranks):      # (checked here, inline: ``_dense`` and ``_f32`` of each)
+        p, v = positions[r], values[r]
+        if p.ndim != 1 or p.dtype != dtype or not p.flags.c_contiguous or v.ndim != 1 \
+                or v.dtype != np.float32 or not v.flags.c_contiguous or v.size != p.size:
+            return None
+        idx[r], vals[r], count[r] = p.ctypes.data, v.ctypes.data, p.size
     if _lib.gd_sparse_sum_f32(out.ctypes.data, out.size, ranks, idx, vals, count.ctypes.data,
                               int(dtype == np.int64)) != 0:
         return None

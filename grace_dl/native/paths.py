@@ -36,12 +36,18 @@ KIND = "cpu"
 def _arrays(*tensors):
     """NumPy views of CPU tensors (None stays None); None if any tensor is elsewhere or of a
     dtype NumPy lacks (bfloat16): the kernels' inputs."""
-    if any(t is not None and t.device.type != "cpu" for t in tensors):
-        return None
+    out = []
     try:
-        return [None if t is None else t.detach().numpy() for t in tensors]
+        for t in tensors:
+            if t is None:
+                out.append(None)
+            elif t.device.type != "cpu":
+                return None
+            else:
+                out.append(t.detach().numpy())
     except TypeError:
         return None
+    return out
 
 
 def _from(array):

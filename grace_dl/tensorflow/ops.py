@@ -40,6 +40,11 @@ def cast(x, dt: str):
     return tf.cast(x, _DTYPES[dt])
 
 
+def cast_like(x, other):
+    """``x`` in ``other``'s dtype."""
+    return tf.cast(x, other.dtype)
+
+
 def is_floating(x) -> bool:
     return x.dtype.is_floating
 
@@ -349,6 +354,68 @@ def bucketize(x, boundaries):
     """int32 bucket of each element of 1-D ``x`` against the sorted 1-D ``boundaries``: the number
     of boundaries <= the element (so bucket i holds boundaries[i-1] <= x < boundaries[i])."""
     return tf.searchsorted(tf.cast(boundaries, x.dtype), x, side="right", out_type=tf.int32)
+
+
+# ------------------------------------------------------------------ the wire (payload parts)
+# ``grace_dl.communicators.wire``'s layout work on a payload's parts (the torch backend's
+# functions of the same names).
+def flat_parts(payload):
+    """(each part of ``payload`` as 1-D, the parts' shapes)."""
+    return [flatten(p) for p in payload], [shape(p) for p in payload]
+
+
+def part_layout(flats):
+    """``(dtype, bytes)`` of each 1-D part, or None where one is ``bool`` (TF cannot
+    reinterpret a bool's bytes)."""
+    if any(f.dtype == tf.bool for f in flats):
+        return None
+    return [(dtype(f), nbytes(f)) for f in flats]
+
+
+def pack_parts(flats):
+    """The 1-D parts' bytes one after another, as one 1-D uint8 tensor."""
+    chunks = []
+    for f in flats:
+        n = numel(f)
+        chunks.append(tf.zeros([0], tf.uint8) if isinstance(n, int) and n == 0
+                      else to_bytes(f))
+    return tf.concat(chunks, axis=0)
+
+
+def unpack_parts(buffer, layouts: list) -> list:
+    """``buffer``'s segments (one per entry of ``layouts``, each ``part_layout``'s list of its
+    packed parts; ``[]``: an empty segment) cut into ``pieces[i][s]``: part i of non-empty
+    segment s, read as its dtype."""
+    sizes = []
+    for parts in layouts:       # (this module's ``sum`` is the tensor one)
+        total = 0
+        for _, n in parts:
+            total += n
+        sizes.append(total)
+    segments = tf.split(buffer, sizes)
+    cut = [[from_bytes(p, dt) for p, (dt, _) in zip(tf.split(b, [n for _, n in parts]), parts)]
+           for b, parts in zip(segments, layouts) if parts]
+    return [list(p) for p in zip(*cut)]
+
+
+def total_nbytes(xs):
+    """The bytes of the tensors ``xs`` together (a scalar tensor inside ``tf.function`` where
+    a size is only known at run time)."""
+    total = 0
+    for x in xs:
+        total = total + nbytes(x)
+    return total
+
+
+def shaped_parts(pieces, shapes, ranks: int, equal_sizes: bool = True) -> list:
+    """Every rank's payload from the 1-D ``pieces[i][r]`` (part i of rank r), each part in the
+    layout of the local part's shape ``shapes[i]``: that exact shape when sizes are equal
+    across ranks, else the same trailing dimensions with a free first one."""
+    def shaped(piece, shp):
+        if equal_sizes or len(shp) == 0:
+            return tf.reshape(piece, shp)
+        return piece if len(shp) == 1 else tf.reshape(piece, (-1, *shp[1:]))
+    return [[shaped(part[r], shp) for part, shp in zip(pieces, shapes)] for r in range(ranks)]
 
 
 # ------------------------------------------------------------------ seeded randomness

@@ -129,6 +129,7 @@ DDP checks the hook's annotations, so this module does not use postponed evaluat
 
 
 import datetime
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,8 @@ from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy, to_torch
 
 GRANULARITIES = ("auto", "bucket", "parameter")
+#: a unit's parameter names (see ``GraceState._start_unit``)
+_NAMES_OF_UNIT = operator.itemgetter(1)
 #: how long the first hook call waits for every rank to reach its own (``agreement_timeout``)
 DEFAULT_AGREEMENT_TIMEOUT = 30.0
 #: per process group (its global ranks): how many GraceStates have checked agreement on it,
@@ -428,7 +431,7 @@ class GraceState:
         """``bucket``'s names and their canonical order, worked out when its parameters are
         new (the first steps, DDP's rebuilt buckets), else the kept one."""
         params = bucket.parameters()
-        ids = [id(p) for p in params]
+        ids = list(map(id, params))
         kept = self._bucket_layouts.get(bucket.index())
         if kept is not None and kept[0] == ids and not bucket.buffer().is_sparse:
             return kept[1]
@@ -531,15 +534,20 @@ class GraceState:
             if self._deferred:
                 self._start_deferred()
             units = self._units
-            sent = [h for u in units if not u[5] for h in u[0]]
+            sent = []
+            for u in units:
+                if not u[5]:
+                    sent.extend(u[0])
             outs = iter(receive_each(self.grace, sent) if sent else ())
             for handles, names, numels, in_bucket, whole, summed in units:
                 if summed:      # a bucket summed in place (_sum_in_place)
                     self.collectives.synchronize(handles[0])
                     continue
-                got = [next(outs) for _ in handles]
+                first = next(outs)
+                for _ in handles[1:]:
+                    next(outs)
                 if not in_bucket:
-                    out = got[0] if whole is None else whole
+                    out = first if whole is None else whole
                     for n, piece in zip(names, torch.split(out.reshape(-1), numels)):
                         view = self._views[n]
                         view.copy_(piece.reshape(view.shape))
@@ -548,7 +556,7 @@ class GraceState:
             self.grace.end_step()
             self.iteration += 1
             self.last_step_names, self._step_names = self._step_names, []
-            self._layout = [u[1] for u in units]
+            self._layout = list(map(_NAMES_OF_UNIT, units))
             self._target = None  # DDP's own (rebuilt) layout from now on
         except BaseException as err:
             for fut, _ in self._buckets:

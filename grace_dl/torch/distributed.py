@@ -190,10 +190,17 @@ class DistCollectives(Collectives):
         """(``tensor`` on a device the group's backend can move, function back). NCCL moves
         only CUDA tensors: a CPU tensor (a communicator's int32 lengths, say) travels through
         the current CUDA device and comes back to the CPU."""
-        if tensor.device.type == "cpu" and dist.get_backend(self._group()) == "nccl":
+        if tensor.device.type == "cpu" and self._nccl():
             return tensor.to(torch.device("cuda", torch.cuda.current_device())), \
                 (lambda t: t.cpu())
         return tensor, (lambda t: t)
+
+    def _nccl(self) -> bool:
+        """Whether the group's backend is NCCL (asked once: it does not change)."""
+        nccl = self.__dict__.get("_is_nccl")
+        if nccl is None:
+            nccl = self._is_nccl = dist.get_backend(self._group()) == "nccl"
+        return nccl
 
     def _global_rank(self, rank: int) -> int:
         group = self._group()
@@ -234,8 +241,17 @@ class DistCollectives(Collectives):
     def allgather_known_async(self, tensor, counts, name: str):
         group = self._group()
         size = self.size()
-        moved, back = self._wire(tensor.detach())
-        raw, trailing = _as_bytes(moved)
+        moved = tensor.detach()
+        if moved.device.type == "cpu" and self._nccl():
+            moved, back = self._wire(moved)
+        else:
+            back = None
+        if moved.dim() == 1 and moved.is_contiguous():     # (``_as_bytes``, inline)
+            raw = (moved if moved.dtype == torch.uint8 else moved.view(torch.uint8)) \
+                .reshape(-1, moved.element_size())
+            trailing = ()
+        else:
+            raw, trailing = _as_bytes(moved)
         if counts is None:
             rows = torch.tensor([raw.shape[0]], dtype=torch.int64, device=raw.device)
             all_rows = [torch.empty_like(rows) for _ in range(size)]
@@ -253,12 +269,16 @@ class DistCollectives(Collectives):
         outs = list(joined.unbind(0))
         work = dist.all_gather(outs, padded.contiguous(), group=group, async_op=True)
         dtype = tensor.dtype
+        padded_rows = counts.count(longest) != size
 
         def finish():
             rows = joined.reshape(size * longest, width)
-            if any(n != longest for n in counts):   # drop the padding
+            if padded_rows:     # drop the padding
                 rows = torch.cat([o[:n] for o, n in zip(outs, counts)])
-            return back(_from_bytes(rows, dtype, trailing))
+            rows = rows.reshape(-1).view(dtype)
+            if trailing:
+                rows = rows.reshape(-1, *trailing)
+            return rows if back is None else back(rows)
 
         return _Pending(work, finish)
 

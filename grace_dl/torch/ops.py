@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from grace_dl import native, seeding
+from grace_dl.torch.kernels import _EMULATED, philox
 from grace_dl.torch.kernels import on_device as _on_device_path
-from grace_dl.torch.kernels import philox
 
 NAME = "torch"
 
@@ -44,6 +44,11 @@ def dtype(x) -> str:
 
 def cast(x, dt: str):
     return x.to(_DTYPES[dt])
+
+
+def cast_like(x, other):
+    """``x`` in ``other``'s dtype."""
+    return x.to(other.dtype)
 
 
 def is_floating(x) -> bool:
@@ -399,6 +404,92 @@ def bucketize(x, boundaries):
     """int32 bucket of each element of 1-D ``x`` against the sorted 1-D ``boundaries``: the number
     of boundaries <= the element (so bucket i holds boundaries[i-1] <= x < boundaries[i])."""
     return torch.bucketize(x, boundaries, right=True, out_int32=True)
+
+
+# ------------------------------------------------------------------ the wire (payload parts)
+# ``grace_dl.communicators.wire``'s layout work on a payload's parts, each in one call: a
+# step runs them for every tensor it sends, so the loops stay here, in the framework's terms.
+def flat_parts(payload):
+    """(each part of ``payload`` as 1-D, the parts' shapes)."""
+    flats, shapes = [], []
+    for p in payload:
+        flats.append(p.reshape(-1))
+        shapes.append(tuple(p.shape))
+    return flats, shapes
+
+
+def part_layout(flats):
+    """``(dtype, bytes)`` of each 1-D part, or None where one is ``bool`` (its bytes do not
+    travel packed)."""
+    out = []
+    for f in flats:
+        if f.dtype == torch.bool:
+            return None
+        out.append((_NAMES[f.dtype], f.numel() * f.element_size()))
+    return out
+
+
+def pack_parts(flats):
+    """The 1-D parts' bytes one after another, as one 1-D uint8 tensor."""
+    chunks = []
+    for f in flats:     # (``to_bytes`` of each, inline)
+        if f.dtype == torch.uint8:
+            chunks.append(f)
+        elif f.numel() == 0:
+            chunks.append(f.new_empty(0, dtype=torch.uint8))
+        else:
+            chunks.append(f.contiguous().view(torch.uint8))
+    return torch.cat(chunks)
+
+
+def unpack_parts(buffer, layouts: list) -> list:
+    """``buffer``'s segments (one per entry of ``layouts``, each ``part_layout``'s list of its
+    packed parts; ``[]``: an empty segment) cut into ``pieces[i][s]``: part i of non-empty
+    segment s, read as its dtype."""
+    sizes = []
+    for parts in layouts:
+        total = 0
+        for _, n in parts:
+            total += n
+        sizes.append(total)
+    segments = torch.split(buffer, sizes)
+    pieces = None
+    for b, parts in zip(segments, layouts):
+        if not parts:
+            continue
+        if pieces is None:
+            pieces = [[] for _ in parts]
+        at = 0
+        for i, (dt, n) in enumerate(parts):
+            pieces[i].append(from_bytes(b[at:at + n], dt))
+            at += n
+    return pieces or []
+
+
+def total_nbytes(xs) -> int:
+    """The bytes of the tensors ``xs`` together."""
+    total = 0
+    for x in xs:
+        total += x.numel() * x.element_size()
+    return total
+
+
+def shaped_parts(pieces, shapes, ranks: int, equal_sizes: bool = True) -> list:
+    """Every rank's payload from the 1-D ``pieces[i][r]`` (part i of rank r), each part in the
+    layout of the local part's shape ``shapes[i]``: that exact shape when sizes are equal
+    across ranks, else the same trailing dimensions with a free first one."""
+    payloads = []
+    for r in range(ranks):
+        payload = []
+        for part, shp in zip(pieces, shapes):
+            piece = part[r]
+            if equal_sizes or len(shp) == 0:
+                piece = piece.reshape(shp)
+            elif len(shp) > 1:
+                piece = piece.reshape((-1, *shp[1:]))
+            payload.append(piece)
+        payloads.append(payload)
+    return payloads
 
 
 # ------------------------------------------------------------------ seeded randomness
@@ -790,7 +881,7 @@ def assign_finite(var):
     sends it to the rewrite) and the rewrite runs only where it says so: a read of the slot
     instead of a read and a write. On the device path the rewrite always runs (no host
     read)."""
-    if not _on_device(var) and var.is_floating_point():
+    if not (var.device.type == "cuda" or _EMULATED[0]) and var.is_floating_point():
         wide = torch.float64 if var.dtype == torch.float64 else torch.float32
         if torch.isfinite(var.sum(dtype=wide)):
             return var
