@@ -34,8 +34,11 @@ class ByteCounter:
         self.received[name] += int(received)
 
     def end_step(self) -> dict:
+        per_tensor = {}
+        for name, sent in self.sent.items():
+            per_tensor[name] = (sent, self.received[name])
         summary = {"sent": sum(self.sent.values()), "received": sum(self.received.values()),
-                   "per_tensor": {k: (self.sent[k], self.received[k]) for k in self.sent}}
+                   "per_tensor": per_tensor}
         self.steps.append(summary)
         if len(self.steps) > self.window:
             del self.steps[:len(self.steps) - self.window]

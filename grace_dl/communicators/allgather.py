@@ -5,7 +5,9 @@ sparsifiers, signs and quantizers with per-rank scales).
 Wire: one allgather of the payload, its parts flattened to 1-D and packed into one byte buffer
 (``wire.pack``; ``pack_parts=False``: one allgather per part), named ``grace.<tensor>.p``
 (unpacked: ``grace.<tensor>.p<i>``). A rank sends its payload once and receives the N-1 others'
-(the byte counters record exactly that).
+(the byte counters record exactly that). With equal sizes every rank's payload is as long as
+this rank's, so the allgather says so (``allgather_known_async``): an engine that sizes its
+buffers first (torch.distributed) then exchanges no sizes, a blocking round trip per tensor.
 When payload sizes differ across ranks (``equal_sizes`` False: threshold, DGC) one more
 allgather, ``grace.<tensor>.len``, carries the int32 element count of each part (4 bytes per part
 per rank). It starts together with the payload's own allgathers and never blocks ``send``, so
@@ -69,20 +71,27 @@ class Allgather(PackingCommunicator):
             sent = sent + ops.nbytes(numels)
         packed = None if lengths is not None or not self.pack_parts or len(flats) < 2 else \
             ops.part_layout(flats)                              # (``packed_layout``)
+        # equal sizes: every rank's part is as long as this rank's, so an engine that sizes
+        # its buffers first (torch.distributed) needs no exchange of sizes (``_known``)
+        size = encoded.call.size
         if packed is not None:
-            parts = [coll.allgather_async(ops.pack_parts(flats),
-                                          self.wire_name(handle.name, "p"))]
+            buffer = ops.pack_parts(flats)
+            parts = [coll.allgather_known_async(buffer, [ops.numel(buffer)] * size,
+                                                self.wire_name(handle.name, "p"))]
             numels = None
         else:
-            parts = [coll.allgather_async(f, self.wire_name(handle.name, f"p{i}"))
-                     for i, f in enumerate(flats)]
-            numels = [ops.numel(f) for f in flats]
+            parts, numels = [], []
+            for i, f in enumerate(flats):
+                name = self.wire_name(handle.name, f"p{i}")
+                numels.append(ops.numel(f))
+                parts.append(coll.allgather_async(f, name) if lengths is not None else
+                             coll.allgather_known_async(f, [numels[i]] * size, name))
         wire.count(self, ops, handle.name, sent=sent)
         return Gathering(parts, lengths, shapes, numels, sent, packed)
 
     def complete(self, phase: Gathering, handle: Handle):
         coll = handle.coll
-        size = coll.size()
+        size = handle.encoded.call.size
         if phase.packed is not None:
             gathered = coll.synchronize(phase.parts[0])
             ops = ops_for(gathered)
@@ -101,4 +110,4 @@ class Allgather(PackingCommunicator):
             pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
             received = wire.nbytes(gathered) + ops.nbytes(lengths) - phase.sent
         wire.count(self, ops, handle.name, received=received)
-        return wire.combine(self, pieces, phase.shapes, handle, size, average=True)
+        return wire.combine(self, pieces, phase.shapes, handle, size, average=True, ops=ops)

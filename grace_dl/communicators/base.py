@@ -295,8 +295,8 @@ def accumulator(grace, name: str, like):
 def average_divisor(handle: Handle):
     """What ``handle``'s aggregate is divided by: the number of ranks for an average of a
     compressor that averages, else None (a sum)."""
-    return handle.coll.size() if handle.op == AVERAGE and handle.comm.compressor.caps.average \
-        else None
+    return handle.encoded.call.size \
+        if handle.op == AVERAGE and handle.comm.compressor.caps.average else None
 
 
 def divided_payloads(handle: Handle, payloads: list) -> list:
@@ -428,7 +428,8 @@ class Communicator(Router, ABC):
         self.compensates_in_memory = not overrides(cls, Communicator, "encode")
         #: whether one payload is what the compressor's path makes of the tensor (else the
         #: error is not written while compressing: a subclass changed what it sends)
-        self._plain_compress = not overrides(cls, Communicator, "compress")
+        self._plain_compress = not overrides(cls, Communicator, "compress") and \
+            not overrides(cls, Communicator, "compress_with_error")
         self.process_set = validate.process_set(process_set)
         self.bytes = ByteCounter()
         self.fusion = None
@@ -485,18 +486,24 @@ class Communicator(Router, ABC):
         compensated = tensor if keeps_nothing else \
             self.feedback.compensate(tensor, name, self.compressor)
         mark = nonfinite_mark(compensated) if self.compressor.caps.drops_nonfinite else None
+        # the path, found once here, where ``compress`` is the path's
+        path = self.paths.on(compensated) if self._plain_compress else None
         encoded = None
         if keeps_nothing:
-            encoded = Encoded(name, *self.compress(compensated, name, call), compensated, call)
+            got = self.compress(compensated, name, call) if path is None else \
+                path.compress(compensated, name, call)
+            encoded = Encoded(name, *got, compensated, call)
         elif self.compressor.caps.rounds == 1:
             slot = self.feedback.error_slot(name, self.compressor)
-            got = None if slot is None else self.compress_with_error(compensated, name, call,
-                                                                    slot)
+            got = None if slot is None else \
+                self.compress_with_error(compensated, name, call, slot) if path is None else \
+                path.compress_with_error(compensated, name, call, slot)
             if got is not None:
                 self.feedback.error_written(name)
                 encoded = Encoded(name, *got, compensated, call)
         if encoded is None:
-            payload, ctx = self.compress(compensated, name, call)
+            payload, ctx = self.compress(compensated, name, call) if path is None else \
+                path.compress(compensated, name, call)
             encoded = Encoded(name, payload, ctx, compensated, call)
             if self.compressor.caps.rounds == 1:
                 if self.feedback.wants_approximation(self.compressor):

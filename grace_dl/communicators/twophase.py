@@ -165,14 +165,17 @@ class TwoPhase(PackingCommunicator):
         coll = handle.coll
         size, me = coll.size(), coll.rank()
         ops = ops_for(encoded.compensated)
-        flat = [wire.flatten(p) for p in encoded.payload]   # per chunk: (1-D parts, shapes)
+        flat = list(map(ops.flat_parts, encoded.payload))   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
         ragged = not self.compressor.caps.equal_sizes
         packed = not ragged and self.packed_layout(flat[0][0]) is not None
         # every rank sends chunk j's payload of the same length: sizes known up front
         if packed:
-            buffers = [wire.pack(flat[j][0]) for j in range(m)]
-            splits = [ops.numel(b) for b in buffers] + [0] * (size - m)
+            buffers, splits = [], []
+            for j in range(m):
+                buffers.append(ops.pack_parts(flat[j][0]))
+                splits.append(ops.numel(buffers[j]))
+            splits += [0] * (size - m)
             exchanges = [coll.alltoall_known_async(ops.cat(buffers), splits, [splits] * size,
                                                    self.wire_name(handle.name, "a2a.p"))]
         else:
@@ -184,8 +187,11 @@ class TwoPhase(PackingCommunicator):
                 exchanges.append(coll.alltoall_async(ops.cat(pieces), splits, name) if ragged
                                  else coll.alltoall_known_async(ops.cat(pieces), splits,
                                                                 [splits] * size, name))
-        sent = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
-        received = (size - 1) * wire.nbytes(flat[me][0]) if me < m and not ragged else 0
+        sent = 0
+        for j in range(m):
+            if j != me:
+                sent += ops.total_nbytes(flat[j][0])
+        received = (size - 1) * ops.total_nbytes(flat[me][0]) if me < m and not ragged else 0
         wire.count(self, ops, handle.name, sent=sent, received=received)
         return Scattering(exchanges, flat, packed, ragged)
 
@@ -209,7 +215,7 @@ class TwoPhase(PackingCommunicator):
             # from each rank, part i of its payload for my chunk: the length of my own, or as
             # the all-to-all says where sizes differ
             if phase.packed:
-                per_rank = wire.unpack_all(got[0], [wire.layout(flat[me][0])] * size)
+                per_rank = ops.unpack_parts(got[0], [ops.part_layout(flat[me][0])] * size)
             elif phase.ragged:
                 per_rank = [_split_received(ops, g, r[1]) for g, r in zip(got, results)]
                 received = wire.nbytes(got) - wire.nbytes(flat[me][0])
@@ -220,8 +226,7 @@ class TwoPhase(PackingCommunicator):
             lengths = wire.chunk_sizes(ops.numel(handle.encoded.compensated), m)
             start = sum(lengths[:me])
             like = ops.slice(ops.flatten(handle.encoded.compensated), start, start + lengths[me])
-            payloads = [[wire.unflatten(per_rank[i][r], flat[me][1][i], not phase.ragged)
-                         for i in range(n_parts)] for r in range(size)]
+            payloads = ops.shaped_parts(per_rank, flat[me][1], size, not phase.ragged)
             key = f"{handle.name}/chunk{me}"
             fused = self._server_step(payloads, ctxs[me], like, handle, key, start)
             if fused is not None:
@@ -235,8 +240,11 @@ class TwoPhase(PackingCommunicator):
         # using it keeps its alltoall alive in tf.function, which prunes unused ops.
         lengths = None
         if phase.packed:
-            piece = wire.pack(mine) if mine is not None else got[0]
-            counts = [wire.nbytes(flat[j][0]) for j in range(m)] + [0] * (size - m)
+            piece = ops.pack_parts(mine) if mine is not None else got[0]
+            counts = []
+            for j in range(m):
+                counts.append(ops.total_nbytes(flat[j][0]))
+            counts += [0] * (size - m)
             gathers = [coll.allgather_known_async(piece, counts,
                                                   self.wire_name(handle.name, "ag.p"))]
         elif phase.ragged:
@@ -252,12 +260,15 @@ class TwoPhase(PackingCommunicator):
                 counts = [ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                 gathers.append(coll.allgather_known_async(
                     piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
-        sent = wire.nbytes(mine) if mine is not None else 0
+        sent = ops.total_nbytes(mine) if mine is not None else 0
         if lengths is not None:
             sent = sent + ops.nbytes(numels)
             received = 0        # counted when the gather is in (``_join``)
         else:
-            received = sum(wire.nbytes(flat[j][0]) for j in range(m) if j != me)
+            received = 0
+            for j in range(m):
+                if j != me:
+                    received += ops.total_nbytes(flat[j][0])
         wire.count(self, ops, handle.name, sent=sent, received=received)
         return Gathering(gathers, flat, own, phase.packed, own_in_place, lengths)
 
@@ -269,8 +280,10 @@ class TwoPhase(PackingCommunicator):
         gathered = [coll.synchronize(h) for h in phase.gathers]
         ops = ops_for(gathered[0])
         if phase.packed:
-            pieces = wire.unpack_all(gathered[0], [wire.layout(flat[j][0]) for j in range(m)] +
-                                     [[]] * (size - m))
+            layouts = []
+            for j in range(m):
+                layouts.append(ops.part_layout(flat[j][0]))
+            pieces = ops.unpack_parts(gathered[0], layouts + [[]] * (size - m))
         elif phase.lengths is not None:
             lengths = ops.reshape(coll.synchronize(phase.lengths), (size, n_parts))
             by_part = ops.transpose(lengths)
@@ -283,8 +296,12 @@ class TwoPhase(PackingCommunicator):
                        for i in range(n_parts)]
             pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
         equal = phase.lengths is None
-        payloads = [[wire.unflatten(pieces[i][j], flat[j][1][i], equal) for i in range(n_parts)]
-                    for j in range(m)]
+        payloads = []
+        for j in range(m):
+            column = []
+            for i in range(n_parts):
+                column.append([pieces[i][j]])
+            payloads.append(ops.shaped_parts(column, flat[j][1], 1, equal)[0])
         known = {} if phase.own is None else {coll.rank(): phase.own}
         done = {coll.rank()} if phase.own_in_place else set()
         divisor = None

@@ -68,16 +68,17 @@ def unflatten(piece, shape, equal_sizes: bool = True):
     return ops_for(piece).shaped_parts([[piece]], [shape], 1, equal_sizes)[0][0]
 
 
-def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False):
+def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False, ops=None):
     """Every rank's payload decompressed and aggregated (``compressor.combine``;
     ``pieces[i][r]``: part i of rank r's payload, flat). This rank's own payload is taken from
     what came back too: reusing its encode-time approximation instead would leave its own
     collective's result unused, and ``tf.function`` prunes an op whose result is unused (a
     root's broadcast never starts). ``average``: the result is this rank's final one, so an
-    average may be folded into the payloads' values (``base.divided_payloads``)."""
+    average may be folded into the payloads' values (``base.divided_payloads``). ``ops``:
+    the pieces' backend, where the caller has it."""
     from grace_dl.communicators.base import divided_payloads
 
-    payloads = ops_for(pieces[0][0]).shaped_parts(
+    payloads = (ops or ops_for(pieces[0][0])).shaped_parts(
         pieces, shapes, ranks, comm.compressor.caps.equal_sizes) if pieces else [[]] * ranks
     if average:
         payloads = divided_payloads(handle, payloads)

@@ -48,6 +48,8 @@ current CUDA device and comes back to the CPU.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -301,27 +303,33 @@ class DistCollectives(Collectives):
 
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         group = self._group()
-        size = self.size()
-        splits = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+        size, me = self.size(), self.rank()
+        # (``map`` of builtins, not comprehensions: this runs for every tensor of a step)
+        splits = list(map(int, splits.tolist() if torch.is_tensor(splits) else splits))
         moved, back = self._wire(tensor.detach())
         raw, trailing = _as_bytes(moved)
-        if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != raw.shape[0]:
+        if len(splits) != size or min(splits, default=0) < 0 or sum(splits) != raw.shape[0]:
             raise ValueError(f"alltoall splits must be {size} non-negative row counts summing "
                              f"to {raw.shape[0]} (name {name!r}), got {splits}")
         if matrix is None:
             mine = torch.tensor(splits, dtype=torch.int64, device=raw.device)
             every = [torch.empty_like(mine) for _ in range(size)]
             dist.all_gather(every, mine, group=group)          # waited for: sizes the buffers
-            matrix = [[int(s) for s in row.tolist()] for row in every]   # [from][to] rows
+            matrix = [list(map(int, row.tolist())) for row in every]   # [from][to] rows
         else:
-            matrix = [[int(c) for c in row] for row in matrix]
-            if len(matrix) != size or any(len(row) != size or min(row) < 0 for row in matrix) \
-                    or matrix[self.rank()] != splits:
+            rows, matrix = matrix, []
+            for row in rows:
+                row = list(map(int, row))
+                if len(row) != size or min(row, default=0) < 0:
+                    matrix = None
+                    break
+                matrix.append(row)
+            if matrix is None or len(matrix) != size or matrix[me] != splits:
                 raise ValueError(f"alltoall matrix must be {size} rows of {size} non-negative "
-                                 f"row counts, row {self.rank()} equal to splits {splits} "
-                                 f"(name {name!r}), got {matrix}")
-        received_splits = [row[self.rank()] for row in matrix]
-        longest = max(max(row) for row in matrix)
+                                 f"row counts, row {me} equal to splits {splits} "
+                                 f"(name {name!r}), got {[list(r) for r in rows]}")
+        received_splits = list(map(operator.itemgetter(me), matrix))
+        longest = max(map(max, matrix))
         width = raw.shape[1]
         out = torch.empty(sum(received_splits), width, dtype=torch.uint8, device=raw.device)
         gloo = dist.get_backend(group) == "gloo"

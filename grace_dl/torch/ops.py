@@ -458,7 +458,9 @@ def unpack_parts(buffer, layouts: list) -> list:
         if not parts:
             continue
         if pieces is None:
-            pieces = [[] for _ in parts]
+            pieces = []
+            for _ in parts:
+                pieces.append([])
         at = 0
         for i, (dt, n) in enumerate(parts):
             pieces[i].append(from_bytes(b[at:at + n], dt))
