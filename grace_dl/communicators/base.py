@@ -128,7 +128,7 @@ class Router:
         return []
 
     def check_op(self, op: str) -> str:
-        return check_op(op)
+        return op if op in OPS else check_op(op)
 
     def send(self, tensor, name: str, op: str = AVERAGE, collectives=None,
              into=None) -> Handle:
@@ -299,16 +299,17 @@ def average_divisor(handle: Handle):
         if handle.op == AVERAGE and handle.comm.compressor.caps.average else None
 
 
-def divided_payloads(handle: Handle, payloads: list) -> list:
+def divided_payloads(handle: Handle, payloads: list, path=None) -> list:
     """``payloads`` (every rank's, or the one reduced) with the average folded into their
     values when the result is built in ``handle.into`` and the compressor can
     (the path's ``divided``: sparse values, O(k)); the handle is then finished in place, so
-    ``receive`` does not divide the dense result again. Else ``payloads`` unchanged."""
+    ``receive`` does not divide the dense result again. Else ``payloads`` unchanged.
+    ``path``: the compressor's path for them, where the caller has it."""
     divisor = average_divisor(handle)
     if handle.into is None or divisor is None:
         return payloads
     # (a path's ``divided`` is its exact class's: one whose ``aggregate`` is a sum)
-    path = handle.comm.paths.on(payloads)
+    path = path or handle.comm.paths.on(payloads)
     divided = []
     for p in payloads:
         d = path.divided(p, divisor)
@@ -323,11 +324,7 @@ def marked(payload, mark):
     """``payload`` with the 0-d ``mark`` (``nonfinite_mark``) added to its floating-point
     parts (a sparsifier's k values, adaq's two means): O(k), and a NaN input decompresses to
     NaN wherever the payload carries a value."""
-    ops = ops_for(mark)
-    out = []
-    for p in payload:
-        out.append(p + ops.cast_like(mark, p) if ops.is_floating(p) else p)
-    return out
+    return ops_for(mark).add_to_floating(payload, mark)
 
 
 def nonfinite_mark(tensor):

@@ -80,9 +80,10 @@ def combine(comm, pieces, shapes, handle, ranks: int, average: bool = False, ops
 
     payloads = (ops or ops_for(pieces[0][0])).shaped_parts(
         pieces, shapes, ranks, comm.compressor.caps.equal_sizes) if pieces else [[]] * ranks
+    path = comm.paths.on(payloads)
     if average:
-        payloads = divided_payloads(handle, payloads)
-    return comm.paths.on(payloads).combine(payloads, handle.encoded.ctx, handle.into)
+        payloads = divided_payloads(handle, payloads, path)
+    return path.combine(payloads, handle.encoded.ctx, handle.into)
 
 
 def nbytes(tensors):

@@ -261,11 +261,13 @@ def top_positions(a: np.ndarray, k: int, sign=None):
     positions, instead of the twin's dozen framework ops. None where the kernels do not
     apply."""
     n = a.size
-    if not _enabled or a.ndim != 1 or not _dense(a, np.float32, n) or not 0 < k <= n:
+    if not _enabled or a.ndim != 1 or a.dtype != np.float32 or not a.flags.c_contiguous \
+            or not 0 < k <= n:
         return None
     mag = np.empty(n, np.float32)
     _lib.gd_top_magnitudes_f32(a.ctypes.data, n, _MODE[sign], mag.ctypes.data)
-    kth = kth_largest(mag, k)
+    keep = np.empty(n, np.uint32)      # (``kth_largest``, inline) held: the kernel writes it
+    kth = float(_lib.gd_kth_largest_f32(mag.ctypes.data, n, k, keep.ctypes.data))
     out = np.empty(k, np.int64)
     _lib.gd_top_collect_f32(mag.ctypes.data, n, k, kth, out.ctypes.data)
     return out
@@ -290,7 +292,8 @@ def sparse_sum(out: np.ndarray, positions: list, values: list):
     Returns ``out``, or None where the kernel does not apply (unsorted or out-of-range
     positions among them: the caller's scatter then handles, or reports, them)."""
     ranks = len(positions)
-    if not _enabled or not _f32(out) or ranks == 0 or ranks != len(values) or ranks > 256:
+    if not _enabled or out.ndim != 1 or out.dtype != np.float32 or \
+            not out.flags.c_contiguous or ranks == 0 or ranks != len(values) or ranks > 256:
         return None
     dtype = positions[0].dtype
     if dtype not in (np.int32, np.int64):

@@ -40,11 +40,6 @@ def cast(x, dt: str):
     return tf.cast(x, _DTYPES[dt])
 
 
-def cast_like(x, other):
-    """``x`` in ``other``'s dtype."""
-    return tf.cast(x, other.dtype)
-
-
 def is_floating(x) -> bool:
     return x.dtype.is_floating
 
@@ -396,6 +391,12 @@ def unpack_parts(buffer, layouts: list) -> list:
     cut = [[from_bytes(p, dt) for p, (dt, _) in zip(tf.split(b, [n for _, n in parts]), parts)]
            for b, parts in zip(segments, layouts) if parts]
     return [list(p) for p in zip(*cut)]
+
+
+def add_to_floating(parts, scalar) -> list:
+    """``parts`` with the 0-d ``scalar`` (cast to each one's dtype) added to the floating-point
+    ones (``communicators.base.marked``)."""
+    return [p + tf.cast(scalar, p.dtype) if p.dtype.is_floating else p for p in parts]
 
 
 def total_nbytes(xs):

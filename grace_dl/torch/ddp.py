@@ -454,7 +454,8 @@ class GraceState:
         return layout
 
     def _send(self, bucket):
-        self._bind()
+        if self.collectives is None:
+            self._bind()
         layout = self._layout_of(bucket)
         names = layout.names
         if not self._checked:

@@ -134,8 +134,8 @@ class _Placed:
 def _known(counts, size: int, own: int, rank: int, what: str, name: str) -> list:
     """A caller's row counts per rank as ints, checked as far as this rank can: one per rank,
     none negative, and this rank's own as given (``own``)."""
-    counts = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
-    if len(counts) != size or any(c < 0 for c in counts) or counts[rank] != own:
+    counts = list(map(int, counts.tolist() if torch.is_tensor(counts) else counts))
+    if len(counts) != size or min(counts, default=0) < 0 or counts[rank] != own:
         raise ValueError(f"{what} must be {size} non-negative row counts with this rank's "
                          f"({rank}) equal to {own} (name {name!r}), got {counts}")
     return counts
@@ -165,6 +165,7 @@ class DistCollectives(Collectives):
     def __init__(self, process_group=None):
         self.process_group = process_group
         self._ranks = None      # (rank, size), read once the group exists
+        self._is_nccl = False   # whether its backend is NCCL, read with them
 
     def _group(self):
         if not dist.is_available() or not dist.is_initialized():
@@ -178,6 +179,7 @@ class DistCollectives(Collectives):
         if self._ranks is None:
             group = self._group()
             self._ranks = dist.get_rank(group), dist.get_world_size(group)
+            self._is_nccl = dist.get_backend(group) == "nccl"
         return self._ranks
 
     def size(self) -> int:
@@ -199,10 +201,9 @@ class DistCollectives(Collectives):
 
     def _nccl(self) -> bool:
         """Whether the group's backend is NCCL (asked once: it does not change)."""
-        nccl = self.__dict__.get("_is_nccl")
-        if nccl is None:
-            nccl = self._is_nccl = dist.get_backend(self._group()) == "nccl"
-        return nccl
+        if self._ranks is None:
+            self._rank_size()
+        return self._is_nccl
 
     def _global_rank(self, rank: int) -> int:
         group = self._group()
@@ -242,9 +243,9 @@ class DistCollectives(Collectives):
 
     def allgather_known_async(self, tensor, counts, name: str):
         group = self._group()
-        size = self.size()
+        rank, size = self._ranks or self._rank_size()
         moved = tensor.detach()
-        if moved.device.type == "cpu" and self._nccl():
+        if moved.device.type == "cpu" and self._is_nccl:     # (set with ``_ranks``)
             moved, back = self._wire(moved)
         else:
             back = None
@@ -260,7 +261,7 @@ class DistCollectives(Collectives):
             dist.all_gather(all_rows, rows, group=group)       # waited for: sizes the buffers
             counts = [int(r.item()) for r in all_rows]
         else:
-            counts = _known(counts, size, raw.shape[0], self.rank(), "counts", name)
+            counts = _known(counts, size, raw.shape[0], rank, "counts", name)
         width = raw.shape[1]
         longest = max(counts) if counts else 0
         padded = raw

@@ -46,11 +46,6 @@ def cast(x, dt: str):
     return x.to(_DTYPES[dt])
 
 
-def cast_like(x, other):
-    """``x`` in ``other``'s dtype."""
-    return x.to(other.dtype)
-
-
 def is_floating(x) -> bool:
     return x.is_floating_point()
 
@@ -466,6 +461,15 @@ def unpack_parts(buffer, layouts: list) -> list:
             pieces[i].append(from_bytes(b[at:at + n], dt))
             at += n
     return pieces or []
+
+
+def add_to_floating(parts, scalar) -> list:
+    """``parts`` with the 0-d ``scalar`` (cast to each one's dtype) added to the floating-point
+    ones (``communicators.base.marked``)."""
+    out = []
+    for p in parts:
+        out.append(p + scalar.to(p.dtype) if p.is_floating_point() else p)
+    return out
 
 
 def total_nbytes(xs) -> int:
