@@ -483,24 +483,21 @@ class Communicator(Router, ABC):
         compensated = tensor if keeps_nothing else \
             self.feedback.compensate(tensor, name, self.compressor)
         mark = nonfinite_mark(compensated) if self.compressor.caps.drops_nonfinite else None
-        # the path, found once here, where ``compress`` is the path's
-        path = self.paths.on(compensated) if self._plain_compress else None
+        # where ``compress`` is the path's, the path found once here
+        compressing = self.paths.on(compensated) if self._plain_compress else self
         encoded = None
         if keeps_nothing:
-            got = self.compress(compensated, name, call) if path is None else \
-                path.compress(compensated, name, call)
-            encoded = Encoded(name, *got, compensated, call)
+            encoded = Encoded(name, *compressing.compress(compensated, name, call),
+                              compensated, call)
         elif self.compressor.caps.rounds == 1:
             slot = self.feedback.error_slot(name, self.compressor)
             got = None if slot is None else \
-                self.compress_with_error(compensated, name, call, slot) if path is None else \
-                path.compress_with_error(compensated, name, call, slot)
+                compressing.compress_with_error(compensated, name, call, slot)
             if got is not None:
                 self.feedback.error_written(name)
                 encoded = Encoded(name, *got, compensated, call)
         if encoded is None:
-            payload, ctx = self.compress(compensated, name, call) if path is None else \
-                path.compress(compensated, name, call)
+            payload, ctx = compressing.compress(compensated, name, call)
             encoded = Encoded(name, payload, ctx, compensated, call)
             if self.compressor.caps.rounds == 1:
                 if self.feedback.wants_approximation(self.compressor):

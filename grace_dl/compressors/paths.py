@@ -60,9 +60,9 @@ def register(compressor_cls: type, kind: str = ANY):
 def kind_of(tensor) -> str:
     """The device kind of ``tensor`` (see the module docstring)."""
     device = getattr(tensor, "device", None)
-    if hasattr(device, "type"):          # a torch tensor
-        from grace_dl.torch.kernels import on_device
-        return "cuda" if on_device(tensor) else "cpu"
+    if hasattr(device, "type"):          # a torch tensor (``on_device``)
+        emulated = _TORCH_EMULATED or _torch_emulated()
+        return "cuda" if device.type == "cuda" or emulated[0] else "cpu"
     return "tensorflow"
 
 
@@ -150,7 +150,7 @@ class Paths:
                 return self._reference
             tensor = tensor[0]
         device = getattr(tensor, "device", None)
-        if hasattr(device, "type"):     # a torch tensor: ``kind_of``, inline (every step)
+        if hasattr(device, "type"):     # (``kind_of``, inline: it runs for every tensor)
             emulated = _TORCH_EMULATED or _torch_emulated()
             kind = "cuda" if device.type == "cuda" or emulated[0] else "cpu"
         else:
