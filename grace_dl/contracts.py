@@ -188,6 +188,30 @@ class OpsBackend(Protocol):
 
     def split_by(self, x, lengths): ...
 
+    # a payload's parts on the wire (``grace_dl.communicators.wire``), each in one call
+    def flat_parts(self, payload):
+        """(each part of ``payload`` as 1-D, the parts' shapes)."""
+
+    def part_layout(self, flats):
+        """``(dtype, bytes)`` of each 1-D part, or None where one is ``bool``."""
+
+    def pack_parts(self, flats):
+        """The 1-D parts' bytes one after another, as one 1-D uint8 tensor."""
+
+    def unpack_parts(self, buffer, layouts: list) -> list:
+        """``buffer``'s segments laid out as ``layouts`` cut into ``pieces[i][s]``: part i of
+        non-empty segment s."""
+
+    def shaped_parts(self, pieces, shapes, ranks: int, equal_sizes: bool = True) -> list:
+        """Every rank's payload from the 1-D ``pieces[i][r]``, each part in its local shape's
+        layout."""
+
+    def total_nbytes(self, xs):
+        """The bytes of the tensors ``xs`` together."""
+
+    def add_to_floating(self, parts, scalar) -> list:
+        """``parts`` with the 0-d ``scalar`` added to the floating-point ones."""
+
     def slice(self, x, start: int, stop: int): ...
 
     def pad(self, x, n: int):
