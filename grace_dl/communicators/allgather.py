@@ -69,8 +69,7 @@ class Allgather(PackingCommunicator):
             numels = ops.numels(flats)
             lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
             sent = sent + ops.nbytes(numels)
-        packed = None if lengths is not None or not self.pack_parts or len(flats) < 2 else \
-            ops.part_layout(flats)                              # (``packed_layout``)
+        packed = None if lengths is not None else self.packed_layout(flats, ops)
         # equal sizes: every rank's part is as long as this rank's, so an engine that sizes
         # its buffers first (torch.distributed) needs no exchange of sizes (``_known``)
         size = encoded.call.size

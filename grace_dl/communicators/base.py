@@ -585,10 +585,11 @@ class PackingCommunicator(Communicator):
         super().__init__(compressor, memory, process_set)
         self.pack_parts = validate.boolean("pack_parts", pack_parts)
 
-    def packed_layout(self, flats):
-        """The 1-D parts ``flats`` of one payload's ``wire.layout`` where they travel packed,
-        else None."""
-        return wire.packed_layout(flats) if self.pack_parts else None
+    def packed_layout(self, flats, ops):
+        """The 1-D parts ``flats`` (of backend ``ops``) of one payload's ``wire.layout``
+        where they travel packed (``pack_parts``, more than one part, none ``bool``), else
+        None."""
+        return ops.part_layout(flats) if self.pack_parts and len(flats) > 1 else None
 
     def config(self) -> dict:
         return {**super().config(), "pack_parts": self.pack_parts}

@@ -74,7 +74,7 @@ class Broadcast(PackingCommunicator):
         ops = ops_for(encoded.payload[0])
         flats, shapes = wire.flatten(encoded.payload)
         sent = wire.nbytes(flats)
-        layout = self.packed_layout(flats) if self.compressor.caps.equal_sizes else None
+        layout = self.packed_layout(flats, ops) if self.compressor.caps.equal_sizes else None
         if layout is not None:
             # one buffer per root; a non-root's own packed payload has the root's size and
             # serves as its receive buffer

@@ -168,7 +168,7 @@ class TwoPhase(PackingCommunicator):
         flat = list(map(ops.flat_parts, encoded.payload))   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
         ragged = not self.compressor.caps.equal_sizes
-        packed = not ragged and self.packed_layout(flat[0][0]) is not None
+        packed = not ragged and self.packed_layout(flat[0][0], ops) is not None
         # every rank sends chunk j's payload of the same length: sizes known up front
         if packed:
             buffers, splits = [], []

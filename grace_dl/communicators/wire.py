@@ -31,13 +31,6 @@ def packable(flats) -> bool:
     return len(flats) > 1 and ops_for(flats[0]).part_layout(flats) is not None
 
 
-def packed_layout(flats):
-    """``layout(flats)`` where the parts travel packed (``packable``), else None."""
-    if len(flats) < 2:
-        return None
-    return ops_for(flats[0]).part_layout(flats)
-
-
 def pack(flats):
     """The 1-D parts' bytes, one after another, as one 1-D uint8 tensor (no padding: a part
     with no elements adds none)."""

@@ -266,8 +266,7 @@ def top_positions(a: np.ndarray, k: int, sign=None):
         return None
     mag = np.empty(n, np.float32)
     _lib.gd_top_magnitudes_f32(a.ctypes.data, n, _MODE[sign], mag.ctypes.data)
-    keep = np.empty(n, np.uint32)      # (``kth_largest``, inline) held: the kernel writes it
-    kth = float(_lib.gd_kth_largest_f32(mag.ctypes.data, n, k, keep.ctypes.data))
+    kth = _kth_largest(mag, k)
     out = np.empty(k, np.int64)
     _lib.gd_top_collect_f32(mag.ctypes.data, n, k, kth, out.ctypes.data)
     return out
@@ -277,11 +276,15 @@ def kth_largest(a: np.ndarray, k: int):
     """The ``k``-th largest (``0 < k <= a.size``) of the 1-D float32 ``a``, which holds no NaN,
     as a Python float: NumPy's ``partition(a, n - k)[n - k]`` by a compiled radix select that
     reads ``a`` and does not move it. None where the kernel does not apply."""
-    n = a.size
-    if not _enabled or not _f32(a) or not 0 < k <= n:
+    if not _enabled or not _f32(a) or not 0 < k <= a.size:
         return None
-    keep = np.empty(n, np.uint32)      # held here: the kernel writes into it
-    return float(_lib.gd_kth_largest_f32(a.ctypes.data, n, k, keep.ctypes.data))
+    return _kth_largest(a, k)
+
+
+def _kth_largest(a: np.ndarray, k: int) -> float:
+    """``kth_largest`` of an ``a`` known to qualify (``top_positions``' magnitudes)."""
+    keep = np.empty(a.size, np.uint32)      # held here: the kernel writes into it
+    return float(_lib.gd_kth_largest_f32(a.ctypes.data, a.size, k, keep.ctypes.data))
 
 
 def sparse_sum(out: np.ndarray, positions: list, values: list):
