@@ -137,7 +137,7 @@ class Router:
         write the result (its default there). Given here, the pipeline may work in it from the
         start: an uncompressed allreduce of ``into`` itself sums there in place, as Horovod's
         own optimizer does with ``p.grad``; ``tensor`` may then be overwritten."""
-        op = self.check_op(op)
+        op = op if op in OPS else self.check_op(op)
         comm, coll = self.route(tensor, name, collectives)
         handle = Handle(name=name, op=op, comm=comm, coll=coll, into=into,
                         encoded=comm.encode(tensor, name, Call(coll.rank(), coll.size())))
@@ -354,11 +354,13 @@ def _finish(handle: Handle, into=None):
     out = handle.phase
     while isinstance(out, Phase):
         out = out.value if isinstance(out, Ready) else comm.complete(out, handle)
-    divisor = average_divisor(handle)
     if into is not None:    # finished in place: averaged (or summed) already, maybe in into
-        out = ops_for(out).assign_div(into, out, None if handle.finished_in_place else divisor)
-    elif divisor is not None:
-        out = out / divisor
+        out = ops_for(out).assign_div(
+            into, out, None if handle.finished_in_place else average_divisor(handle))
+    else:
+        divisor = average_divisor(handle)
+        if divisor is not None:
+            out = out / divisor
     handle.phase, handle.done, handle.value = None, True, out
     return out
 

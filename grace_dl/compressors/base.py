@@ -194,8 +194,11 @@ def error_views(tensor, error, decoded, dtype: str):
     given) to write into, or None where an output is not a ``dtype`` tensor of ``tensor``'s
     length with a flat view (TF has none)."""
     ops = ops_for(tensor)
-    outs = [error] if decoded is None else [error, decoded]
-    if any(ops.dtype(o) != dtype or ops.numel(o) != ops.numel(tensor)
-           or ops.flat_view(o) is None for o in outs):
-        return None
-    return [ops.flat_view(o) for o in outs]
+    n = ops.numel(tensor)
+    views = []
+    for o in (error,) if decoded is None else (error, decoded):
+        view = ops.flat_view(o) if ops.dtype(o) == dtype and ops.numel(o) == n else None
+        if view is None:
+            return None
+        views.append(view)
+    return views

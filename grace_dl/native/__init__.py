@@ -155,6 +155,14 @@ def _dense(a, dtype, size) -> bool:
     return a.dtype == dtype and a.flags.c_contiguous and a.size == size
 
 
+def _all_dense(*specs) -> bool:
+    """``_dense`` of each ``(array, dtype, size)`` (an array None passes), in one call."""
+    for a, dtype, size in specs:
+        if a is not None and not (a.dtype == dtype and a.flags.c_contiguous and a.size == size):
+            return False
+    return True
+
+
 def _f32(a, n=None) -> bool:
     """A 1-D C-contiguous float32 array (of ``n`` elements when given)."""
     return a.ndim == 1 and _dense(a, np.float32, a.size if n is None else n)
@@ -204,12 +212,11 @@ def qsgd_levels(x, scale, step, k, s: float, hi: int, err=None, dec=None):
     2**bits`` of the uint8 (8 bits) or uint16 (16 bits) ``k``; when given, ``dec <- (code - s) *
     step[r]`` and ``err <- x - dec`` (``err`` may be ``x``'s memory). The same float32 operations
     as the torch code, so the same bits. None where the kernel does not apply."""
-    if not _enabled or x.ndim != 2 or not _dense(x, np.float32, x.size):
+    if not _enabled or x.ndim != 2 or k.dtype not in _DITHER_BITS:
         return None
-    rows = x.shape[0]
-    if (not _dense(scale, np.float32, rows) or not _dense(step, np.float32, rows)
-            or k.dtype not in _DITHER_BITS or not _dense(k, k.dtype, x.size)
-            or any(o is not None and not _dense(o, np.float32, x.size) for o in (err, dec))):
+    rows, f32 = x.shape[0], np.float32
+    if not _all_dense((x, f32, x.size), (scale, f32, rows), (step, f32, rows),
+                      (k, k.dtype, x.size), (err, f32, x.size), (dec, f32, x.size)):
         return None
     codes = np.empty(x.shape, np.uint8)
     _lib.gd_qsgd_levels_f32(x.ctypes.data, rows, x.shape[1], scale.ctypes.data,
@@ -223,12 +230,11 @@ def qsgd_values(codes, step, s: float, out, accumulate: bool = False):
     """qsgd's decoded values of the uint8 ``codes`` (rows x b): ``out <- (code - s) *
     step[r]``, plus what ``out`` held when ``accumulate``; returns ``out`` (float32, of the codes'
     size), or None where the kernel does not apply."""
-    if not _enabled or codes.ndim != 2 or not _dense(codes, np.uint8, codes.size):
+    if not _enabled or codes.ndim != 2 or not _all_dense(
+            (codes, np.uint8, codes.size), (step, np.float32, codes.shape[0]),
+            (out, np.float32, codes.size)):
         return None
-    rows = codes.shape[0]
-    if not _dense(step, np.float32, rows) or not _dense(out, np.float32, codes.size):
-        return None
-    _lib.gd_qsgd_values_f32(codes.ctypes.data, rows, codes.shape[1], step.ctypes.data, s,
+    _lib.gd_qsgd_values_f32(codes.ctypes.data, codes.shape[0], codes.shape[1], step.ctypes.data, s,
                             out.ctypes.data, int(accumulate))
     return out
 
@@ -330,7 +336,7 @@ def sfc64_seed(entropy: list[int]):
     """The state (a, b, c, counter; uint64) of ``np.random.SFC64(np.random.SeedSequence(
     entropy))`` for a list of 32-bit words, computed in C without building NumPy's objects;
     None where the kernel does not apply (then build them: ``grace_dl.seeding.generator``)."""
-    if not _enabled or not all(0 <= e <= 0xFFFFFFFF for e in entropy):
+    if not _enabled or not entropy or min(entropy) < 0 or max(entropy) > 0xFFFFFFFF:
         return None
     words = (ctypes.c_uint32 * len(entropy))(*entropy)
     state = np.empty(4, np.uint64)

@@ -54,20 +54,17 @@ def shape(x) -> tuple:
     return tuple(x.shape)
 
 
-def numel(x) -> int:
-    return x.numel()
+# The framework's own functions where they mean exactly the protocol's (no Python frame of
+# ours on a step's path: a step calls these dozens of times per tensor).
+numel = torch.numel
 
 
 def nbytes(x) -> int:
     return x.numel() * x.element_size()
 
 
-def reshape(x, shp):
-    return x.reshape(tuple(shp))
-
-
-def flatten(x):
-    return x.reshape(-1)
+reshape = torch.reshape
+flatten = torch.flatten      # (a 1-D view, or x itself where it is 1-D; a copy only where needed)
 
 
 def transpose(x):
@@ -145,12 +142,8 @@ minimum = torch.minimum
 isfinite = torch.isfinite
 
 
-def clamp(x, lo=None, hi=None):
-    return torch.clamp(x, lo, hi)
-
-
-def where(cond, a, b):
-    return torch.where(cond, a, b)
+clamp = torch.clamp      # (x, lo, hi): lo or hi may be None
+where = torch.where
 
 
 def cond(pred, true_fn, false_fn):
