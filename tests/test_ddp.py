@@ -2,6 +2,7 @@
 torch.distributed collectives): argument checks in this process, and real
 ``torchrun --nproc-per-node 2`` jobs on gloo (tests/workers/ddp_check.py), no Horovod."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -56,8 +57,8 @@ def test_state_rejects_bad_arguments_naming_them():
     with pytest.raises(ValueError, match="named_parameters must be a sequence"):
         grace_ddp.GraceState(grc, named_parameters=[1, 2])
     for bad in (0, -1, 2.5, "4MB", True):
-        with pytest.raises(ValueError, match=rf"piece_bytes must be a positive int or None, "
-                                             rf"got {re.escape(repr(bad))}"):
+        with pytest.raises(ValueError, match=rf"piece_bytes must be a positive int, None or "
+                                             rf"'auto', got {re.escape(repr(bad))}"):
             grace_ddp.GraceState(grc, piece_bytes=bad)
     with pytest.raises(ValueError, match="GraceState"):
         grace_ddp.comm_hook(object(), None)
@@ -130,6 +131,44 @@ def test_an_uncompressed_bucket_summed_in_place_is_the_send_path():
             dist.destroy_process_group()
 
 
+def test_auto_pieces_cut_buckets_on_the_cpu_and_send_a_gpus_whole():
+    """``piece_bytes="auto"`` (the default): a bucket over 4 MiB goes in pieces on the CPU and
+    whole on the device path (a GPU's tensors; here CPU tensors under ``emulate_device``), as
+    the first bucket resolves it; the state records the resolved value. An explicit size cuts
+    on the device path too."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from grace_dl.torch import ddp as grace_ddp
+    from grace_dl.torch.kernels import emulate_device
+
+    def names(device_path, **options):
+        torch.manual_seed(0)
+        net = DDP(torch.nn.Linear(1100, 1000), bucket_cap_mb_list=[100])   # 4.4 MB: 2 pieces
+        state = grace_ddp.GraceState(grace_from_params({"compressor": "fp16"}), **options)
+        net.register_comm_hook(state, grace_ddp.comm_hook)
+        with emulate_device() if device_path else contextlib.nullcontext():
+            for _ in range(2):
+                net(torch.randn(2, 1100)).sum().backward()
+        return sorted(state.grace.bytes.steps[-1]["per_tensor"]), \
+            state.state_dict()["piece_bytes"]
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        cpu, cpu_pieces = names(False)
+        gpu, gpu_pieces = names(True)
+        cut, cut_pieces = names(True, piece_bytes=4 << 20)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    assert len(cpu) == 2 and cpu[1].endswith("/piece1") and cpu_pieces == 4 << 20, cpu
+    assert len(gpu) == 1 and "/piece" not in gpu[0] and gpu_pieces is None, gpu
+    assert cut == cpu and cut_pieces == 4 << 20
+
+
 def test_load_state_dict_refuses_another_configuration():
     from grace_dl.torch import ddp as grace_ddp
 
@@ -150,13 +189,20 @@ def test_load_state_dict_refuses_another_configuration():
     # keeps its buckets whole whatever piece_bytes says, so it loads either way
     qsgd = {"compressor": "qsgd", "memory": "residual", "communicator": "twophase"}
     whole = grace_ddp.GraceState(grace_from_params(qsgd), piece_bytes=None)
-    pieces = grace_ddp.GraceState(grace_from_params(qsgd))
+    pieces = grace_ddp.GraceState(grace_from_params(qsgd), piece_bytes=4 << 20)
     with pytest.raises(ValueError, match=r"piece_bytes=None, this state has "
                                          r"piece_bytes=4194304"):
         pieces.load_state_dict(whole.state_dict())
     with pytest.raises(ValueError, match=r"piece_bytes=4194304, this state has "
                                          r"piece_bytes=None"):
         whole.load_state_dict(pieces.state_dict())
+    # "auto" (the default) before any bucket takes the checkpoint's pieces, and a checkpoint
+    # saved before any bucket loads into either
+    for saved in (whole, pieces):
+        auto = grace_ddp.GraceState(grace_from_params(qsgd))
+        auto.load_state_dict(saved.state_dict())
+        assert auto.state_dict()["piece_bytes"] == saved.piece_bytes
+        saved.load_state_dict(grace_ddp.GraceState(grace_from_params(qsgd)).state_dict())
     grace_ddp.GraceState(grace_from_params({"compressor": "topk", "compress_ratio": 0.1,
                                             "communicator": "allgather"}),
                          piece_bytes=None).load_state_dict(a.state_dict())

@@ -82,7 +82,7 @@ def _sgd():
     ({"gradient_predivide_factor": -1.0}, ["gradient_predivide_factor", "-1.0"]),
     ({"groups": -2}, ["groups", "-2"]),
     ({"groups": [[1.0]]}, ["groups", "torch.Tensor"]),
-    ({"piece_bytes": 0}, ["piece_bytes", "positive int or None", "got 0"]),
+    ({"piece_bytes": 0}, ["piece_bytes", "positive int, None or 'auto'", "got 0"]),
     ({"piece_bytes": "4MB"}, ["piece_bytes", "'4MB'"]),
 ])
 def test_bad_arguments_raise_value_error_naming_them(kwargs, words):

@@ -18,6 +18,13 @@ has its own state (residual, server residual, step counter), keyed by its name, 
 size is part of a checkpoint: the framework glue records it and refuses a checkpoint written
 with another.
 
+Pieces exist to overlap the host's work with the wire. A GPU compresses a whole bucket in less
+time than one piece's round of Python and collectives, so the glue's default, ``"auto"``
+(``AUTO``), cuts only tensors that live on the CPU (in pieces of ``DEFAULT_PIECE_BYTES``) and
+sends a GPU's (or, under ``grace_dl.torch.kernels.emulate_device``, any device-path) tensor
+whole, as PyTorch's own hooks send a bucket; an int cuts on every device, ``None`` cuts nowhere
+(``device_piece_bytes``).
+
 The DDP hook (``grace_dl.torch.ddp``) and the Horovod torch optimizer
 (``grace_dl.torch.optimizer``) send through this module.
 """
@@ -27,22 +34,38 @@ from __future__ import annotations
 from grace_dl.backend import ops_for
 from grace_dl.communicators.base import Communicator
 
-#: default piece size: 4 MiB (a quarter of the MLP's largest gradient; DDP's first bucket is
-#: 1 MiB and its others 25 MiB)
+#: the piece size ``AUTO`` gives tensors on the CPU: 4 MiB (a quarter of the MLP's largest
+#: gradient; DDP's first bucket is 1 MiB and its others 25 MiB)
 DEFAULT_PIECE_BYTES = 4 << 20
+#: the glue's default ``piece_bytes``: pieces of ``DEFAULT_PIECE_BYTES`` on the CPU, whole on a GPU
+AUTO = "auto"
 
 
 def check_piece_bytes(piece_bytes):
-    """``piece_bytes`` if it is a positive int or None, else a ``ValueError`` naming it."""
-    if piece_bytes is not None and (isinstance(piece_bytes, bool) or
-                                    not isinstance(piece_bytes, int) or piece_bytes <= 0):
-        raise ValueError(f"piece_bytes must be a positive int or None, got {piece_bytes!r}")
+    """``piece_bytes`` if it is a positive int, None or ``"auto"``, else a ``ValueError``
+    naming it."""
+    if piece_bytes is not None and piece_bytes != AUTO and (
+            isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int)
+            or piece_bytes <= 0):
+        raise ValueError(f"piece_bytes must be a positive int, None or {AUTO!r}, got "
+                         f"{piece_bytes!r}")
     return piece_bytes
+
+
+def device_piece_bytes(piece_bytes, tensor):
+    """``piece_bytes`` for ``tensor``: ``"auto"`` gives None (whole) where the tensor takes the
+    device path (a GPU's) and ``DEFAULT_PIECE_BYTES`` elsewhere; an int or None as it is."""
+    if piece_bytes != AUTO:
+        return piece_bytes
+    from grace_dl.torch.kernels import on_device  # (only torch tensors come here)
+
+    return None if on_device(tensor) else DEFAULT_PIECE_BYTES
 
 
 def effective_piece_bytes(grace, piece_bytes):
     """``piece_bytes`` where ``grace`` sends tensors in pieces (a communicator of a
-    chunk-independent compressor), else None: what a checkpoint records."""
+    chunk-independent compressor), else None: what a checkpoint records (``"auto"``, until a
+    tensor's device resolves it: ``device_piece_bytes``)."""
     check_piece_bytes(piece_bytes)
     if piece_bytes is None or not isinstance(grace, Communicator) or \
             not grace.compressor.caps.two_phase_safe or grace.compressor.caps.sends_tensor:

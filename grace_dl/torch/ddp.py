@@ -52,13 +52,17 @@ dispatchers, which route per parameter name); ``"bucket"`` otherwise.
 
 **Pieces.** In ``"bucket"`` granularity, for compressors that compress any 1-D chunk on its
 own and do compress (quantizers, signs, fp16; not ``none``), a bucket larger than
-``piece_bytes`` (default 4 MiB) is sent as even pieces of at most that size, each its own
-grace tensor ``<bucket name>/piece<i>`` (``grace_dl.communicators.pieces``), so that one
-piece's compression overlaps the previous piece's exchange. Sparsifiers keep their bucket
-whole. ``piece_bytes`` is part of the checkpoint: a state saved with other pieces is refused
-by ``load_state_dict``, since its residuals are keyed by the pieces' names. A checkpoint
-written before pieces existed (no ``piece_bytes``) loads; a bucket now sent in pieces then
-starts fresh residuals, which error feedback tolerates as it does at DDP's bucket rebuild.
+``piece_bytes`` is sent as even pieces of at most that size, each its own grace tensor
+``<bucket name>/piece<i>`` (``grace_dl.communicators.pieces``), so that one piece's
+compression overlaps the previous piece's exchange. The default, ``"auto"``, cuts buckets on
+the CPU into 4 MiB pieces and sends a GPU's buckets whole (a GPU compresses a bucket faster
+than a piece's round of Python and collectives); the first bucket's device decides.
+Sparsifiers keep their bucket whole. ``piece_bytes`` is part of the checkpoint (as the first
+bucket resolved it): a state saved with other pieces is refused by ``load_state_dict``, since
+its residuals are keyed by the pieces' names; a state whose ``"auto"`` has not met a bucket
+yet takes the checkpoint's. A checkpoint written before pieces existed (no ``piece_bytes``)
+loads; a bucket now sent in pieces then starts fresh residuals, which error feedback
+tolerates as it does at DDP's bucket rebuild.
 
 **Names.** Grace state (residuals, PowerSGD's Q, step counters) is keyed by tensor name. A
 parameter's name is its name in ``named_parameters`` if given, else ``param<i>``, ``i`` being
@@ -141,8 +145,9 @@ from grace_dl.communicators.base import AVERAGE, Communicator, check_op, receive
 from grace_dl.communicators.buckets import bucket_name, needs_shapes
 from grace_dl.communicators.fusion import GroupCollectives
 from grace_dl.communicators.pieces import (
-    DEFAULT_PIECE_BYTES,
+    AUTO,
     check_piece_bytes,
+    device_piece_bytes,
     effective_piece_bytes,
     piece_sizes,
     send_pieces,
@@ -196,16 +201,17 @@ class GraceState:
     the grace collectives run on. ``granularity``: ``"auto"``, ``"bucket"`` or ``"parameter"``
     (module docstring). ``piece_bytes``: in ``"bucket"`` granularity, a bucket larger than
     this is sent as pieces of at most this many bytes (module docstring, *Pieces*); ``None``
-    sends every bucket whole. ``named_parameters``: ``model.named_parameters()`` of the *wrapped*
-    module, to key state by real names (needed by strategy dispatchers, which route by name);
-    without it parameters are named ``param<i>``. ``op``: ``"average"`` (DDP's) or ``"sum"``.
+    sends every bucket whole; ``"auto"`` (default): 4 MiB on the CPU, whole on a GPU.
+    ``named_parameters``: ``model.named_parameters()`` of the *wrapped* module, to key state by
+    real names (needed by strategy dispatchers, which route by name); without it parameters
+    are named ``param<i>``. ``op``: ``"average"`` (DDP's) or ``"sum"``.
     ``agreement_timeout``: seconds the first hook call waits for every rank of the group to
     reach the grace hook before it raises (module docstring, *Agreement*).
     """
 
     def __init__(self, grace, process_group=None, granularity: str = "auto",
                  named_parameters=None, op: str = AVERAGE,
-                 piece_bytes: int | None = DEFAULT_PIECE_BYTES,
+                 piece_bytes: int | str | None = AUTO,
                  agreement_timeout: float = DEFAULT_AGREEMENT_TIMEOUT):
         check_grace(grace)
         self.piece_bytes = check_piece_bytes(piece_bytes)
@@ -229,7 +235,8 @@ class GraceState:
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
         #: the bucket summed in place as PyTorch's allreduce hook does (``sums_in_place``)
         self._sums_in_place = sums_in_place(grace)
-        # None where buckets go whole (per-parameter units go whole too: they are fused)
+        # None where buckets go whole (per-parameter units go whole too: they are fused);
+        # "auto" until the first bucket's device resolves it (_piece_sizes)
         self._piece_bytes = None if self.per_parameter else \
             effective_piece_bytes(grace, piece_bytes)
         self.iteration = 0          # synchronised backward passes completed
@@ -425,6 +432,8 @@ class GraceState:
         """Lengths of the pieces a bucket-granularity unit is sent in (None: sent whole)."""
         if tensor.dim() != 1:
             return None
+        if self._piece_bytes == AUTO:
+            self._piece_bytes = device_piece_bytes(AUTO, tensor)
         return piece_sizes(tensor.numel(), tensor.element_size(), self._piece_bytes)
 
     def _layout_of(self, bucket) -> _BucketLayout:
@@ -600,14 +609,19 @@ class GraceState:
             raise ValueError(f"state_dict is for grace configuration {state.get('fingerprint')}, "
                              f"this one is {self.grace.fingerprint()} ({self.grace!r})")
         # the pieces name the state: a checkpoint with other pieces is refused (one written
-        # before pieces existed has no piece_bytes and loads: module docstring, *Pieces*)
+        # before pieces existed has no piece_bytes and loads; an unresolved "auto" on either
+        # side takes the other's: module docstring, *Pieces*)
+        saved = state.get("piece_bytes", self._piece_bytes)
+        pieces = saved if self._piece_bytes == AUTO else self._piece_bytes
         for key, mine in (("per_parameter", self.per_parameter), ("op", self.op),
-                          ("piece_bytes", self._piece_bytes)):
-            if state.get(key, mine) != mine:
-                raise ValueError(f"state_dict was written with {key}={state.get(key)!r}, this "
+                          ("piece_bytes", pieces)):
+            theirs = state.get(key, mine)
+            if theirs != mine and not (key == "piece_bytes" and theirs == AUTO):
+                raise ValueError(f"state_dict was written with {key}={theirs!r}, this "
                                  f"state has {key}={mine!r}")
         if self._buckets:
             raise RuntimeError("load_state_dict() called in the middle of a step")
+        self._piece_bytes = pieces
         self.grace.load_state_dict(to_numpy(state["grace"]))
         self.iteration = int(state.get("iteration", 0))
         layout = state.get("layout") or None

@@ -85,8 +85,9 @@ from grace_dl.communicators.base import (
 from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
-    DEFAULT_PIECE_BYTES,
+    AUTO,
     check_piece_bytes,
+    device_piece_bytes,
     effective_piece_bytes,
     piece_name,
     piece_sizes,
@@ -104,7 +105,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # noqa: N802
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
-                         grace=None, piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None,
+                         grace=None, piece_bytes=AUTO, bucket_bytes=None,
                          early_rounds=False):
     """Wrap ``optimizer`` so gradients are averaged across Horovod ranks before ``step()``.
 
@@ -114,7 +115,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
     stay Horovod's ``Compression.none`` (grace does the compressing) and the behaviour is the
     one described in this module's docstring. ``piece_bytes`` (grace only): a gradient larger
     than this is sent in pieces of at most this many bytes where the compressor allows
-    (``grace_dl.communicators.pieces``); ``None`` sends every gradient whole.
+    (``grace_dl.communicators.pieces``); ``None`` sends every gradient whole; ``"auto"``
+    (default): 4 MiB for gradients on the CPU, whole on a GPU.
     ``bucket_bytes`` (grace only): pack gradients into buckets of about this many bytes, each
     compressed and sent as one tensor (``grace_dl.torch.buckets``); ``None``: per parameter.
     ``early_rounds`` (grace only): the gradient hooks complete exchanges whose collectives
@@ -258,7 +260,7 @@ class _GraceDistributedOptimizer:
 
     def __init__(self, params, named_parameters, grace, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                 piece_bytes=DEFAULT_PIECE_BYTES, bucket_bytes=None, early_rounds=False):
+                 piece_bytes=AUTO, bucket_bytes=None, early_rounds=False):
         super().__init__(params)
         import horovod.torch as hvd
 
@@ -273,7 +275,8 @@ class _GraceDistributedOptimizer:
         fusion = self._fusion_groups(groups)
         if fusion:
             grace.fuse(fusion)
-        self.piece_bytes = effective_piece_bytes(grace, piece_bytes)  # None: whole
+        # None: whole; "auto": by each gradient's device (_pieces)
+        self.piece_bytes = effective_piece_bytes(grace, piece_bytes)
         self.bucket_bytes = bucket_bytes  # checked by DistributedOptimizer
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         # buckets: of bucket_bytes, or those a strategy names (its other parameters alone)
@@ -350,7 +353,7 @@ class _GraceDistributedOptimizer:
                       "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
                       "backward_passes_per_step": self.backward_passes_per_step,
                       "sparse_as_dense": self.sparse_as_dense, "piece_bytes": self.piece_bytes,
-                      "buckets": self._bucket_layout()}}
+                      "buckets": self._bucket_layout(), "pieces": self._piece_layout()}}
         agreement.check(labels, agreement.allgather_for("torch", self.process_set),
                         "grace.optimizer.agreement", self._rank())
 
@@ -433,7 +436,7 @@ class _GraceDistributedOptimizer:
 
     def _bucket_pieces(self, flat):
         """The pieces a bucket's buffer is sent in (None: whole)."""
-        return piece_sizes(flat.numel(), flat.element_size(), self.piece_bytes)
+        return self._pieces(flat.numel(), flat)
 
     def _sums(self, bucket, flat, sizes):
         """``[(start, slot)]``: the memory's slots where this step's gradients of ``bucket``
@@ -467,7 +470,11 @@ class _GraceDistributedOptimizer:
         be dense and contiguous)."""
         if self._fused(name) or self.gradient_predivide_factor != 1.0:
             return None
-        return piece_sizes(p.numel(), p.element_size(), self.piece_bytes)
+        return self._pieces(p.numel(), p)
+
+    def _pieces(self, numel: int, like):
+        """The pieces of ``numel`` elements of ``like``'s dtype and device (None: whole)."""
+        return piece_sizes(numel, like.element_size(), device_piece_bytes(self.piece_bytes, like))
 
     def _piece_layout(self) -> dict:
         """``{name: number of pieces}`` of the parameters (or buckets) sent in pieces (what
@@ -475,7 +482,7 @@ class _GraceDistributedOptimizer:
         layout = {}
         for b in self._buckets:
             sizes = self._piece_sizes(b.params[0], b.name) if len(b.params) == 1 else \
-                piece_sizes(sum(b.numels), b.params[0].element_size(), self.piece_bytes)
+                self._pieces(sum(b.numels), b.params[0])
             if sizes is not None:
                 layout[b.name] = len(sizes)
         for p, name in [] if self._buckets else self._parameter_names.items():
