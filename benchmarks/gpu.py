@@ -83,6 +83,10 @@ PIPELINES = {
     "grace PowerSGD rank 4": {"compressor": "powersgd", "compress_rank": 4,
                               "memory": "powersgd", "communicator": "allreduce"},
 }
+#: the step table's rows of a pipeline with its buckets cut in 4 MiB pieces, as the hook's
+#: ``piece_bytes="auto"`` does on a CPU (on a GPU it sends them whole): what "auto" buys there
+PIECED = {"grace fp16, 4 MiB pieces": "grace fp16",
+          "grace qsgd two-phase, 4 MiB pieces": "grace qsgd two-phase"}
 
 
 # ------------------------------------------------------------------ timing
@@ -331,8 +335,12 @@ def _hooked(label, model, device):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                             start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif label in PIPELINES:
-        state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[label])))
+    elif label in PIPELINES or label in PIECED:
+        from grace_dl.communicators.pieces import AUTO, DEFAULT_PIECE_BYTES
+
+        grace = grace_from_params(dict(PIPELINES[PIECED.get(label, label)]))
+        state = grace_ddp.GraceState(
+            grace, piece_bytes=DEFAULT_PIECE_BYTES if label in PIECED else AUTO)
         ddp.register_comm_hook(state, grace_ddp.comm_hook)
     return ddp
 
@@ -343,7 +351,7 @@ def step_table(device, models, steps: int, small: bool) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method="tcp://127.0.0.1:29731", rank=0, world_size=1)
     labels = ["DDP", "PyTorch fp16_compress_hook", "PyTorch powerSGD_hook rank 4",
-              *PIPELINES]
+              *PIPELINES, *PIECED]
     rows = []
     for kind in models:
         params = None

@@ -125,10 +125,11 @@ MODELS = {"resnet50": resnet50, "gpt": decoder}
 def choice_of(label: str):
     """``(step-model choice, per parameter)`` of a step-table row: DDP and the fp16 hook are
     the step model's plain and fp16 allreduce; every other row a ``Pipeline``, per parameter
-    where the compressor needs layer shapes (the DDP hook's ``"auto"`` granularity)."""
-    from benchmarks.gpu import PIPELINES
+    where the compressor needs layer shapes (the DDP hook's ``"auto"`` granularity); a row in
+    4 MiB pieces (``benchmarks.gpu.PIECED``) is its pipeline's."""
+    from benchmarks.gpu import PIECED, PIPELINES
 
-    spec = HOOKS.get(label, PIPELINES.get(label))
+    spec = HOOKS.get(label, PIPELINES.get(PIECED.get(label, label)))
     if spec is None:
         raise ValueError(f"no projection for pipeline {label!r}; known: "
                          f"{sorted([*HOOKS, *PIPELINES])}")
