@@ -334,3 +334,29 @@ def test_checkpoint_resume_in_fresh_job_is_bitwise_identical(tmp_path):
         assert_dicts_differ(after["without_grace_state"], before["uninterrupted"])
     assert resumed[0]["other_rank_file"] == "no error"
     assert "not this rank 1" in resumed[1]["other_rank_file"]
+
+
+def test_auto_pieces_follow_each_gradients_device_and_a_refusal_says_what_auto_means():
+    """``piece_bytes="auto"`` (the default): a gradient over 4 MiB goes in pieces on the CPU,
+    whole on the device path (a GPU's; CPU tensors under ``emulate_device``); a checkpoint with
+    another piece layout is refused with what "auto" gave and what to pass instead."""
+    import grace_dl.torch.horovod as hvd
+    from grace_dl.torch.kernels import emulate_device
+
+    hvd.init()
+    qsgd = {"compressor": "qsgd", "memory": "residual", "communicator": "twophase"}
+
+    def optimizer(**options):
+        model = torch.nn.Linear(1100, 1000)        # a 4.4 MB weight: 2 pieces of <= 4 MiB
+        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        grace=grace_from_params(dict(qsgd)), **options)
+
+    cpu = optimizer()
+    assert cpu._piece_layout() == {"weight": 2}
+    with emulate_device():
+        assert optimizer()._piece_layout() == {}
+        assert optimizer(piece_bytes=4 << 20)._piece_layout() == {"weight": 2}
+    with pytest.raises(ValueError, match=r"other pieces.*'auto' is pieces of 4194304 bytes on "
+                                         r"the CPU and whole on a GPU"):
+        cpu.load_state_dict(optimizer(piece_bytes=None).state_dict())

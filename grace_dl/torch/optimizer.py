@@ -86,6 +86,7 @@ from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
     AUTO,
+    DEFAULT_PIECE_BYTES,
     check_piece_bytes,
     device_piece_bytes,
     effective_piece_bytes,
@@ -100,6 +101,9 @@ from grace_dl.torch.trees import to_numpy, to_torch
 
 GRACE_KEY = "grace"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: what a refusal adds where ``piece_bytes="auto"`` (a checkpoint of another device's run)
+AUTO_MEANS = (f" ('auto' is pieces of {DEFAULT_PIECE_BYTES} bytes on the CPU and whole on a "
+              f"GPU: {DEFAULT_PIECE_BYTES} for a CPU run's checkpoint, None for a GPU run's)")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # noqa: N802
@@ -693,7 +697,8 @@ class _GraceDistributedOptimizer:
                                  f"{[saved.get(n, 1) for n in differ[:5]]} pieces, this "
                                  f"optimizer sends {[mine.get(n, 1) for n in differ[:5]]} "
                                  f"(piece_bytes={self.piece_bytes!r}); pass the piece_bytes "
-                                 f"the checkpoint was written with to DistributedOptimizer")
+                                 f"the checkpoint was written with to DistributedOptimizer"
+                                 + (AUTO_MEANS if self.piece_bytes == AUTO else ""))
             _check_names(ranks[rank], self._state_names())
             self.grace.load_state_dict(to_numpy(ranks[rank]))
         self._handles = {}
