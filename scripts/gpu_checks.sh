@@ -28,7 +28,7 @@ for part in "${parts[@]}"; do
     sync) GRACE_DL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -rf \
             --tb=short ${SYNC_K:+-k "$SYNC_K"} \
             tests/test_device_path.py >"$OUT/device_path.log" 2>&1 ;;
-    steps) timeout "${STEPS_LIMIT:-230}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
+    steps) timeout "${STEPS_LIMIT:-260}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
              >>"$log" 2>&1 ;;
     profile) timeout 120 python3 -m benchmarks.gpu_profile --out "$OUT" --calls 10 \
                --methods ${PROFILE_METHODS:-qsgd signsgd signum topk randomk dgc threshold adaq sketch inceptionn} \
