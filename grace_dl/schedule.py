@@ -71,6 +71,7 @@ from grace_dl.communicators.base import (
     FanOut,
     accumulator,
     advance_each,
+    as_written,
     fingerprint_of,
     receive_each,
 )
@@ -209,6 +210,7 @@ class Schedule(FanOut):
         for _, stage in self.stages:
             stage.fuse(groups)
 
+    @as_written
     def send(self, tensor, name: str, op: str = AVERAGE, collectives=None, into=None):
         if type(tensor).__module__.startswith("tensorflow"):
             import tensorflow as tf
@@ -223,12 +225,14 @@ class Schedule(FanOut):
         stage = self.active
         return _Handle(stage, stage.send(tensor, name, op, collectives, into))
 
+    @as_written
     def receive(self, handle, into=None):
         if not isinstance(handle, _Handle):
             raise ValueError(f"Schedule.receive takes a handle from Schedule.send, got "
                              f"{type(handle).__name__}")
         return handle.stage.receive(handle.inner, into)
 
+    @as_written
     def receive_all(self, handles, intos=None) -> list:
         """``receive`` for several handles; those of one stage (a step's all are) go to its
         ``receive_all`` (phases in lockstep)."""

@@ -204,3 +204,29 @@ def test_tf_function_and_eager_are_accepted(grc):
     with tf.GradientTape() as tape:
         tf.reduce_sum(tf.ones(3))
     hvd.DistributedGradientTape(tape, grace=grc)
+
+
+def test_the_send_path_runs_as_written_inside_tf_function():
+    """AutoGraph does not transpile grace_dl's send path (``communicators.base.as_written``:
+    the mark ``tf.autograph.experimental.do_not_convert`` sets), so a ``tf.function`` step
+    traces the code as written and gives eager's values; a method that branched on a tensor
+    with Python ``if`` would get TF's own error there (``ops.cond`` is the way)."""
+    from tensorflow.python.autograph.impl.api import is_autograph_artifact
+
+    from grace_dl.schedule import Schedule
+
+    params = {"compressor": "qsgd", "memory": "residual", "communicator": "twophase"}
+    grc = grace_from_params(dict(params))
+    for entry in (grc.send, grc.receive, grc.receive_all, grc.advance, Schedule.send,
+                  Schedule.receive, Schedule.receive_all):
+        assert is_autograph_artifact(entry), entry
+    hvd.init()
+    x = tf.constant(np.random.default_rng(0).standard_normal((40, 30)).astype(np.float32))
+
+    def step(comm, t):
+        return comm.receive(comm.send(t, "w"))
+
+    eager = step(grc, x).numpy()
+    other = grace_from_params(dict(params))
+    traced = tf.function(lambda t: step(other, t))(x).numpy()
+    np.testing.assert_array_equal(eager, traced)
