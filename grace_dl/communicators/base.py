@@ -111,8 +111,8 @@ class Handle:
 def as_written(fn):
     """Mark ``fn`` for TensorFlow's AutoGraph as graph-safe as written: inside a
     ``tf.function`` it runs as it is, its callees too, instead of being transpiled (grace_dl
-    branches on tensor values only through ``ops.cond``; AutoGraph rewriting every function of
-    a send cost ~70% of a trace, 2-40x over the trace itself). The mark is the attribute
+    branches on tensor values only through ``ops.cond``; AutoGraph would rewrite every function
+    a send reaches, at every trace: docs/DECISIONS.md). The mark is the attribute
     ``tf.autograph.experimental.do_not_convert`` sets; where AutoGraph stops reading it, the
     code is transpiled as before, to the same graph."""
     fn.autograph_info__ = None

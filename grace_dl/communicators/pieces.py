@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from grace_dl.backend import ops_for
 from grace_dl.communicators.base import Communicator
+from grace_dl.torch.kernels import on_device  # (stdlib only: it imports no torch)
 
 #: the piece size ``AUTO`` gives tensors on the CPU: 4 MiB (a quarter of the MLP's largest
 #: gradient; DDP's first bucket is 1 MiB and its others 25 MiB)
@@ -57,8 +58,6 @@ def device_piece_bytes(piece_bytes, tensor):
     device path (a GPU's) and ``DEFAULT_PIECE_BYTES`` elsewhere; an int or None as it is."""
     if piece_bytes != AUTO:
         return piece_bytes
-    from grace_dl.torch.kernels import on_device  # (only torch tensors come here)
-
     return None if on_device(tensor) else DEFAULT_PIECE_BYTES
 
 
