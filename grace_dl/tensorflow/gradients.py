@@ -40,8 +40,9 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from grace_dl import agreement
-from grace_dl.communicators.base import AVERAGE, SUM, receive_each
+from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.communicators.buckets import bucket_name, check_bucket_bytes, pack
+from grace_dl.communicators.exchange import Exchange
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.contracts import check_grace
 from grace_dl.tensorflow import ops as tf_ops
@@ -219,6 +220,8 @@ class GraceReducer(_Reducer):
                          scale_local_gradients)
         self.device = device
         self.names = _names_for(grace)
+        #: a step's grace tensors (``grace_dl.communicators.exchange``)
+        self._exchange = Exchange(grace, self.op)
 
     # The grace code never branches in Python on tensor values (data-dependent branches use
     # ops.cond), so AutoGraph has nothing to convert below this point; skipping it keeps
@@ -237,20 +240,24 @@ class GraceReducer(_Reducer):
         with tf.device(self.device):
             if self.predivide != 1.0:
                 grads = [g * tf.cast(1.0 / self.predivide, g.dtype) for g in grads]
-            units = self._units(names, grads)
-            handles = [self.grace.send(tensor, name, self.op) for name, _, tensor in units]
-            for (_, members, _), reduced in zip(units, receive_each(self.grace, handles)):
+            exchange = self._exchange
+            try:
+                for name, members, tensor in self._units(names, grads):
+                    exchange.send(tensor, name, members, None if len(members) == 1 else
+                                  [grads[i].shape.num_elements() for i in members])
+                units = exchange.finish()
+            except BaseException:
+                exchange.clear()
+                raise
+            for unit in units:
+                reduced = unit.out
                 if self.predivide != 1.0:
                     reduced = reduced * tf.cast(self.predivide, reduced.dtype)
-                if len(members) == 1:
-                    out[members[0]] = reduced
-                    continue
-                sizes = [grads[i].shape.num_elements() for i in members]
-                for i, part in zip(members, tf.split(reduced, sizes)):
-                    out[i] = tf.reshape(part, grads[i].shape)
+                for i, part in zip(unit.members, unit.parts(reduced)):
+                    out[i] = part if unit.numels is None else tf.reshape(part, grads[i].shape)
         grace = self.grace
         tf_ops.host_callback(lambda: grace.end_step())
-        _warn_unused_restored_state(grace, [name for name, _, _ in units])
+        _warn_unused_restored_state(grace, [unit.name for unit in units])
         return out
 
 

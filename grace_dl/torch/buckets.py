@@ -29,7 +29,7 @@ from grace_dl.communicators.buckets import bucket_name, pack
 class Bucket:
     """Some parameters' gradients in one flat buffer, sent as one grace tensor."""
 
-    __slots__ = ("params", "names", "numels", "starts", "name", "flat", "ready", "handles",
+    __slots__ = ("params", "names", "numels", "starts", "name", "flat", "ready", "unit",
                  "sums")
 
     def __init__(self, params, names, name=None):
@@ -39,7 +39,7 @@ class Bucket:
         self.name = bucket_name(self.names) if name is None else name
         self.flat = None     # the buffer, made at the first fill
         self.ready = 0       # members filled this step
-        self.handles = None  # this step's handles once sent (a list when sent in pieces)
+        self.unit = None     # this step's ``exchange.Unit`` once sent
         self.sums = None     # this step: [(start, slot)] the gradients are added into, or None
 
     def buffer(self):

@@ -141,8 +141,9 @@ import torch.distributed as dist
 
 from grace_dl import agreement
 from grace_dl.communicators.allreduce import Allreduce
-from grace_dl.communicators.base import AVERAGE, Communicator, check_op, receive_each
+from grace_dl.communicators.base import AVERAGE, Communicator, check_op
 from grace_dl.communicators.buckets import bucket_name, needs_shapes
+from grace_dl.communicators.exchange import Exchange
 from grace_dl.communicators.fusion import GroupCollectives
 from grace_dl.communicators.pieces import (
     AUTO,
@@ -150,7 +151,6 @@ from grace_dl.communicators.pieces import (
     device_piece_bytes,
     effective_piece_bytes,
     piece_sizes,
-    send_pieces,
 )
 from grace_dl.communicators.wire import ring_allreduce_bytes
 from grace_dl.compressors.none import NoneCompressor
@@ -159,8 +159,9 @@ from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy, to_torch
 
 GRANULARITIES = ("auto", "bucket", "parameter")
-#: a unit's parameter names (see ``GraceState._start_unit``)
-_NAMES_OF_UNIT = operator.itemgetter(1)
+#: a unit's parameter names and its grace tensor's name (``grace_dl.communicators.exchange``)
+_MEMBERS = operator.attrgetter("members")
+_NAME = operator.attrgetter("name")
 #: how long the first hook call waits for every rank to reach its own (``agreement_timeout``)
 DEFAULT_AGREEMENT_TIMEOUT = 30.0
 #: per process group (its global ranks): how many GraceStates have checked agreement on it,
@@ -255,7 +256,8 @@ class GraceState:
         # other objects): the i-th parameter met is named _resume[i] (see __setstate__)
         self._resume: list[str] | None = None
         self._named_unmet = False   # pickled with named_parameters before meeting any
-        self._units: list = []                  # this step's grace tensors (see _send)
+        #: this step's grace tensors (units: ``grace_dl.communicators.exchange``)
+        self._exchange = Exchange(grace, self.op)
         self._buckets: list = []                # this step's (future, buffer)
         self._views: dict = {}                  # name -> its gradient's view of its bucket
         self._deferred: dict = {}               # name -> gradient held for _start_deferred
@@ -265,7 +267,6 @@ class GraceState:
         # bucket index -> (its parameters' ids, _BucketLayout): what _send works out of a
         # bucket's parameters once, not every step
         self._bucket_layouts: dict = {}
-        self._step_names: list[str] = []
         self.last_step_names: list[str] = []    # the grace tensors of the last step, in order
 
     # ------------------------------------------------------------------ process group
@@ -331,7 +332,7 @@ class GraceState:
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
         """Everything but the process group (and what is keyed by parameter identity)."""
-        if self._buckets or self._units or self._deferred:
+        if self._buckets or self._exchange.units or self._deferred:
             raise RuntimeError("a GraceState cannot be pickled in the middle of a step")
         state = dict(self.__dict__)
         group = state.pop("_process_group")
@@ -407,26 +408,15 @@ class GraceState:
         self._checked = True
 
     # ------------------------------------------------------------------ the step
-    # A *unit* is one grace tensor: (handle, parameter names in its order, their numels,
-    # whether its result lands in the bucket by itself: sent with the bucket's buffer or a
-    # gradient view as ``into``). Other units (a bucket cat in canonical order, a resumed
-    # run's regrouping) are copied into the gradients' views of the bucket after receive.
-    def _start_unit(self, tensor, name, names, numels, into=None, collectives=None,
-                    sizes=False):
-        """``sizes``: the pieces' lengths when known (None: whole), else worked out here."""
-        if sizes is False:
-            sizes = None if collectives is not None else self._piece_sizes(tensor)
-        if sizes is None:
-            handles = [self.grace.send(tensor, name, self.op, collectives or self.collectives,
-                                       into=into)]
-            whole = None
-        else:
-            # ``tensor`` is 1-D and contiguous here (the bucket's buffer or a concatenation):
-            # each piece is sent from its slice, and its result lands back there
-            whole = tensor
-            handles = send_pieces(self.grace, tensor, name, self.op, self.collectives, sizes)
-        self._units.append((handles, names, numels, into is not None, whole, False))
-        self._step_names.append(name)
+    # A *unit* is one grace tensor (``grace_dl.communicators.exchange``), its members the
+    # parameter names in its order. Its result lands in the bucket by itself where it is
+    # sent with the bucket's buffer or a gradient view as ``into``; other units (a bucket
+    # cat in canonical order, a resumed run's regrouping) are copied into the gradients'
+    # views of the bucket after receive (``_complete``).
+    def _start_unit(self, tensor, name, names, numels, into=None):
+        """Start a bucket-granularity unit, in pieces where ``_piece_sizes`` says."""
+        self._exchange.send(tensor, name, names, numels, into, self._piece_sizes(tensor),
+                            self.collectives)
 
     def _piece_sizes(self, tensor):
         """Lengths of the pieces a bucket-granularity unit is sent in (None: sent whole)."""
@@ -478,8 +468,8 @@ class GraceState:
             flat = buffer.detach()
             if not (self._sums_in_place and layout.pieces is None
                     and self.grace.fusion is None and self._sum_in_place(flat, layout)):
-                self._start_unit(flat, layout.name, layout.canonical, layout.numels, into=flat,
-                                 sizes=layout.pieces)
+                self._exchange.send(flat, layout.name, layout.canonical, layout.numels, flat,
+                                    layout.pieces, self.collectives)
             self._buckets.append((fut, buffer))
             return fut
         grads = [g.detach() for g in bucket.gradients()]   # views into buffer
@@ -491,7 +481,7 @@ class GraceState:
                                      collecting=True, equal_sizes=self._equal_sizes,
                                      counter=self.grace.bytes)
             for g, n in zip(grads, names):
-                self._start_unit(g, n, [n], [g.numel()], into=g, collectives=group)
+                self._exchange.send(g, n, [n], None, g, None, group)
             group.close()
         else:
             order, canonical = layout.order, layout.canonical
@@ -523,8 +513,7 @@ class GraceState:
             return False
         moved = ring_allreduce_bytes(coll.allreduce_nbytes(flat), size)
         grace.bytes.add(layout.name, moved, moved)
-        self._units.append(([pending], layout.canonical, layout.numels, True, None, True))
-        self._step_names.append(layout.name)
+        self._exchange.summed(pending, layout.name, layout.canonical, layout.numels, coll)
         return True
 
     def _start_deferred(self) -> None:
@@ -543,38 +532,32 @@ class GraceState:
         try:
             if self._deferred:
                 self._start_deferred()
-            units = self._units
-            sent = []
-            for u in units:
-                if not u[5]:
-                    sent.extend(u[0])
-            outs = iter(receive_each(self.grace, sent) if sent else ())
-            for handles, names, numels, in_bucket, whole, summed in units:
-                if summed:      # a bucket summed in place (_sum_in_place)
-                    self.collectives.synchronize(handles[0])
-                    continue
-                first = next(outs)
-                for _ in handles[1:]:
-                    next(outs)
-                if not in_bucket:
-                    out = first if whole is None else whole
-                    for n, piece in zip(names, torch.split(out.reshape(-1), numels)):
-                        view = self._views[n]
-                        view.copy_(piece.reshape(view.shape))
+            units = self._exchange.finish()
+            for unit in units:
+                if not unit.lands:
+                    views = self._views
+                    for n, part in zip(unit.members, unit.parts(unit.out)):
+                        view = views[n]
+                        view.copy_(part.reshape(view.shape))
             for fut, buffer in self._buckets:
                 fut.set_result(buffer)
             self.grace.end_step()
-            self.iteration += 1
-            self.last_step_names, self._step_names = self._step_names, []
-            self._layout = list(map(_NAMES_OF_UNIT, units))
-            self._target = None  # DDP's own (rebuilt) layout from now on
         except BaseException as err:
             for fut, _ in self._buckets:
                 if not fut.done():
                     fut.set_exception(err)
+            self._clear()
             raise
-        finally:
-            self._units, self._buckets, self._deferred, self._views = [], [], {}, {}
+        self.iteration += 1
+        self.last_step_names = list(map(_NAME, units))
+        self._layout = list(map(_MEMBERS, units))
+        self._target = None  # DDP's own (rebuilt) layout from now on
+        self._buckets, self._deferred, self._views = [], {}, {}
+
+    def _clear(self) -> None:
+        """Forget a half-started step's units, futures and views."""
+        self._exchange.clear()
+        self._buckets, self._deferred, self._views = [], {}, {}
 
     # ------------------------------------------------------------------ checkpoints
     def reset(self, name: str | None = None) -> None:
@@ -636,16 +619,14 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
         raise ValueError(f"comm_hook's state must be a grace_dl.torch.ddp.GraceState, got "
                          f"{type(state).__name__}")
     if bucket.index() == 0 and state._buckets:
-        state._units, state._buckets, state._deferred, state._views = [], [], {}, {}
-        state._step_names.clear()
+        state._clear()
         raise RuntimeError("a DDP step started before the previous one handed over its last "
                            "bucket; the grace hook expects every bucket of a step in order")
     try:
         fut = state._send(bucket)
     except BaseException:
         # a refusal (sparse gradient, ranks that disagree): leave no half-started step
-        state._units, state._buckets, state._deferred, state._views = [], [], {}, {}
-        state._step_names.clear()
+        state._clear()
         raise
     if bucket.is_last():
         state._complete()

@@ -69,20 +69,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import deque
 from contextlib import contextmanager
 
 import torch
 
 from grace_dl import agreement, validate
-from grace_dl.communicators.base import (
-    AVERAGE,
-    SUM,
-    accumulator,
-    advance_each,
-    receive_each,
-)
+from grace_dl.communicators.base import AVERAGE, SUM, accumulator
 from grace_dl.communicators.buckets import check_bucket_bytes
+from grace_dl.communicators.exchange import Exchange
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
     AUTO,
@@ -92,11 +86,10 @@ from grace_dl.communicators.pieces import (
     effective_piece_bytes,
     piece_name,
     piece_sizes,
-    send_pieces,
 )
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys
-from grace_dl.torch.buckets import given, plan
+from grace_dl.torch.buckets import Bucket, given, plan
 from grace_dl.torch.trees import to_numpy, to_torch
 
 GRACE_KEY = "grace"
@@ -289,9 +282,11 @@ class _GraceDistributedOptimizer:
             given(trainable, self._parameter_names, getattr(grace, "buckets", None))
         self._bucket_of = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
+        #: parameter -> what its hook started this step: its unit, or its bucket
         self._handles: dict = {}
+        #: this step's grace tensors (``grace_dl.communicators.exchange``)
+        self._exchange = Exchange(grace, op)
         self.early_rounds = early_rounds
-        self._pending: deque = deque()   # this step's handles for Router.advance, oldest first
         #: phases the hooks completed before ``synchronize()`` (``early_rounds``), all steps
         self.phases_completed_early = 0
         self._hook_handles: list = []
@@ -386,12 +381,10 @@ class _GraceDistributedOptimizer:
         return hook
 
     def _advance(self, started) -> None:
-        """Queue what a hook just sent (a handle, pieces' handles, or a bucket that filled up)
-        and complete the queued exchanges whose collectives have finished."""
-        sent = getattr(started, "handles", started)     # a bucket: None until it is sent
-        # (a handle of any grace= object: a Schedule's wraps its stage's)
-        self._pending.extend(sent if isinstance(sent, list) else [] if sent is None else [sent])
-        self.phases_completed_early += advance_each(self.grace, self._pending)
+        """Queue what a hook just sent (a unit, or a bucket: its unit once it filled up) and
+        complete the queued exchanges whose collectives have finished."""
+        unit = started.unit if isinstance(started, Bucket) else started
+        self.phases_completed_early += self._exchange.advance(unit)
 
     # ------------------------------------------------------------------ one tensor's pipeline
     def _start(self, p):
@@ -421,7 +414,7 @@ class _GraceDistributedOptimizer:
         is sent as its own gradient under the bucket's name (no copy)."""
         bucket, i = self._bucket_of[p]
         if len(bucket.params) == 1:
-            bucket.handles = self._send(p, bucket.name)
+            bucket.unit = self._send(p, bucket.name)
             return bucket
         flat = bucket.buffer()
         if bucket.ready == 0:
@@ -432,10 +425,8 @@ class _GraceDistributedOptimizer:
             bucket.add(i, self._gradient(p))
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
-            sizes = self._bucket_pieces(flat)
-            bucket.handles = self.grace.send(flat, bucket.name, self.op, into=flat) \
-                if sizes is None else \
-                send_pieces(self.grace, flat, bucket.name, self.op, None, sizes)
+            bucket.unit = self._exchange.send(flat, bucket.name, bucket.params, bucket.numels,
+                                              flat, self._bucket_pieces(flat))
         return bucket
 
     def _bucket_pieces(self, flat):
@@ -459,14 +450,15 @@ class _GraceDistributedOptimizer:
         return sums
 
     def _send(self, p, name=None):
+        """Start ``p``'s gradient as the grace tensor ``name`` (default: ``p``'s name)."""
         name = self._parameter_names[p] if name is None else name
         tensor = self._gradient(p)
         into = self._into(p)
         sizes = self._piece_sizes(p, name)
         if sizes is not None and into is not None and into.is_contiguous():
             # the pieces are slices of p.grad, results written there
-            return send_pieces(self.grace, into.view(-1), name, self.op, None, sizes)
-        return self.grace.send(tensor, name, self.op, into=into)
+            return self._exchange.send(into.view(-1), name, [p], None, into, sizes)
+        return self._exchange.send(tensor, name, [p], None, into)
 
     def _piece_sizes(self, p, name: str):
         """The pieces ``p``'s gradient is sent in (None: whole), from its size: not for a
@@ -512,15 +504,22 @@ class _GraceDistributedOptimizer:
         """Where the result goes: ``p.grad`` itself unless it must be rescaled or densified."""
         return p.grad if self.gradient_predivide_factor == 1.0 and not p.grad.is_sparse else None
 
-    def _write(self, p, into, out) -> None:
-        """Put ``p``'s received result in ``p.grad`` (already there when ``into`` was it)."""
-        if into is None:
-            if self.gradient_predivide_factor != 1.0:
-                out = out * self.gradient_predivide_factor
-            if p.grad.is_sparse:
-                p.grad.zero_().add_(out.to_sparse())
-            else:
-                p.grad.copy_(out)
+    def _write(self, p, unit) -> None:
+        """Put ``p``'s received ``unit``'s result in ``p.grad`` (already there where the unit
+        was sent into it)."""
+        if unit.lands:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        else:
+            self._write_result(p, unit.out)
+
+    def _write_result(self, p, out) -> None:
+        """Copy ``out`` into ``p.grad``, rescaled by the predivide factor, densified back."""
+        if self.gradient_predivide_factor != 1.0:
+            out = out * self.gradient_predivide_factor
+        if p.grad.is_sparse:
+            p.grad.zero_().add_(out.to_sparse())
+        else:
+            p.grad.copy_(out)
         self._allreduce_delay[p] = self.backward_passes_per_step
 
     # ------------------------------------------------------------------ Horovod's interface
@@ -547,36 +546,22 @@ class _GraceDistributedOptimizer:
         else:
             self._receive_parameters()
         self._handles.clear()
-        self._pending.clear()
         self.grace.end_step()
         self._synchronized = True
-
-    def _receive(self, units) -> list:
-        """Receive ``units``, ``[(what _send returned: a handle or its pieces' handles, where
-        the whole result goes)]``, in lockstep; each unit's result (pieces: the first's)."""
-        handles, intos = [], []
-        for sent, into in units:
-            pieces = isinstance(sent, list)
-            handles.extend(sent if pieces else [sent])
-            intos.extend([None] * len(sent) if pieces else [into])
-        outs = iter(receive_each(self.grace, handles, intos))
-        return [[next(outs) for _ in sent][0] if isinstance(sent, list) else next(outs)
-                for sent, _ in units]
 
     def _receive_buckets(self) -> None:
         """Receive every bucket (layout order: the same on every rank). A lone parameter's
         result lands in its ``p.grad`` as per parameter; a bucket's lands in its buffer, whose
         slices become the members' gradients (``_adopt``)."""
-        intos = [self._into(b.params[0]) if len(b.params) == 1 else b.flat
-                 for b in self._buckets]
-        got = self._receive([(b.handles, into) for b, into in zip(self._buckets, intos)])
-        for b, into, out in zip(self._buckets, intos, got):
+        buckets = self._buckets
+        self._exchange.finish([b.unit for b in buckets])
+        for b in buckets:
             if len(b.params) == 1:
-                self._write(b.params[0], into, out)
+                self._write(b.params[0], b.unit)
             else:
                 for i, p in enumerate(b.params):
                     self._adopt(p, b.view(i))
-            b.ready, b.handles = 0, None
+            b.ready, b.unit = 0, None
 
     def _adopt(self, p, view) -> None:
         """The bucket's slice ``view`` becomes ``p.grad`` where nothing tells them apart (a
@@ -587,14 +572,13 @@ class _GraceDistributedOptimizer:
             p.grad = view
             self._allreduce_delay[p] = self.backward_passes_per_step
         else:
-            self._write(p, None, view)
+            self._write_result(p, view)
 
     def _receive_parameters(self) -> None:
         params = sorted(self._handles, key=self._parameter_names.__getitem__)
-        intos = [self._into(p) for p in params]
-        got = self._receive([(self._handles[p], into) for p, into in zip(params, intos)])
-        for p, into, out in zip(params, intos, got):
-            self._write(p, into, out)  # pieces: the result is in p.grad (into) already
+        units = self._exchange.finish([self._handles[p] for p in params])
+        for p, unit in zip(params, units):
+            self._write(p, unit)
 
     @contextmanager
     def skip_synchronize(self):
@@ -703,7 +687,8 @@ class _GraceDistributedOptimizer:
             self.grace.load_state_dict(to_numpy(ranks[rank]))
         self._handles = {}
         for b in self._buckets:
-            b.ready, b.handles = 0, None
+            b.ready, b.unit = 0, None
+        self._exchange.clear()
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:

@@ -1,0 +1,131 @@
+"""One step's exchange of grace tensors: the part of a training step every framework glue
+shares (the torch ``DistributedOptimizer``, the DDP hook, the TF tape and Keras optimizer).
+
+A *unit* is one grace tensor of the step: one gradient, a bucket of them (DDP's bucket, a
+``bucket_bytes`` bucket, a strategy's), or a large tensor sent in pieces
+(``grace_dl.communicators.pieces``: each piece its own grace tensor, sent from and received
+into its slice). The glue lays its gradients out in units (that stays the glue's: it knows
+its framework's buffers), starts each unit as soon as it is ready (``Exchange.send``: the
+memory compensates, the compressor compresses and the collectives start; nothing waits),
+and finishes the step at once (``Exchange.finish``): every unit's handles received in one
+lockstep pass (``Router.receive_all``, so the later rounds of every unit, two-phase's gathers
+and PowerSGD's Qs, are in flight together), in an order the same on every rank. What it
+returns is each unit with its result, for the glue to write back where the result did not
+land by itself: a unit sent ``into`` the framework's own buffer (DDP's bucket, ``p.grad``),
+or sent in pieces from such a buffer, is already there.
+
+The Python of a step is the glue's layout plus this module's two calls per unit; what goes on
+the wire is the communicator's (its module docstring).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from grace_dl.backend import ops_for
+from grace_dl.communicators.base import advance_each, receive_each
+from grace_dl.communicators.pieces import send_pieces
+
+
+class Unit:
+    """One grace tensor of a step, as ``Exchange.send`` started it.
+
+    ``members``: what the glue writes the result to (parameter names, positions, parameters),
+    in the unit's order; ``numels``: their lengths in the unit's flat tensor (None: the unit
+    is one member, shaped as it is); ``into``: the framework buffer the result lands in by
+    itself (None: the glue writes it back); ``handles``: the pieces' handles (one where the
+    unit goes whole); ``whole``: the 1-D tensor pieces were cut from, which holds the result
+    once they are received; ``summed``: a collective the glue started itself, in place
+    (DDP's allreduce of an uncompressed bucket), finished by waiting on it. ``lands``: the
+    result is in the framework's buffer once received. ``out``: the result, once
+    ``Exchange.finish`` has received it."""
+
+    __slots__ = ("name", "members", "numels", "into", "handles", "whole", "summed", "lands",
+                 "out")
+
+    def __init__(self, name, members, numels, into, handles, whole, summed):
+        self.name, self.members, self.numels, self.into = name, members, numels, into
+        self.handles, self.whole, self.summed = handles, whole, summed
+        self.lands = into is not None or summed is not None
+        self.out = None
+
+    def parts(self, out) -> list:
+        """``out`` (the unit's result) as its members' flat parts (one member: ``[out]``)."""
+        if self.numels is None:
+            return [out]
+        return ops_for(out).split(out, self.numels)
+
+
+class Exchange:
+    """A step's units, started one by one and finished together (module docstring).
+
+    ``grace``: any ``grace=`` object (the ``Grace`` protocol); ``op``: ``"average"`` or
+    ``"sum"``. One ``Exchange`` serves every step of its glue: ``finish`` (or ``clear``, after
+    an error) empties it for the next."""
+
+    def __init__(self, grace, op: str):
+        self.grace, self.op = grace, op
+        self.units: list[Unit] = []
+        #: handles sent this step, oldest first, for ``advance`` (the glue's early rounds)
+        self.pending: deque = deque()
+
+    def send(self, tensor, name: str, members=None, numels=None, into=None, sizes=None,
+             collectives=None) -> Unit:
+        """Start ``tensor`` as the grace tensor ``name``: whole (``sizes`` None), or as pieces
+        of those lengths (``tensor`` 1-D and contiguous: each piece sent from its slice and
+        its result written there). ``into``: the framework buffer the whole result goes to
+        (``Router.send``'s). ``collectives``: the engine (None: the grace object's own)."""
+        if sizes is None:
+            handles = [self.grace.send(tensor, name, self.op, collectives, into=into)]
+            unit = Unit(name, members, numels, into, handles, None, None)
+        else:
+            handles = send_pieces(self.grace, tensor, name, self.op, collectives, sizes)
+            unit = Unit(name, members, numels, into, handles, tensor, None)
+        self.units.append(unit)
+        return unit
+
+    def summed(self, pending, name: str, members, numels, collectives) -> Unit:
+        """Record a collective the glue started itself in place, in the framework's buffer
+        (``pending``, waited on through ``collectives.synchronize``), as a unit of the step."""
+        unit = Unit(name, members, numels, None, [], None, (collectives, pending))
+        self.units.append(unit)
+        return unit
+
+    def advance(self, unit) -> int:
+        """Queue ``unit``'s handles (None: nothing new) and complete the queued exchanges
+        whose collectives have finished (``Router.advance``); how many phases it completed."""
+        if unit is not None:
+            self.pending.extend(unit.handles)
+        return advance_each(self.grace, self.pending)
+
+    def finish(self, units=None) -> list[Unit]:
+        """Receive ``units`` (default: every unit, in the order started; the order must be the
+        same on every rank) in lockstep, set each one's ``out`` (a piece-sent unit's is its
+        ``whole``, a summed one's its ``pending``'s) and return them. Every unit of the step
+        is forgotten, received or not."""
+        units = self.units if units is None else units
+        self.units, self.pending = [], deque()
+        handles, intos = [], []
+        for u in units:
+            hs = u.handles
+            if len(hs) == 1:
+                handles.append(hs[0])
+                intos.append(u.into)
+            else:
+                handles.extend(hs)
+                intos.extend([None] * len(hs))
+        outs = iter(receive_each(self.grace, handles, intos) if handles else ())
+        for u in units:
+            if u.summed is not None:
+                collectives, pending = u.summed
+                u.out = collectives.synchronize(pending)
+                continue
+            out = next(outs)
+            for _ in u.handles[1:]:
+                next(outs)
+            u.out = out if u.whole is None else u.whole
+        return units
+
+    def clear(self) -> None:
+        """Forget a half-started step (after an error)."""
+        self.units, self.pending = [], deque()
