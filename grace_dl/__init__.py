@@ -9,6 +9,7 @@
 """
 
 from grace_dl.communicators.base import Communicator
+from grace_dl.communicators.schedule import Schedule
 from grace_dl.compressors.base import Capabilities, Compressor
 from grace_dl.memory.base import Memory
 from grace_dl.params import grace_from_params
@@ -19,7 +20,6 @@ from grace_dl.registry import (
     register_compressor,
     register_memory,
 )
-from grace_dl.schedule import Schedule
 
 __version__ = "0.1.0"
 

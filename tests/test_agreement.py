@@ -1,11 +1,11 @@
-"""grace_dl.agreement with a simulated allgather: every rank's check runs the same collectives
-and raises the same error."""
+"""grace_dl.communicators.agreement with a simulated allgather: every rank's check runs the
+same collectives and raises the same error."""
 
 import threading
 
 import numpy as np
 
-from grace_dl import agreement
+from grace_dl.communicators import agreement
 
 
 def run_ranks(labels_by_rank):

@@ -76,11 +76,20 @@ def test_check_grace_names_what_is_missing():
 
 
 def test_one_send_path():
-    """Only the base class defines ``send``: communicators and the dispatcher inherit it."""
+    """Only the base class defines ``send``: communicators and the dispatcher inherit it; a
+    ``Schedule``'s ``send`` hands the tensor to its running stage's."""
     hits = [f"{p.relative_to(ROOT)}:{i}" for d in ("communicators", "strategy")
             for p in sorted((ROOT / "grace_dl" / d).glob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if "def send(" in line]
+    schedule = [h for h in hits if h.startswith("grace_dl/communicators/schedule.py:")]
+    assert len(schedule) == 1, hits
+    hits.remove(schedule[0])
     assert hits == ["grace_dl/communicators/base.py:" + hits[0].split(":")[1]], hits
+    import inspect
+
+    from grace_dl.communicators.schedule import Schedule
+
+    assert "stage.send(tensor, name, op, collectives, into)" in inspect.getsource(Schedule.send)
 
 
 @pytest.mark.parametrize("params", [

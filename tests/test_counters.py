@@ -5,7 +5,7 @@ import tracemalloc
 import pytest
 
 from grace_dl import grace_from_params
-from grace_dl.counters import DEFAULT_WINDOW, ByteCounter
+from grace_dl.communicators.counters import DEFAULT_WINDOW, ByteCounter
 
 
 def _step(counter, i):

@@ -29,11 +29,11 @@ def reference(t, name):
 def test_each_unit_gets_what_its_tensor_gets_alone_whole_in_pieces_or_in_members():
     ts, coll = tensors(), OneRank()
     exchange = Exchange(grace_from_params(PARAMS), "average")
-    whole = exchange.send(ts["b"].clone(), "b", ["b"], None, None, None, coll)
+    whole = exchange.start(ts["b"].clone(), "b", ["b"], None, None, None, coll)
     flat = ts["a"].clone()
-    pieces = exchange.send(flat, "a", ["a"], None, flat, [100, 100, 100], coll)
+    pieces = exchange.start(flat, "a", ["a"], None, flat, [100, 100, 100], coll)
     joined = torch.cat([ts["b"].reshape(-1), ts["c"]])
-    members = exchange.send(joined, "bc", ["b", "c"], [20, 7], None, None, coll)
+    members = exchange.start(joined, "bc", ["b", "c"], [20, 7], None, None, coll)
     assert [u.name for u in exchange.units] == ["b", "a", "bc"]
     assert (whole.lands, pieces.lands, members.lands) == (False, True, False)
     assert len(pieces.handles) == 3
@@ -69,7 +69,7 @@ def test_finish_receives_in_the_order_given_and_forgets_every_unit():
             return handle[1] * 2
 
     exchange = Exchange(Recording(), "sum")
-    x, y = exchange.send(torch.ones(2), "x"), exchange.send(torch.ones(3), "y")
+    x, y = exchange.start(torch.ones(2), "x"), exchange.start(torch.ones(3), "y")
     done = exchange.finish([y, x])
     assert received == ["y", "x"] and done == [y, x]
     torch.testing.assert_close(x.out, torch.full((2,), 2.0))
@@ -97,7 +97,7 @@ def test_summed_units_are_waited_on_through_their_collectives():
 
 def test_clear_drops_a_half_started_step():
     exchange = Exchange(grace_from_params(PARAMS), "average")
-    exchange.send(torch.ones(4), "w", collectives=OneRank())
+    exchange.start(torch.ones(4), "w", collectives=OneRank())
     exchange.clear()
     assert exchange.units == [] and exchange.finish() == []
 
@@ -112,7 +112,7 @@ def test_advance_completes_finished_exchanges_early_with_the_same_result():
     t = tensors()["a"]
     exchange = Exchange(grace_from_params(PARAMS), "average")
     assert exchange.advance(None) == 0
-    unit = exchange.send(t.clone(), "a", collectives=AnyOrder())
+    unit = exchange.start(t.clone(), "a", collectives=AnyOrder())
     assert exchange.advance(unit) == 1          # its one round completed, result kept
     assert len(exchange.pending) == 0
     exchange.finish()

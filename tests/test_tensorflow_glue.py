@@ -213,7 +213,7 @@ def test_the_send_path_runs_as_written_inside_tf_function():
     with Python ``if`` would get TF's own error there (``ops.cond`` is the way)."""
     from tensorflow.python.autograph.impl.api import is_autograph_artifact
 
-    from grace_dl.schedule import Schedule
+    from grace_dl.communicators.schedule import Schedule
 
     params = {"compressor": "qsgd", "memory": "residual", "communicator": "twophase"}
     grc = grace_from_params(dict(params))

@@ -29,9 +29,9 @@ from typing import Any
 from grace_dl import validate
 from grace_dl.backend import collectives_for, ops_for
 from grace_dl.communicators import wire
+from grace_dl.communicators.counters import ByteCounter
 from grace_dl.compressors.base import Call
 from grace_dl.compressors.paths import Paths, feedback_of, overrides
-from grace_dl.counters import ByteCounter
 from grace_dl.state import config_of
 
 AVERAGE = "average"

@@ -5,7 +5,7 @@ A *unit* is one grace tensor of the step: one gradient, a bucket of them (DDP's 
 ``bucket_bytes`` bucket, a strategy's), or a large tensor sent in pieces
 (``grace_dl.communicators.pieces``: each piece its own grace tensor, sent from and received
 into its slice). The glue lays its gradients out in units (that stays the glue's: it knows
-its framework's buffers), starts each unit as soon as it is ready (``Exchange.send``: the
+its framework's buffers), starts each unit as soon as it is ready (``Exchange.start``: the
 memory compensates, the compressor compresses and the collectives start; nothing waits),
 and finishes the step at once (``Exchange.finish``): every unit's handles received in one
 lockstep pass (``Router.receive_all``, so the later rounds of every unit, two-phase's gathers
@@ -28,7 +28,7 @@ from grace_dl.communicators.pieces import send_pieces
 
 
 class Unit:
-    """One grace tensor of a step, as ``Exchange.send`` started it.
+    """One grace tensor of a step, as ``Exchange.start`` started it.
 
     ``members``: what the glue writes the result to (parameter names, positions, parameters),
     in the unit's order; ``numels``: their lengths in the unit's flat tensor (None: the unit
@@ -69,7 +69,7 @@ class Exchange:
         #: handles sent this step, oldest first, for ``advance`` (the glue's early rounds)
         self.pending: deque = deque()
 
-    def send(self, tensor, name: str, members=None, numels=None, into=None, sizes=None,
+    def start(self, tensor, name: str, members=None, numels=None, into=None, sizes=None,
              collectives=None) -> Unit:
         """Start ``tensor`` as the grace tensor ``name``: whole (``sizes`` None), or as pieces
         of those lengths (``tensor`` 1-D and contiguous: each piece sent from its slice and

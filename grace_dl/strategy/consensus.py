@@ -18,8 +18,8 @@ import importlib
 
 import numpy as np
 
-from grace_dl import agreement
 from grace_dl.backend import framework_of
+from grace_dl.communicators import agreement
 from grace_dl.strategy.serialize import coerce, from_bytes, to_bytes
 
 FRAMEWORKS = ("torch", "tensorflow")
@@ -46,7 +46,7 @@ def _eager(framework: str):
 
 
 def _allgather(ops, coll):
-    """``grace_dl.agreement``'s ``allgather(array, name)`` over ``coll``."""
+    """``grace_dl.communicators.agreement``'s ``allgather(array, name)`` over ``coll``."""
     def gather(array, name):
         return ops.to_numpy(coll.synchronize(coll.allgather_async(ops.from_numpy(array), name)))
     return gather

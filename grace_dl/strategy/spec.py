@@ -13,8 +13,8 @@ schedule and per-size pipelines (``grace_dl.recipes``) is one value a user can s
 
 from __future__ import annotations
 
+from grace_dl.communicators.schedule import Schedule
 from grace_dl.params import grace_from_params
-from grace_dl.schedule import Schedule
 from grace_dl.strategy.builders import SizeThreshold
 from grace_dl.strategy.dispatcher import from_strategy
 

@@ -20,11 +20,11 @@ embedding gradient under ``topk`` still sends only k values and k indices.
 
 **Agreement.** Every time gradients are reduced through a grace object (each eager step; each
 trace of a ``tf.function``), ranks compare its ``fingerprint()`` and the (name, shape, dtype)
-list they are about to send (one 16-byte allgather; ``grace_dl.agreement``): a gradient that is
-None on one rank only, or a different configuration, raises ``ValueError`` on every rank instead
-of a Horovod hang or dtype error. A ``grace=None`` reducer joins that check on its first call, so
-a job with ``grace=`` on some ranks only fails on every rank at the first step. Inside
-``tf.function`` the exchange runs eagerly at trace time (``tf.init_scope``).
+list they are about to send (one 16-byte allgather; ``grace_dl.communicators.agreement``): a
+gradient that is None on one rank only, or a different configuration, raises ``ValueError`` on
+every rank instead of a Horovod hang or dtype error. A ``grace=None`` reducer joins that check
+on its first call, so a job with ``grace=`` on some ranks only fails on every rank at the first
+step. Inside ``tf.function`` the exchange runs eagerly at trace time (``tf.init_scope``).
 
 **Byte counters.** ``grace.end_step()`` is called once per step, after the step's gradients
 are received; inside ``tf.function`` it runs through ``ops.host_callback`` on every execution
@@ -39,7 +39,7 @@ import warnings
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from grace_dl import agreement
+from grace_dl.communicators import agreement
 from grace_dl.communicators.base import AVERAGE, SUM
 from grace_dl.communicators.buckets import bucket_name, check_bucket_bytes, pack
 from grace_dl.communicators.exchange import Exchange
@@ -243,7 +243,7 @@ class GraceReducer(_Reducer):
             exchange = self._exchange
             try:
                 for name, members, tensor in self._units(names, grads):
-                    exchange.send(tensor, name, members, None if len(members) == 1 else
+                    exchange.start(tensor, name, members, None if len(members) == 1 else
                                   [grads[i].shape.num_elements() for i in members])
                 units = exchange.finish()
             except BaseException:
@@ -381,7 +381,7 @@ def _warn_unused_restored_state(grace, names) -> None:
 
 def _check_agreement(grace, signature, process_set) -> None:
     """Ranks compare ``grace.fingerprint()`` (``None`` for ``grace=None``) and the gradients
-    they send; ``ValueError`` on every rank if any differ (``grace_dl.agreement``)."""
+    they send; ``ValueError`` on every rank if any differ (``grace_dl.communicators.agreement``)."""
     labels = {"grace configuration": None if grace is None else {
         "fingerprint": grace.fingerprint(), "config": _config(grace)}}
     if signature is not None:

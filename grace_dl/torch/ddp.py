@@ -139,7 +139,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from grace_dl import agreement
+from grace_dl.communicators import agreement
 from grace_dl.communicators.allreduce import Allreduce
 from grace_dl.communicators.base import AVERAGE, Communicator, check_op
 from grace_dl.communicators.buckets import bucket_name, needs_shapes
@@ -415,7 +415,7 @@ class GraceState:
     # views of the bucket after receive (``_complete``).
     def _start_unit(self, tensor, name, names, numels, into=None):
         """Start a bucket-granularity unit, in pieces where ``_piece_sizes`` says."""
-        self._exchange.send(tensor, name, names, numels, into, self._piece_sizes(tensor),
+        self._exchange.start(tensor, name, names, numels, into, self._piece_sizes(tensor),
                             self.collectives)
 
     def _piece_sizes(self, tensor):
@@ -468,7 +468,7 @@ class GraceState:
             flat = buffer.detach()
             if not (self._sums_in_place and layout.pieces is None
                     and self.grace.fusion is None and self._sum_in_place(flat, layout)):
-                self._exchange.send(flat, layout.name, layout.canonical, layout.numels, flat,
+                self._exchange.start(flat, layout.name, layout.canonical, layout.numels, flat,
                                     layout.pieces, self.collectives)
             self._buckets.append((fut, buffer))
             return fut
@@ -481,7 +481,7 @@ class GraceState:
                                      collecting=True, equal_sizes=self._equal_sizes,
                                      counter=self.grace.bytes)
             for g, n in zip(grads, names):
-                self._exchange.send(g, n, [n], None, g, None, group)
+                self._exchange.start(g, n, [n], None, g, None, group)
             group.close()
         else:
             order, canonical = layout.order, layout.canonical

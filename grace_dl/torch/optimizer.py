@@ -73,7 +73,8 @@ from contextlib import contextmanager
 
 import torch
 
-from grace_dl import agreement, validate
+from grace_dl import validate
+from grace_dl.communicators import agreement
 from grace_dl.communicators.base import AVERAGE, SUM, accumulator
 from grace_dl.communicators.buckets import check_bucket_bytes
 from grace_dl.communicators.exchange import Exchange
@@ -425,7 +426,7 @@ class _GraceDistributedOptimizer:
             bucket.add(i, self._gradient(p))
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
-            bucket.unit = self._exchange.send(flat, bucket.name, bucket.params, bucket.numels,
+            bucket.unit = self._exchange.start(flat, bucket.name, bucket.params, bucket.numels,
                                               flat, self._bucket_pieces(flat))
         return bucket
 
@@ -457,8 +458,8 @@ class _GraceDistributedOptimizer:
         sizes = self._piece_sizes(p, name)
         if sizes is not None and into is not None and into.is_contiguous():
             # the pieces are slices of p.grad, results written there
-            return self._exchange.send(into.view(-1), name, [p], None, into, sizes)
-        return self._exchange.send(tensor, name, [p], None, into)
+            return self._exchange.start(into.view(-1), name, [p], None, into, sizes)
+        return self._exchange.start(tensor, name, [p], None, into)
 
     def _piece_sizes(self, p, name: str):
         """The pieces ``p``'s gradient is sent in (None: whole), from its size: not for a
