@@ -7,9 +7,10 @@ import pytest
 
 from benchmarks import hook_calls, records, tables
 
-#: measured at 70b3e8b (small MLP, one bucket, default hook options; the committed results
-#: file): (calls, files) per step; the bounds allow 10% more, so a regression fails
-MEASURED = {"none": (19, 5), "topk": (94, 15), "qsgd-2phase": (354, 18)}
+#: measured at 5ec1612 (small MLP, one bucket, default hook options; the committed results
+#: file): (calls, files) per step; the bounds allow 10% more, so a regression fails. (The
+#: step exchange, communicators/exchange.py, added its file and 2-3 calls to 70b3e8b's.)
+MEASURED = {"none": (22, 6), "topk": (96, 16), "qsgd-2phase": (356, 19)}
 MARGIN = 1.10
 
 
