@@ -176,7 +176,7 @@ def test_load_state_dict_refuses_another_configuration():
                                                 "communicator": "allgather"}))
     b = grace_ddp.GraceState(grace_from_params({"compressor": "topk", "compress_ratio": 0.2,
                                                 "communicator": "allgather"}))
-    with pytest.raises(ValueError, match="grace configuration"):
+    with pytest.raises(ValueError, match="grace state is for configuration"):
         b.load_state_dict(a.state_dict())
     with pytest.raises(ValueError, match="not a GraceState state_dict"):
         b.load_state_dict({"x": 1})

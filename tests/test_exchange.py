@@ -4,10 +4,11 @@ pieces, or split into members), land where they were sent into, and leave nothin
 the next step. The glues' own behaviour over it (DDP, Horovod torch, TF) is tested with real
 multi-rank runs in test_ddp, test_torch_optimizer, test_tensorflow_horovod and the comm matrix."""
 
+import pytest
 import torch
 
 from grace_dl import grace_from_params
-from grace_dl.communicators.exchange import Exchange
+from grace_dl.communicators.exchange import Exchange, check_saved
 from support import OneRank
 
 PARAMS = {"compressor": "qsgd", "memory": "residual", "communicator": "allgather",
@@ -117,3 +118,42 @@ def test_advance_completes_finished_exchanges_early_with_the_same_result():
     assert len(exchange.pending) == 0
     exchange.finish()
     torch.testing.assert_close(unit.out, reference(t, "a"), rtol=0, atol=0)
+
+
+def test_check_saved_refuses_another_configuration_size_or_rank_naming_both():
+    grc = grace_from_params(PARAMS)
+    mine = {"fingerprint": grc.fingerprint(), "size": 2, "rank": 1}
+    check_saved(dict(mine), mine, grc)                              # its own: loads
+    check_saved({"fingerprint": grc.fingerprint()}, mine, grc)      # an older one: loads
+    check_saved(dict(mine, rank=None), dict(mine), grc)             # rank unknown then
+    with pytest.raises(ValueError, match=r"is for configuration abc, this grace is "
+                                         + grc.fingerprint()):
+        check_saved(dict(mine, fingerprint="abc"), mine, grc)
+    with pytest.raises(ValueError, match=r"a job of 4 ranks; this job has 2"):
+        check_saved(dict(mine, size=4), mine, grc)
+    with pytest.raises(ValueError, match=r"written by rank 0, this is rank 1: .*per rank; "
+                                         r"load your own"):
+        check_saved(dict(mine, rank=0), mine, grc, "load your own")
+
+
+def test_ddp_refuses_another_ranks_or_group_sizes_state():
+    import torch.distributed as dist
+
+    from grace_dl.torch import ddp as grace_ddp
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        state = grace_ddp.GraceState(grace_from_params(PARAMS))
+        saved = state.state_dict()
+        assert (saved["rank"], saved["size"]) == (0, 1)
+        state.load_state_dict(saved)
+        with pytest.raises(ValueError, match=r"written by rank 1, this is rank 0"):
+            state.load_state_dict(dict(saved, rank=1))
+        with pytest.raises(ValueError, match=r"a job of 2 ranks; this job has 1"):
+            state.load_state_dict(dict(saved, size=2))
+        state.load_state_dict({k: v for k, v in saved.items() if k not in ("rank", "size")})
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -129,3 +129,22 @@ class Exchange:
     def clear(self) -> None:
         """Forget a half-started step (after an error)."""
         self.units, self.pending = [], deque()
+
+
+def check_saved(saved: dict, mine: dict, grace, advice: str = "") -> None:
+    """Refuse grace state saved for another configuration, by a job of another size, or by
+    another rank: the keys every glue's checkpoint records beside the state
+    (``{"fingerprint", "size", "rank"}``). ``ValueError`` naming both values; a key the
+    checkpoint lacks (an older one) or that either side does not know (None) is not compared,
+    except the fingerprint. ``advice``: what to do instead of loading another rank's state."""
+    if saved.get("fingerprint") != mine["fingerprint"]:
+        raise ValueError(f"checkpoint grace state is for configuration "
+                         f"{saved.get('fingerprint')}, this grace is {mine['fingerprint']} "
+                         f"({grace!r}); restore it into the grace it was saved from")
+    for key, says in (("size", "was written by a job of {} ranks; this job has {}"),
+                      ("rank", "was written by rank {}, this is rank {}: grace state (a "
+                               "residual, a momentum) is per rank")):
+        theirs, ours = saved.get(key), mine.get(key)
+        if theirs is not None and ours is not None and theirs != ours:
+            raise ValueError("checkpoint grace state " + says.format(theirs, ours)
+                             + (f"; {advice}" if key == "rank" and advice else ""))

@@ -32,6 +32,7 @@ import json
 import numpy as np
 import tensorflow as tf
 
+from grace_dl.communicators.exchange import check_saved
 from grace_dl.contracts import check_grace
 
 STATE, META = "state", "meta"
@@ -51,18 +52,8 @@ class GraceCheckpoint(tf.train.experimental.PythonState):
     def deserialize(self, string_value) -> None:
         saved = loads(string_value)
         meta = {k: v.item() for k, v in saved.get(META, {}).items()}
-        mine = self._identity()
-        if meta.get("fingerprint") != mine["fingerprint"]:
-            raise ValueError(f"checkpoint grace state is for configuration "
-                             f"{meta.get('fingerprint')}, this grace is {mine['fingerprint']} "
-                             f"({self.grace!r}); restore it into the grace it was saved from")
-        if meta.get("size") != mine["size"]:
-            raise ValueError(f"checkpoint grace state was written by a job of {meta.get('size')} "
-                             f"ranks; this job has {mine['size']}")
-        if meta.get("rank") != mine["rank"]:
-            raise ValueError(f"checkpoint grace state was written by rank {meta.get('rank')}, "
-                             f"this is rank {mine['rank']}: grace state is per rank, give each "
-                             f"rank its own checkpoint")
+        check_saved(meta, self._identity(), self.grace,
+                    "give each rank its own checkpoint")
         self.grace.load_state_dict(saved.get(STATE, {}))
 
     def _identity(self) -> dict:

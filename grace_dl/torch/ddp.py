@@ -92,9 +92,12 @@ normalise, like signSGD's majority vote, are not divided). ``op="sum"`` leaves t
 
 **Checkpoints.** ``state.state_dict()`` is this rank's grace state (CPU tensors, so
 ``torch.load`` reads it with its default ``weights_only=True``), the grouping of the last step,
-the parameter naming and the fingerprint of the configuration; save it on every rank and pass
-it to ``load_state_dict`` of a fresh ``GraceState`` before the first step, or of the live one to
-roll back to it: the run continues bit for bit. A resumed DDP starts again from its
+the parameter naming, the fingerprint of the configuration and the rank and group size that
+wrote it; save it on every rank and pass it to ``load_state_dict`` of a fresh ``GraceState``
+before the first step, or of the live one to roll back to it: the run continues bit for bit.
+Another configuration's state, another rank's (residuals are per rank) or another group
+size's is refused with ``ValueError``, as the Horovod optimizer and TF checkpoints refuse it
+(``grace_dl.communicators.exchange.check_saved``). A resumed DDP starts again from its
 first-iteration layout, so in ``"bucket"`` granularity the hook's first iteration after
 ``load_state_dict`` groups gradients as the saved run last did: buckets that match a saved
 group are sent at once, the others are held until DDP hands over the last bucket, then cut into
@@ -143,7 +146,7 @@ from grace_dl.communicators import agreement
 from grace_dl.communicators.allreduce import Allreduce
 from grace_dl.communicators.base import AVERAGE, Communicator, check_op
 from grace_dl.communicators.buckets import bucket_name, needs_shapes
-from grace_dl.communicators.exchange import Exchange
+from grace_dl.communicators.exchange import Exchange, check_saved
 from grace_dl.communicators.fusion import GroupCollectives
 from grace_dl.communicators.pieces import (
     AUTO,
@@ -573,24 +576,28 @@ class GraceState:
         """This rank's hook state: the grace state (CPU tensors), the parameter naming, the
         iteration count and the configuration's fingerprint."""
         return {"grace": to_torch(self.grace.state_dict()),
-                "fingerprint": self.grace.fingerprint(),
                 "granularity": self.granularity, "per_parameter": self.per_parameter,
                 "op": self.op, "piece_bytes": self._piece_bytes, "iteration": self.iteration,
                 "names": list(self._order),
-                "layout": [list(g) for g in self._layout],
-                "rank": self.collectives.rank()
-                if dist.is_initialized() and self.collectives is not None else None}
+                "layout": [list(g) for g in self._layout], **self._identity()}
+
+    def _identity(self) -> dict:
+        """The configuration's fingerprint, and this rank and the group's size where the
+        process group is up (``exchange.check_saved``)."""
+        known = dist.is_initialized() and self.collectives is not None
+        return {"fingerprint": self.grace.fingerprint(),
+                "rank": self.collectives.rank() if known else None,
+                "size": self.collectives.size() if known else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``; raises ``ValueError`` if it was written for another grace
-        configuration, granularity or op."""
+        configuration, granularity, op or pieces, or by another rank or group size."""
         if not isinstance(state, dict) or "grace" not in state:
             raise ValueError(f"not a GraceState state_dict (keys "
                              f"{sorted(state) if isinstance(state, dict) else type(state)}); "
                              f"expected keys include 'grace' and 'fingerprint'")
-        if state.get("fingerprint") != self.grace.fingerprint():
-            raise ValueError(f"state_dict is for grace configuration {state.get('fingerprint')}, "
-                             f"this one is {self.grace.fingerprint()} ({self.grace!r})")
+        check_saved(state, self._identity(), self.grace,
+                    "save state.state_dict() on every rank and load each rank's own")
         # the pieces name the state: a checkpoint with other pieces is refused (one written
         # before pieces existed has no piece_bytes and loads; an unresolved "auto" on either
         # side takes the other's: module docstring, *Pieces*)

@@ -77,7 +77,7 @@ from grace_dl import validate
 from grace_dl.communicators import agreement
 from grace_dl.communicators.base import AVERAGE, SUM, accumulator
 from grace_dl.communicators.buckets import check_bucket_bytes
-from grace_dl.communicators.exchange import Exchange
+from grace_dl.communicators.exchange import Exchange, check_saved
 from grace_dl.communicators.fusion import split_evenly
 from grace_dl.communicators.pieces import (
     AUTO,
@@ -653,18 +653,13 @@ class _GraceDistributedOptimizer:
                           f"fresh", RuntimeWarning, stacklevel=2)
         else:
             rank, size = self._rank(), self._size()
-            if entry.get("size") != size:
-                raise ValueError(f"checkpoint grace state was written by a job of "
-                                 f"{entry.get('size')} ranks; this job has {size}")
+            check_saved(entry, {"fingerprint": self.grace.fingerprint(), "size": size},
+                        self.grace)
             ranks = entry.get("ranks", {})
             if rank not in ranks:
                 raise ValueError(f"checkpoint grace state holds ranks {sorted(ranks)}, not this "
                                  f"rank {rank}: save state_dict() on every rank, or "
                                  f"gathered_state_dict() on all ranks and write it from one")
-            if entry.get("fingerprint") != self.grace.fingerprint():
-                raise ValueError(f"checkpoint grace state is for configuration "
-                                 f"{entry.get('fingerprint')}, this grace is "
-                                 f"{self.grace.fingerprint()} ({self.grace!r})")
             # buckets and pieces key the state (older checkpoints have neither)
             saved, mine = entry.get("buckets", {}), self._bucket_layout()
             if saved != mine:
