@@ -23,11 +23,16 @@ options and the training state, one hook function.
 same on every rank), with the bucket's flat buffer of summed-over-micro-batches gradients. The
 hook hands it to the communicator's ``send`` with ``DistCollectives`` on the state's process
 group (``grace_dl.torch.distributed``: what goes on the wire there), which compensates with the
-memory, compresses and *starts* the collectives, then returns an unfinished future. When DDP
-hands over the last bucket (``bucket.is_last()``), the hook ``receive``\\ s every bucket of the
-step in bucket order (multi-round PowerSGD and two-phase start their later collectives there,
-in the same order on every rank), completes the futures with the averaged gradients, and
-closes the step in ``grc.bytes`` (``grc.end_step()``). Results land in DDP's own bucket:
+memory, compresses and *starts* the collectives (``grace_dl.communicators.exchange``). On gloo
+it returns an unfinished future, and when DDP hands over the last bucket
+(``bucket.is_last()``) the hook ``receive``\\ s every bucket of the step in bucket order
+(multi-round PowerSGD and two-phase start their later collectives there, in the same order on
+every rank), so the host never waits for one bucket's collectives while the backward pass could
+go on. On NCCL, where waiting for a collective holds the GPU's stream and not the host, each
+bucket is received in its own hook call and its future completed at once, as PyTorch's own
+hooks do: its decompression queues behind its collectives while the backward pass still runs,
+instead of every bucket's waiting for the last. Same bits either way. The last bucket closes
+the step in ``grc.bytes`` (``grc.end_step()``). Results land in DDP's own bucket:
 each grace tensor that is the bucket's buffer or a gradient's view of it is sent and received
 with ``into=`` that memory, and the future returns the buffer. The grace tensors of one bucket
 (``"parameter"`` granularity) share one ``GroupCollectives`` and are received together
@@ -261,6 +266,12 @@ class GraceState:
         self._named_unmet = False   # pickled with named_parameters before meeting any
         #: this step's grace tensors (units: ``grace_dl.communicators.exchange``)
         self._exchange = Exchange(grace, self.op)
+        #: complete each bucket in its own hook call where waiting for a collective holds the
+        #: device's stream, not the host (NCCL; module docstring, *What the hook sends*);
+        #: None until the first bucket asks the collectives. ``_finished``: this step's units
+        #: completed so
+        self._per_bucket = None
+        self._finished: list = []
         self._buckets: list = []                # this step's (future, buffer)
         self._views: dict = {}                  # name -> its gradient's view of its bucket
         self._deferred: dict = {}               # name -> gradient held for _start_deferred
@@ -284,6 +295,7 @@ class GraceState:
         self._process_group = group
         self.collectives = DistCollectives(group)
         self._group_ranks = None
+        self._per_bucket = None     # another group, maybe another backend
 
     def _bind(self) -> None:
         """A pickled copy's group: the default one, unless the original ran on other ranks."""
@@ -335,7 +347,7 @@ class GraceState:
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
         """Everything but the process group (and what is keyed by parameter identity)."""
-        if self._buckets or self._exchange.units or self._deferred:
+        if self._buckets or self._exchange.units or self._deferred or self._finished:
             raise RuntimeError("a GraceState cannot be pickled in the middle of a step")
         state = dict(self.__dict__)
         group = state.pop("_process_group")
@@ -352,6 +364,7 @@ class GraceState:
         parameters it meets by the original's first-met order."""
         self.__dict__.update(state)
         self._process_group, self.collectives = None, None
+        self._per_bucket = None
         if self._order:
             self._resume = list(self._order)
         self._order, self._index = [], {}
@@ -458,6 +471,8 @@ class GraceState:
     def _send(self, bucket):
         if self.collectives is None:
             self._bind()
+        if self._per_bucket is None:
+            self._per_bucket = self.collectives.waits_in_stream()
         layout = self._layout_of(bucket)
         names = layout.names
         if not self._checked:
@@ -474,6 +489,8 @@ class GraceState:
                 self._exchange.start(flat, layout.name, layout.canonical, layout.numels, flat,
                                     layout.pieces, self.collectives)
             self._buckets.append((fut, buffer))
+            if self._per_bucket:
+                self._finish_bucket(fut, buffer)
             return fut
         grads = [g.detach() for g in bucket.gradients()]   # views into buffer
         self._views.update(zip(names, grads))
@@ -501,7 +518,26 @@ class GraceState:
                 self._start_unit(tensor, self.bucket_name(canonical), canonical,
                                  [grads[i].numel() for i in order])
         self._buckets.append((fut, buffer))
+        if self._per_bucket and self._target is None:
+            self._finish_bucket(fut, buffer)
         return fut
+
+    def _finish_bucket(self, fut, buffer) -> None:
+        """Receive the bucket's units now and complete its future (``_per_bucket``)."""
+        units = self._exchange.finish()
+        self._write_back(units)
+        self._finished.extend(units)
+        fut.set_result(buffer)
+
+    def _write_back(self, units) -> None:
+        """Copy the results of ``units`` that did not land in the bucket by themselves into
+        the gradients' views of it."""
+        for unit in units:
+            if not unit.lands:
+                views = self._views
+                for n, part in zip(unit.members, unit.parts(unit.out)):
+                    view = views[n]
+                    view.copy_(part.reshape(view.shape))
 
     def _sum_in_place(self, flat, layout) -> bool:
         """Start the allreduce of the bucket's buffer, in place, averaged by its postscale:
@@ -536,14 +572,12 @@ class GraceState:
             if self._deferred:
                 self._start_deferred()
             units = self._exchange.finish()
-            for unit in units:
-                if not unit.lands:
-                    views = self._views
-                    for n, part in zip(unit.members, unit.parts(unit.out)):
-                        view = views[n]
-                        view.copy_(part.reshape(view.shape))
+            self._write_back(units)
+            if self._finished:
+                units = self._finished + units
             for fut, buffer in self._buckets:
-                fut.set_result(buffer)
+                if not fut.done():
+                    fut.set_result(buffer)
             self.grace.end_step()
         except BaseException as err:
             for fut, _ in self._buckets:
@@ -555,12 +589,12 @@ class GraceState:
         self.last_step_names = list(map(_NAME, units))
         self._layout = list(map(_MEMBERS, units))
         self._target = None  # DDP's own (rebuilt) layout from now on
-        self._buckets, self._deferred, self._views = [], {}, {}
+        self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
 
     def _clear(self) -> None:
         """Forget a half-started step's units, futures and views."""
         self._exchange.clear()
-        self._buckets, self._deferred, self._views = [], {}, {}
+        self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
 
     # ------------------------------------------------------------------ checkpoints
     def reset(self, name: str | None = None) -> None:

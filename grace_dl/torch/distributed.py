@@ -199,6 +199,12 @@ class DistCollectives(Collectives):
                 (lambda t: t.cpu())
         return tensor, (lambda t: t)
 
+    def waits_in_stream(self) -> bool:
+        """Whether waiting for a collective of this group holds the device's stream rather
+        than the host (NCCL: ``work.wait()`` returns at once, later kernels queue behind the
+        collective), so a caller may wait for each collective as soon as it is started."""
+        return self._nccl()
+
     def _nccl(self) -> bool:
         """Whether the group's backend is NCCL (asked once: it does not change)."""
         if self._ranks is None:

@@ -69,13 +69,19 @@ def mlp():
 
 #: ``<pipeline>@pieces``: the hook sends each bucket in pieces of 4 KiB (``piece_bytes``)
 PIECES = "@pieces"
+#: ``<pipeline>@bucketwise``: each bucket completed in its own hook call, as on NCCL
+#: (``GraceState._per_bucket``; on gloo the step's buckets are completed together)
+BUCKETWISE = "@bucketwise"
 
 
 def hook_state(pipeline, **kwargs):
-    base, pieces = pipeline.removesuffix(PIECES), pipeline.endswith(PIECES)
-    if pieces:
+    base, *flags = pipeline.split("@")
+    if PIECES[1:] in flags:
         kwargs["piece_bytes"] = 4096
-    return grace_ddp.GraceState(grace_from_params(dict(PIPELINES[base])), **kwargs)
+    state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[base])), **kwargs)
+    if BUCKETWISE[1:] in flags:
+        state._per_bucket = True
+    return state
 
 
 def make(pipeline, bucket_cap_mb=0.02, granularity="auto"):
