@@ -4,15 +4,16 @@
 # every pipeline's device path under CUDA's sync debug mode, and the DDP step table. Each part
 # has a time limit, so the whole fits one 10-minute call; each writes into $OUT as it goes.
 #
-#   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [steps] [profile] [calls]
-#          (default: the first four; profile: benchmarks/gpu_profile.py; calls: the DDP hook's
-#           Python calls per step on CUDA tensors, benchmarks/hook_calls.py)
+#   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [ddp] [steps] [profile] [calls]
+#          (default: the first five; ddp: the hook and DistCollectives on NCCL,
+#           tests/workers/ddp_cuda.py; profile: benchmarks/gpu_profile.py; calls: the DDP
+#           hook's Python calls per step on CUDA tensors, benchmarks/hook_calls.py)
 set -u
 OUT="${OUT:-/tmp/grace_dl_gpu}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(kernels compressors sync steps)
+[ ${#parts[@]} -eq 0 ] && parts=(kernels compressors sync ddp steps)
 log="$OUT/run.log"
 {
   date -u
@@ -28,6 +29,8 @@ for part in "${parts[@]}"; do
     sync) GRACE_DL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -rf \
             --tb=short ${SYNC_K:+-k "$SYNC_K"} \
             tests/test_device_path.py >"$OUT/device_path.log" 2>&1 ;;
+    ddp) timeout 120 torchrun --standalone --nproc-per-node 1 tests/workers/ddp_cuda.py nccl \
+           >>"$log" 2>&1 ;;
     steps) timeout "${STEPS_LIMIT:-260}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
              >>"$log" 2>&1 ;;
     profile) timeout 120 python3 -m benchmarks.gpu_profile --out "$OUT" --calls 10 \
@@ -40,4 +43,4 @@ for part in "${parts[@]}"; do
   echo "== $part done rc=$? $(date -u +%T)" >>"$log"
 done
 tail -n 5 "$OUT/device_path.log" 2>/dev/null
-grep -E "^== |kernels equal|Error|error" "$log" | tail -n 40
+grep -E "^== |kernels equal|^FAIL|Error|error" "$log" | tail -n 40

@@ -52,11 +52,15 @@ def model(device):
                          nn.Linear(512, 10)).to(device)
 
 
-def train(pipeline, device, steps=5):
-    net = DDP(model(device), device_ids=[device.index] if device.type == "cuda" else None)
+def train(pipeline, device, steps=5, per_bucket=None):
+    """``per_bucket``: force completing each bucket in its hook call (True) or the step's
+    together (False); None: the hook's choice (NCCL: each in its call)."""
+    net = DDP(model(device), device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=0.5)
     state = None
     if pipeline is not None:
         state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[pipeline])))
+        state._per_bucket = per_bucket
         net.register_comm_hook(state, grace_ddp.comm_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
@@ -126,6 +130,19 @@ def main() -> int:
         return "5 steps, parameters bit-equal"
 
     check(f"{backend} hook none/allreduce == DDP default", equal_to_ddp)
+
+    def bucketwise_equals_together():
+        done = []
+        for pipeline in ("topk", "qsgd-2phase", "powersgd", "none"):
+            a, sa = train(pipeline, device)
+            b, _ = train(pipeline, device, per_bucket=not sa._per_bucket)
+            assert sa._per_bucket is (backend == "nccl"), (pipeline, sa._per_bucket)
+            for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+                assert torch.equal(x, y), (pipeline, k)
+            done.append(pipeline)
+        return f"each bucket in its hook call == the step's together: {done}"
+
+    check(f"{backend} buckets completed one by one == together", bucketwise_equals_together)
 
     for pipeline in PIPELINES:
         def one(pipeline=pipeline):
