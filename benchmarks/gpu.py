@@ -87,6 +87,12 @@ PIPELINES = {
 #: ``piece_bytes="auto"`` does on a CPU (on a GPU it sends them whole): what "auto" buys there
 PIECED = {"grace fp16, 4 MiB pieces": "grace fp16",
           "grace qsgd two-phase, 4 MiB pieces": "grace qsgd two-phase"}
+#: rows of a pipeline whose buckets the hook completes together when DDP hands over the last
+#: one, as it does on gloo (on NCCL it completes each in its own hook call): what that buys
+TOGETHER = {"grace fp16, buckets completed together": "grace fp16",
+            "grace qsgd two-phase, buckets completed together": "grace qsgd two-phase"}
+#: every row that runs another row's pipeline with other hook options -> that row
+VARIANTS = {**PIECED, **TOGETHER}
 
 
 # ------------------------------------------------------------------ timing
@@ -335,12 +341,14 @@ def _hooked(label, model, device):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                             start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif label in PIPELINES or label in PIECED:
+    elif label in PIPELINES or label in VARIANTS:
         from grace_dl.communicators.pieces import AUTO, DEFAULT_PIECE_BYTES
 
-        grace = grace_from_params(dict(PIPELINES[PIECED.get(label, label)]))
+        grace = grace_from_params(dict(PIPELINES[VARIANTS.get(label, label)]))
         state = grace_ddp.GraceState(
             grace, piece_bytes=DEFAULT_PIECE_BYTES if label in PIECED else AUTO)
+        if label in TOGETHER:
+            state._per_bucket = False       # (the hook's own choice on gloo)
         ddp.register_comm_hook(state, grace_ddp.comm_hook)
     return ddp
 
@@ -351,7 +359,7 @@ def step_table(device, models, steps: int, small: bool) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method="tcp://127.0.0.1:29731", rank=0, world_size=1)
     labels = ["DDP", "PyTorch fp16_compress_hook", "PyTorch powerSGD_hook rank 4",
-              *PIPELINES, *PIECED]
+              *PIPELINES, *VARIANTS]
     rows = []
     for kind in models:
         params = None

@@ -126,10 +126,10 @@ def choice_of(label: str):
     """``(step-model choice, per parameter)`` of a step-table row: DDP and the fp16 hook are
     the step model's plain and fp16 allreduce; every other row a ``Pipeline``, per parameter
     where the compressor needs layer shapes (the DDP hook's ``"auto"`` granularity); a row in
-    4 MiB pieces (``benchmarks.gpu.PIECED``) is its pipeline's."""
-    from benchmarks.gpu import PIECED, PIPELINES
+    4 MiB pieces or with other hook options (``benchmarks.gpu.VARIANTS``) is its pipeline's."""
+    from benchmarks.gpu import PIPELINES, VARIANTS
 
-    spec = HOOKS.get(label, PIPELINES.get(PIECED.get(label, label)))
+    spec = HOOKS.get(label, PIPELINES.get(VARIANTS.get(label, label)))
     if spec is None:
         raise ValueError(f"no projection for pipeline {label!r}; known: "
                          f"{sorted([*HOOKS, *PIPELINES])}")
