@@ -31,7 +31,7 @@ for part in "${parts[@]}"; do
             tests/test_device_path.py >"$OUT/device_path.log" 2>&1 ;;
     ddp) timeout 120 torchrun --standalone --nproc-per-node 1 tests/workers/ddp_cuda.py nccl \
            >>"$log" 2>&1 ;;
-    steps) timeout "${STEPS_LIMIT:-260}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
+    steps) timeout "${STEPS_LIMIT:-300}" python3 -m benchmarks.gpu steps --out "$OUT" --steps 15 \
              >>"$log" 2>&1 ;;
     profile) timeout 120 python3 -m benchmarks.gpu_profile --out "$OUT" --calls 10 \
                --methods ${PROFILE_METHODS:-qsgd signsgd signum topk randomk dgc threshold adaq sketch inceptionn} \
