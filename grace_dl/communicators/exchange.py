@@ -7,12 +7,15 @@ A *unit* is one grace tensor of the step: one gradient, a bucket of them (DDP's 
 into its slice). The glue lays its gradients out in units (that stays the glue's: it knows
 its framework's buffers), starts each unit as soon as it is ready (``Exchange.start``: the
 memory compensates, the compressor compresses and the collectives start; nothing waits),
-and finishes the step at once (``Exchange.finish``): every unit's handles received in one
+and finishes what it started (``Exchange.finish``): the units' handles received in one
 lockstep pass (``Router.receive_all``, so the later rounds of every unit, two-phase's gathers
-and PowerSGD's Qs, are in flight together), in an order the same on every rank. What it
-returns is each unit with its result, for the glue to write back where the result did not
-land by itself: a unit sent ``into`` the framework's own buffer (DDP's bucket, ``p.grad``),
-or sent in pieces from such a buffer, is already there.
+and PowerSGD's Qs, are in flight together), in an order the same on every rank. A glue
+finishes once a step where waiting blocks the host (Horovod, gloo), or after each DDP bucket
+where it only orders a GPU's stream (NCCL: ``grace_dl.torch.ddp``). Each unit comes back with
+its result, for the glue to write back where it did not land by itself: a unit sent ``into``
+the framework's own buffer (DDP's bucket, ``p.grad``), or in pieces from such a buffer, is
+already there. ``check_saved`` is what every glue's checkpoint records beside the grace state
+and refuses to load into another configuration, job size or rank.
 
 The Python of a step is the glue's layout plus this module's two calls per unit; what goes on
 the wire is the communicator's (its module docstring).
