@@ -128,6 +128,28 @@ def test_residual_is_handed_over_so_nothing_is_lost():
                for n in SHAPES)
 
 
+def test_reset_zeroes_every_stages_state_and_the_carry_and_keeps_the_step():
+    """``Schedule.reset`` is the whole protocol's (the DDP hook's ``state.reset()`` calls it):
+    a tensor's residual in every stage, or all of them, and what a switch carried."""
+    grc = Schedule({0: TOPK, 4: {**TOPK, "compress_ratio": 0.1}})
+    run(grc, 0, 2)
+    first = grc.stages[0][1].memory
+    assert all(first.state_dict()[n].any() for n in SHAPES)
+    grc._carry = {"a": np.ones(SHAPES["a"], np.float32), "b": np.ones(SHAPES["b"], np.float32)}
+    grc.reset("a")
+    state = first.state_dict()
+    assert not state["a"].any() and state["b"].any() and set(grc._carry) == {"b"}
+    grc.reset()
+    assert not any(v.any() for v in first.state_dict().values()) and grc._carry == {}
+    assert grc.step == 2 and grc.active is grc.stages[0][1]
+    # a reset run equals a fresh one fed from the same step on (nothing kept from before)
+    fresh = Schedule({0: TOPK, 4: {**TOPK, "compress_ratio": 0.1}})
+    fresh.load_state_dict({**fresh.state_dict(), "step": 2})
+    for a, b in zip(run(grc, 2, 6), run(fresh, 2, 6)):
+        for n in SHAPES:
+            np.testing.assert_array_equal(a[n], b[n])
+
+
 def test_residual_is_flushed_into_a_stage_without_memory():
     grc = Schedule({0: TOPK, 3: DENSE})
     left = None

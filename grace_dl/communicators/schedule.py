@@ -304,6 +304,18 @@ class Schedule(FanOut):
             _give_momenta(memory, moms)
         self._index = index
 
+    def reset(self, name: str | None = None) -> None:
+        """Zero the accumulated training state of tensor ``name`` (or of every tensor) in
+        every stage (``Communicator.reset``: error feedback, momenta), and drop what a stage
+        switch handed over and the next stage has not taken yet. The step count, and with it
+        the running stage, is kept. Call it on every rank."""
+        for _, stage in self.stages:
+            stage.reset(name)
+        if name is None:
+            self._carry = {}
+        else:
+            self._carry.pop(name, None)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         return {"step": int(self.step),
