@@ -124,8 +124,11 @@ def test_check_saved_refuses_another_configuration_size_or_rank_naming_both():
     grc = grace_from_params(PARAMS)
     mine = {"fingerprint": grc.fingerprint(), "size": 2, "rank": 1}
     check_saved(dict(mine), mine, grc)                              # its own: loads
-    check_saved({"fingerprint": grc.fingerprint()}, mine, grc)      # an older one: loads
-    check_saved(dict(mine, rank=None), dict(mine), grc)             # rank unknown then
+    lenient = ("size", "rank")                                      # (the DDP hook's)
+    check_saved({"fingerprint": grc.fingerprint()}, mine, grc, lenient=lenient)  # older
+    check_saved(dict(mine, rank=None), dict(mine), grc, lenient=lenient)  # rank unknown then
+    with pytest.raises(ValueError, match=r"a job of None ranks; this job has 2"):
+        check_saved({"fingerprint": grc.fingerprint()}, mine, grc)  # strict by default
     with pytest.raises(ValueError, match=r"is for configuration abc, this grace is "
                                          + grc.fingerprint()):
         check_saved(dict(mine, fingerprint="abc"), mine, grc)

@@ -110,13 +110,9 @@ class Exchange:
         self.units, self.pending = [], deque()
         handles, intos = [], []
         for u in units:
-            hs = u.handles
-            if len(hs) == 1:
-                handles.append(hs[0])
-                intos.append(u.into)
-            else:
-                handles.extend(hs)
-                intos.extend([None] * len(hs))
+            # (pieces land in their slices of ``whole``; a summed unit has no handles)
+            handles.extend(u.handles)
+            intos.extend([u.into if u.whole is None else None] * len(u.handles))
         outs = iter(receive_each(self.grace, handles, intos) if handles else ())
         for u in units:
             if u.summed is not None:
@@ -134,20 +130,29 @@ class Exchange:
         self.units, self.pending = [], deque()
 
 
-def check_saved(saved: dict, mine: dict, grace, advice: str = "") -> None:
+#: what ``check_saved`` says of a checkpoint whose key differs (its value, then this one's)
+_SAVED_DIFFERS = {
+    "fingerprint": "is for configuration {}, this grace is {} ({!r}); restore it into the "
+                   "grace it was saved from",
+    "size": "was written by a job of {} ranks; this job has {}",
+    "rank": "was written by rank {}, this is rank {}: grace state (a residual, a momentum) is "
+            "per rank",
+}
+
+
+def check_saved(saved: dict, mine: dict, grace, advice: str = "", lenient=()) -> None:
     """Refuse grace state saved for another configuration, by a job of another size, or by
-    another rank: the keys every glue's checkpoint records beside the state
-    (``{"fingerprint", "size", "rank"}``). ``ValueError`` naming both values; a key the
-    checkpoint lacks (an older one) or that either side does not know (None) is not compared,
-    except the fingerprint. ``advice``: what to do instead of loading another rank's state."""
-    if saved.get("fingerprint") != mine["fingerprint"]:
-        raise ValueError(f"checkpoint grace state is for configuration "
-                         f"{saved.get('fingerprint')}, this grace is {mine['fingerprint']} "
-                         f"({grace!r}); restore it into the grace it was saved from")
-    for key, says in (("size", "was written by a job of {} ranks; this job has {}"),
-                      ("rank", "was written by rank {}, this is rank {}: grace state (a "
-                               "residual, a momentum) is per rank")):
-        theirs, ours = saved.get(key), mine.get(key)
-        if theirs is not None and ours is not None and theirs != ours:
-            raise ValueError("checkpoint grace state " + says.format(theirs, ours)
+    another rank: what every glue's checkpoint records beside the state. Every key of
+    ``mine`` (``"fingerprint"``, ``"size"``, ``"rank"``), in its order, is compared with the
+    checkpoint's: ``ValueError`` naming both values. A key in ``lenient`` is not compared
+    where either side has none (absent or None: a checkpoint older than the key, a state
+    saved before its process group existed). ``advice``: what to do instead of loading
+    another rank's state."""
+    for key, ours in mine.items():
+        theirs = saved.get(key)
+        if key in lenient and (theirs is None or ours is None):
+            continue
+        if theirs != ours:
+            raise ValueError("checkpoint grace state " +
+                             _SAVED_DIFFERS[key].format(theirs, ours, grace)
                              + (f"; {advice}" if key == "rank" and advice else ""))

@@ -488,15 +488,10 @@ class GraceState:
                     and self.grace.fusion is None and self._sum_in_place(flat, layout)):
                 self._exchange.start(flat, layout.name, layout.canonical, layout.numels, flat,
                                     layout.pieces, self.collectives)
-            self._buckets.append((fut, buffer))
-            if self._per_bucket:
-                self._finish_bucket(fut, buffer)
-            return fut
-        grads = [g.detach() for g in bucket.gradients()]   # views into buffer
-        self._views.update(zip(names, grads))
-        if self.per_parameter:
+        elif self.per_parameter:
             # one fusion group per bucket: each round of its units goes out in one collective
             # per kind and dtype (as powerSGD_hook batches a bucket's P and Q matrices)
+            grads = self._views_of(bucket, names)
             group = GroupCollectives(self.collectives, f"ddp.bucket{bucket.index()}",
                                      collecting=True, equal_sizes=self._equal_sizes,
                                      counter=self.grace.bytes)
@@ -504,12 +499,13 @@ class GraceState:
                 self._exchange.start(g, n, [n], None, g, None, group)
             group.close()
         else:
+            grads = self._views_of(bucket, names)
             order, canonical = layout.order, layout.canonical
             if self._target is not None and canonical not in self._target:
                 # first iteration after a resume, DDP's layout is not the saved one: wait for
                 # the whole step and regroup as the checkpointed run did (_complete)
                 self._deferred.update(zip(names, grads))
-            elif order == list(range(len(names))):
+            elif layout.in_order:
                 flat = buffer.detach()
                 self._start_unit(flat, self.bucket_name(canonical), canonical,
                                  [g.numel() for g in grads], into=flat)
@@ -522,6 +518,12 @@ class GraceState:
             self._finish_bucket(fut, buffer)
         return fut
 
+    def _views_of(self, bucket, names) -> list:
+        """The bucket's gradients, views into its buffer, kept by name for ``_write_back``."""
+        grads = [g.detach() for g in bucket.gradients()]
+        self._views.update(zip(names, grads))
+        return grads
+
     def _finish_bucket(self, fut, buffer) -> None:
         """Receive the bucket's units now and complete its future (``_per_bucket``)."""
         units = self._exchange.finish()
@@ -532,9 +534,9 @@ class GraceState:
     def _write_back(self, units) -> None:
         """Copy the results of ``units`` that did not land in the bucket by themselves into
         the gradients' views of it."""
+        views = self._views
         for unit in units:
             if not unit.lands:
-                views = self._views
                 for n, part in zip(unit.members, unit.parts(unit.out)):
                     view = views[n]
                     view.copy_(part.reshape(view.shape))
@@ -631,7 +633,8 @@ class GraceState:
                              f"{sorted(state) if isinstance(state, dict) else type(state)}); "
                              f"expected keys include 'grace' and 'fingerprint'")
         check_saved(state, self._identity(), self.grace,
-                    "save state.state_dict() on every rank and load each rank's own")
+                    "save state.state_dict() on every rank and load each rank's own",
+                    lenient=("rank", "size"))
         # the pieces name the state: a checkpoint with other pieces is refused (one written
         # before pieces existed has no piece_bytes and loads; an unresolved "auto" on either
         # side takes the other's: module docstring, *Pieces*)

@@ -653,7 +653,7 @@ class _GraceDistributedOptimizer:
                           f"fresh", RuntimeWarning, stacklevel=2)
         else:
             rank, size = self._rank(), self._size()
-            check_saved(entry, {"fingerprint": self.grace.fingerprint(), "size": size},
+            check_saved(entry, {"size": size, "fingerprint": self.grace.fingerprint()},
                         self.grace)
             ranks = entry.get("ranks", {})
             if rank not in ranks:
