@@ -297,6 +297,13 @@ class OpsBackend(Protocol):
         """In place: every NaN and +-inf of ``var`` set to 0 (error feedback never keeps a
         non-finite value: ``grace_dl.memory.base``); returns var."""
 
+    def known_finite(self, x) -> bool:
+        """True where every entry of ``x`` is known finite without a device synchronisation
+        (an integer tensor; a CPU tensor with a finite sum); False: not known."""
+
+    def assign_zero_at(self, var, idx):
+        """In place: ``var.flat[idx] = 0`` (distinct flat positions); returns var."""
+
     def assign_matmul(self, var, a, b): ...
 
     def assign_sub_matmul(self, var, a, b): ...

@@ -246,6 +246,22 @@ def test_residual_sparse_update_in_tensorflow(traced):
         np.testing.assert_array_equal(fast.memory.state_dict()["w"], slow.state_dict()["w"])
 
 
+def test_tensorflow_assign_zero_at_and_known_finite():
+    """TF's twins of the ops the torch paths use: zeros at flat positions of a 2-D variable
+    (as torch writes them); a float tensor is never known finite in a graph."""
+    tf = pytest.importorskip("tensorflow")
+    from grace_dl.tensorflow import ops as tf_ops
+    from grace_dl.torch import ops as torch_ops
+
+    x = _tensor(3, (4, 6))
+    var = tf.Variable(x.numpy())
+    idx = [0, 5, 23]
+    tf_ops.assign_zero_at(var, tf.constant(idx, tf.int32))
+    torch_ops.assign_zero_at(x, torch.tensor(idx))
+    np.testing.assert_array_equal(var.numpy(), x.numpy())
+    assert not tf_ops.known_finite(tf.ones(3)) and tf_ops.known_finite(tf.range(3))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @pytest.mark.parametrize("sign", [None, 1, -1])
 @pytest.mark.parametrize("thr", [1.5, 0.0, -1.0, float("inf")])
@@ -432,6 +448,69 @@ def test_error_written_while_compressing_equals_decoding_after(compressor, commu
         for k in sa.get("server", {}):
             np.testing.assert_array_equal(sa["server"][k], sb["server"][k])
     assert calls    # the fused path ran
+
+
+@pytest.mark.parametrize("key,communicator",
+                         [(k, "allgather") for k in sorted(SPARSE)] +
+                         [("randomk", "allreduce"), ("randomk-unbiased", "allreduce")])
+def test_sparse_error_written_as_a_fill_equals_subtracting_what_was_sent(key, communicator):
+    """The sparsifiers' ``compress_with_error`` (the residual's slot with +0.0 at the sent
+    positions, O(k)) leaves the same results and residuals, bit for bit, as subtracting the
+    sent values after compressing: with an Inf and a NaN in the tensor (the Inf is sent by
+    the magnitude rules, then its slot entry is 0 either way; the NaN stays until the memory
+    clears it), then finite steps, where the CPU skips the mark and the slot's clean-up
+    (``ops.known_finite``). randomk ``unbiased`` sends scaled values: no fill (None)."""
+    params = {"compressor": key.split("-")[0], **SPARSE[key], "memory": "residual",
+              "communicator": communicator}
+    fused, plain = grace_from_params(dict(params)), grace_from_params(dict(params))
+    cls = type(plain.compressor)
+    plain.compressor.__class__ = type("Plain", (_DecodesAfter, cls), {})
+    got = []
+    path = fused.paths.on(torch.empty(1))
+    real = path.compress_with_error
+    path.compress_with_error = lambda *a, **k: got.append(real(*a, **k)) or got[-1]
+    for step in range(4):
+        x = _tensor(60 + step)
+        if step < 2:
+            x[5, 7] = float("nan")
+        else:
+            x = torch.nan_to_num(x, posinf=1.0)
+        a = fused.receive(fused.send(x.clone(), "w", collectives=_Mirror()))
+        b = plain.receive(plain.send(x.clone(), "w", collectives=_Mirror()))
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        ra, rb = fused.state_dict()["memory"]["w"], plain.state_dict()["memory"]["w"]
+        np.testing.assert_array_equal(ra, rb)
+        assert np.isfinite(ra).all()
+    assert len(got) == 4 and all((g is None) == (key == "randomk-unbiased") for g in got)
+
+
+@pytest.mark.parametrize("key", ["topk", "randomk", "threshold", "dgc"])
+def test_sparse_error_into_a_buffer_of_its_own(key):
+    """Given an ``error`` that is not the tensor's own memory (and a tensor without a flat
+    view), the path copies the tensor there first: ``error`` = tensor - decompress."""
+    comp = _compressor(key)
+    path = own(comp)
+    x = _tensor(7).t()            # not contiguous
+    error = torch.full((x.numel(),), 3.0)
+    payload, ctx = path.compress_with_error(x, "w", Call(0, 1), error)
+    expected = (x - comp.decompress(payload, ctx)).reshape(-1)
+    sent = comp.sent_entries(payload, ctx)[0].long()
+    # the Inf, where it was sent: x - x is NaN there, which the memory sets to 0 anyway
+    expected[sent] = expected[sent].nan_to_num(0.0, 0.0, 0.0)
+    np.testing.assert_array_equal(error.numpy(), expected.numpy())
+    assert path.compress_with_error(x, "w", Call(0, 1), error, decoded=torch.empty_like(x)) \
+        is None
+
+
+def test_known_finite_only_where_a_host_read_proves_it():
+    from grace_dl.torch import ops
+
+    assert ops.known_finite(torch.ones(5)) and ops.known_finite(torch.arange(3))
+    assert not ops.known_finite(torch.tensor([1.0, float("nan")]))
+    assert not ops.known_finite(torch.tensor([3e38, 3e38]))     # a finite sum out of range
+    v = torch.arange(12.0).view(3, 4).t()                      # not contiguous
+    ops.assign_zero_at(v, torch.tensor([0, 5], dtype=torch.int32))
+    assert v.reshape(-1)[[0, 5]].tolist() == [0.0, 0.0] and v.sum() == 66 - 9
 
 
 def test_signum_feeds_back_the_error_of_its_momentum_signs():

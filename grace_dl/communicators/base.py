@@ -494,12 +494,20 @@ class Communicator(Router, ABC):
         Non-finite values are sent in the step they occur in and kept nowhere
         (``grace_dl.memory.base``): for a compressor that may leave a NaN/Inf out of its
         payload (``caps.drops_nonfinite``) the payload is marked (``marked``) with a 0/NaN
-        scalar read from the compensated tensor (one reduction over it, no host sync); the
+        scalar read from the compensated tensor (one reduction over it, no host sync; on the
+        CPU a finite sum proves every entry finite and both the mark and the error slot's
+        clean-up are skipped: ``ops.known_finite``); the
         compressor's accumulating state (signum's momentum) is cleaned after compressing."""
         keeps_nothing = self.feedback.keeps_nothing     # memory ``none``: skipped
         compensated = tensor if keeps_nothing else \
             self.feedback.compensate(tensor, name, self.compressor)
-        mark = nonfinite_mark(compensated) if self.compressor.caps.drops_nonfinite else None
+        mark, finite = None, False
+        if self.compressor.caps.drops_nonfinite:
+            # where a host read is free (CPU) and proves every entry finite, the mark (-0.0)
+            # would change no bit and the error slot needs no clean-up: both skipped
+            finite = ops_for(compensated).known_finite(compensated)
+            if not finite:
+                mark = nonfinite_mark(compensated)
         # where ``compress`` is the path's, the path found once here
         compressing = self.paths.on(compensated) if self._plain_compress else self
         encoded = None
@@ -511,7 +519,7 @@ class Communicator(Router, ABC):
             got = None if slot is None else \
                 compressing.compress_with_error(compensated, name, call, slot)
             if got is not None:
-                self.feedback.error_written(name)
+                self.feedback.error_written(name, finite)
                 encoded = Encoded(name, *got, compensated, call)
         if encoded is None:
             payload, ctx = compressing.compress(compensated, name, call)

@@ -92,7 +92,9 @@ class Reference:
     ``compress_with_error(tensor, name, call, error, decoded=None)``
         ``compress``, also writing ``tensor - decompress(payload, ctx)`` into ``error`` (and
         the decompression into ``decoded``) while compressing; None where the path cannot
-        (the caller then decompresses);
+        (the caller then decompresses). For a compressor that ``drops_nonfinite``, an
+        ``error`` finite wherever ``tensor`` is (the communicator skips its clean-up when it
+        knows ``tensor`` finite);
     ``combine_with_feedback(payloads, ctx, slot, out)``
         two-phase's server step in one go: ``combine`` added to the residual ``slot``, that
         compressed, its error left in ``slot``, its decompression in ``out``; returns the

@@ -77,6 +77,13 @@ class RandomKPath(paths.Reference):
     #: ``sparse.scatter_sum``'s ``fast_sum`` (None: the ops' scatter)
     fast_sum = None
 
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        """The error as a fill of the sent positions (``sparse.compress_with_error``), where
+        the values sent are the tensor's own (not ``unbiased``'s scaled ones)."""
+        if self.compressor.unbiased:
+            return None
+        return sparse.compress_with_error(self, tensor, name, call, error, decoded)
+
     def divided(self, payload, divisor):
         return [payload[0] / divisor]
 

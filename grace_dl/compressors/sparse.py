@@ -17,7 +17,7 @@ import math
 import operator
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Capabilities, Compressor
+from grace_dl.compressors.base import Capabilities, Compressor, error_views
 from grace_dl.compressors.paths import Reference
 from grace_dl.dtypes import itemsize  # noqa: F401  (re-exported for the sparsifiers)
 
@@ -175,6 +175,9 @@ class SparsePath(Reference):
     #: ``scatter_sum``'s ``fast_sum`` (None: the ops' scatter)
     fast_sum = None
 
+    def compress_with_error(self, tensor, name, call, error, decoded=None):
+        return compress_with_error(self, tensor, name, call, error, decoded)
+
     def divided(self, payload, divisor):
         return [payload[0] / divisor, payload[1]]
 
@@ -187,6 +190,26 @@ class SparsePath(Reference):
         (the same sums as adding the ranks' decompressed tensors in rank order)."""
         return scatter_sum(ops_for(payloads[0][0]), list(map(_POSITIONS, payloads)),
                            list(map(_VALUES, payloads)), ctx, out, self.fast_sum)
+
+
+def compress_with_error(path, tensor, name, call, error, decoded=None):
+    """``path.compress``, also writing ``tensor - decompress(payload)`` into ``error``, for a
+    payload whose values are ``tensor``'s own entries: that is ``tensor`` with +0.0 at the
+    sent positions (x - x for a finite x, and the memory sets a NaN/Inf there to 0), so a
+    residual compensated in its own slot costs O(k) (a fill) instead of a subtraction of the
+    sent values. None, before compressing, for a ``decoded`` output or an ``error`` without
+    a flat view of ``tensor``'s dtype and length (TF): the caller then decompresses."""
+    ops = ops_for(tensor)
+    views = None if decoded is not None else error_views(tensor, error, None, ops.dtype(tensor))
+    if views is None:
+        return None
+    payload, ctx = path.compress(tensor, name, call)
+    positions = path.compressor.sent_entries(payload, ctx)[0]
+    own = ops.flat_view(tensor)     # the slot itself when compensated in place
+    if own is None or not ops.aliases(views[0], own):
+        ops.assign(views[0], ops.flatten(tensor))
+    ops.assign_zero_at(views[0], positions)
+    return payload, ctx
 
 
 #: a sparse payload's values and positions

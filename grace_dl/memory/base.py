@@ -71,7 +71,9 @@ class Feedback:
       tensor and sends a tensor of ``like``'s shape whose values are not read);
     - offer the slot that ``update`` would set to ``compensated - approximation`` while it
       holds the compensated tensor (``error_slot``), for the compressor's path to write its
-      error there while compressing; the communicator then calls ``error_written``;
+      error there while compressing; the communicator then calls ``error_written`` (with
+      ``finite=True`` where it knows the error holds no NaN/Inf, so the slot's clean-up is
+      skipped);
     - say that ``update`` does not read ``approximation`` (``wants_approximation``), so the
       communicator does not compute it."""
 
@@ -94,7 +96,7 @@ class Feedback:
     def error_slot(self, name, compressor):
         return None
 
-    def error_written(self, name) -> None:
+    def error_written(self, name, finite: bool = False) -> None:
         raise NotImplementedError(f"{type(self.memory).__name__} offers no error slot")
 
     def wants_approximation(self, compressor) -> bool:

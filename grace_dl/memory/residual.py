@@ -103,9 +103,10 @@ class ResidualFeedback(base.Feedback):
     def error_slot(self, name, compressor):
         return self._in_slot.get(name)
 
-    def error_written(self, name):
+    def error_written(self, name, finite=False):
         self._in_slot.pop(name, None)
-        self.memory.state.clean(name)
+        if not finite:
+            self.memory.state.clean(name)
 
     def update(self, tensor, name, compressor, payload, ctx, approximation=None):
         in_slot = self._in_slot.pop(name, None) is not None

@@ -673,6 +673,24 @@ def assign_finite(var):
     return var
 
 
+def known_finite(x) -> bool:
+    """False ("not known"): a graph has no host read of a tensor's values."""
+    return not x.dtype.is_floating
+
+
+def assign_zero_at(var, idx):
+    """In place: ``var.flat[idx] = 0``; returns var."""
+    flat_idx = tf.reshape(tf.cast(idx, tf.int64), [-1, 1])
+    zeros = tf.zeros(tf.shape(flat_idx)[:1], var.dtype)
+    if var.shape.rank == 1:
+        var.scatter_nd_update(flat_idx, zeros)
+    else:
+        shape = tf.shape(var, out_type=tf.int64)
+        var.scatter_nd_update(tf.transpose(tf.unravel_index(tf.reshape(flat_idx, [-1]), shape)),
+                              zeros)
+    return var
+
+
 def flat_view(var):
     """Always None: TF tensors and variables have no writable views."""
     return None

@@ -874,17 +874,36 @@ def assign_sub(var, value):
     return var
 
 
+def known_finite(x) -> bool:
+    """True where every entry of ``x`` is known finite without a device synchronisation: an
+    integer tensor, or a CPU tensor whose sum is finite (a NaN or an infinity makes the sum
+    non-finite; one read of ``x``). False says only "not known": a non-finite entry, a finite
+    sum out of range, or a tensor on the device path (no host read there)."""
+    if not x.is_floating_point():
+        return True
+    if x.device.type == "cuda" or _EMULATED[0]:
+        return False
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(x.sum(dtype=wide)))
+
+
 def assign_finite(var):
-    """In place: every NaN and +-inf of ``var`` set to 0; returns var. On the CPU the sum is
-    read first (a NaN or an infinity makes it non-finite; a finite sum out of range only
-    sends it to the rewrite) and the rewrite runs only where it says so: a read of the slot
-    instead of a read and a write. On the device path the rewrite always runs (no host
-    read)."""
-    if not (var.device.type == "cuda" or _EMULATED[0]) and var.is_floating_point():
-        wide = torch.float64 if var.dtype == torch.float64 else torch.float32
-        if torch.isfinite(var.sum(dtype=wide)):
-            return var
+    """In place: every NaN and +-inf of ``var`` set to 0; returns var. The rewrite runs only
+    where ``known_finite`` cannot rule it out: on the CPU a read of the slot instead of a read
+    and a write; on the device path it always runs (no host read)."""
+    if known_finite(var):
+        return var
     return var.nan_to_num_(0.0, 0.0, 0.0)
+
+
+def assign_zero_at(var, idx):
+    """In place: ``var.flat[idx] = 0`` (+0.0); returns var."""
+    idx = idx if idx.dtype == torch.int64 else idx.long()     # (index_fill_'s index type)
+    if var.is_contiguous():
+        var.view(-1).index_fill_(0, idx, 0.0)
+        return var
+    # e.g. a channels_last slot: positions are row-major
+    return var.copy_(var.reshape(-1).index_fill(0, idx, 0.0).view(var.shape))
 
 
 def flat_view(var):
