@@ -11,7 +11,7 @@ import torch
 from grace_dl import grace_from_params
 from grace_dl.communicators.base import accumulator, marked, nonfinite_mark
 from grace_dl.compressors.base import Call
-from grace_dl.compressors.paths import Reference, feedback_of, own
+from grace_dl.compressors.paths import Paths, Reference, feedback_of, own
 from grace_dl.registry import lookup
 from support import OneRank
 
@@ -500,6 +500,23 @@ def test_sparse_error_into_a_buffer_of_its_own(key):
     np.testing.assert_array_equal(error.numpy(), expected.numpy())
     assert path.compress_with_error(x, "w", Call(0, 1), error, decoded=torch.empty_like(x)) \
         is None
+
+
+def test_sign_paths_tell_a_finite_error_from_the_payloads_flag():
+    """The CPU signsgd path knows its error is finite from the payload's NaN/Inf flag (so
+    the communicator skips the slot's clean-up), for the worker and the server's step; the
+    reference never claims it."""
+    comp = lookup("compressor", "signsgd")()
+    path = Paths(comp).on(torch.empty(1))
+    assert type(path).__name__ == "SignSGDOnCpu"
+    x = _tensor(5).reshape(-1)
+    finite = torch.nan_to_num(x, posinf=2.0)
+    for t, expected in ((finite, True), (x, False)):
+        error = torch.empty_like(t)
+        payload, _ = path.compress_with_error(t.clone(), "w", Call(0, 1), error)
+        assert path.error_finite(payload) is expected
+        assert bool(torch.isfinite(error).all()) is expected
+    assert Reference(comp).error_finite(comp.compress(finite, "w")[0]) is False
 
 
 def test_known_finite_only_where_a_host_read_proves_it():

@@ -150,6 +150,9 @@ class TwoPhase(PackingCommunicator):
             compressed.append(got)
         return [p for p, _ in compressed], [c for _, c in compressed]
 
+    def _error_finite(self, payload) -> bool:
+        return all(self.paths.on(p).error_finite(p) for p in payload)
+
     def approximate(self, encoded: Encoded):
         """The chunks' decompressions joined in the tensor's shape."""
         like = encoded.compensated
@@ -359,10 +362,12 @@ class TwoPhase(PackingCommunicator):
                     and average_divisor(handle) is None)
         out = (ops.slice(into, start, start + ops.numel(like)) if in_place
                else self._buffer(f"{handle.name}/reduced", like))
-        payload = self.paths.on(payloads).combine_with_feedback(payloads, ctx, slot, out)
+        path = self.paths.on(payloads)
+        payload = path.combine_with_feedback(payloads, ctx, slot, out)
         if payload is None:
             return None
-        self.server.keep_finite(key)
+        if not path.error_finite(payload):
+            self.server.keep_finite(key)
         return wire.flatten(payload)[0], out, in_place
 
     def _recompress(self, reduced, key: str, call: Call):
@@ -381,10 +386,11 @@ class TwoPhase(PackingCommunicator):
             compensated = ops.read(ops.assign_add(slot, reduced))
         if not self.compressor.caps.sends_tensor:
             # ``reduced`` is in the slot now and the payload never holds it: decode there
-            got = self.paths.on(compensated).compress_with_error(
-                compensated, f"{key}/server", call, slot, reduced)
+            path = self.paths.on(compensated)
+            got = path.compress_with_error(compensated, f"{key}/server", call, slot, reduced)
             if got is not None:
-                self.server.keep_finite(key)
+                if not path.error_finite(got[0]):
+                    self.server.keep_finite(key)
                 return wire.flatten(got[0])[0], reduced
         payload, ctx = self.paths.on(compensated).compress(compensated, f"{key}/server", call)
         if self.compressor.caps.sends_tensor:

@@ -99,6 +99,11 @@ class Reference:
         two-phase's server step in one go: ``combine`` added to the residual ``slot``, that
         compressed, its error left in ``slot``, its decompression in ``out``; returns the
         payload, or None (the communicator runs the steps one by one, same result);
+    ``error_finite(payload)``
+        True where the path knows, without a device synchronisation, that the error (or
+        server slot) its ``compress_with_error`` / ``combine_with_feedback`` just wrote
+        with ``payload`` holds no NaN/Inf: the communicator then skips that slot's clean-up
+        (the reference: False, not known);
     ``divided(payload, divisor)``
         a payload that decompresses to this one's result divided by ``divisor``, made
         without a dense tensor (a sparse method's k values), or None: an average then divides
@@ -130,6 +135,9 @@ class Reference:
 
     def divided(self, payload, divisor):
         return None
+
+    def error_finite(self, payload) -> bool:
+        return False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.compressor).__name__})"

@@ -86,6 +86,11 @@ class SignSGDOnCpu(signsgd.SignSGDPath):
             signsgd.all_nan(ops, outs)     # as decoding gives
         return payload, (tuple(tensor.shape), ops.dtype(tensor))
 
+    def error_finite(self, payload):
+        """The payload's NaN/Inf flag, read on the host: without one, the error left is
+        x - sign(x) of finite x (the chunk's, or the server's slot + vote), finite."""
+        return not bool(signbits.flagged(ops, signbits.flag(ops, payload[0])))
+
     def _signs(self, pos, neg, status, ctx, out):
         shape, dtype = ctx
         n = math.prod(shape)
