@@ -686,14 +686,8 @@ def known_finite(x) -> bool:
 
 def assign_zero_at(var, idx):
     """In place: ``var.flat[idx] = 0``; returns var."""
-    flat_idx = tf.reshape(tf.cast(idx, tf.int64), [-1, 1])
-    zeros = tf.zeros(tf.shape(flat_idx)[:1], var.dtype)
-    if var.shape.rank == 1:
-        var.scatter_nd_update(flat_idx, zeros)
-    else:
-        shape = tf.shape(var, out_type=tf.int64)
-        var.scatter_nd_update(tf.transpose(tf.unravel_index(tf.reshape(flat_idx, [-1]), shape)),
-                              zeros)
+    at = _indices_of(var, idx)
+    var.scatter_nd_update(at, tf.zeros(tf.shape(at)[:1], var.dtype))
     return var
 
 
@@ -716,14 +710,17 @@ def assign_sub_matmul(var, a, b):
 
 def assign_sub_at(var, idx, values):
     """In place: ``var.flat[idx] -= values`` (distinct flat positions); returns var."""
+    var.scatter_nd_sub(_indices_of(var, idx), values)
+    return var
+
+
+def _indices_of(var, idx):
+    """The ``scatter_nd`` indices of ``var``'s flat positions ``idx`` (k x rank, int64)."""
     flat_idx = tf.reshape(tf.cast(idx, tf.int64), [-1, 1])
     if var.shape.rank == 1:
-        var.scatter_nd_sub(flat_idx, values)
-    else:
-        shape = tf.shape(var, out_type=tf.int64)
-        var.scatter_nd_sub(tf.transpose(tf.unravel_index(tf.reshape(flat_idx, [-1]), shape)),
-                           values)
-    return var
+        return flat_idx
+    shape = tf.shape(var, out_type=tf.int64)
+    return tf.transpose(tf.unravel_index(tf.reshape(flat_idx, [-1]), shape))
 
 
 
