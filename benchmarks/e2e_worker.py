@@ -52,6 +52,8 @@ import torch.nn as nn
 import grace_dl.torch.horovod as hvd
 from benchmarks.pipelines import PIPELINES, VARIANTS, kernels_on, make_grace, predict_step
 from grace_dl import native
+from grace_dl.compressors.base import LOCAL
+from grace_dl.compressors.paths import Paths
 from grace_dl.strategy.dispatcher import StrategyDispatcher
 
 MODELS = ("tiny", "mlp", "cnn", "resnet18", "transformer")
@@ -153,7 +155,8 @@ def time_update(model, repeats: int) -> float:
 
 def time_compress(grc, model, repeats: int, warmup: int = 1) -> float:
     """Median of ``repeats`` local replays of compress (+ later rounds) + decompress of every
-    gradient, after ``warmup`` untimed ones (the first creates the compressor's state)."""
+    gradient, after ``warmup`` untimed ones (the first creates the compressor's state), each
+    through the path training runs it on (``Paths.on``: the CPU kernels, the device path)."""
     if grc is None:
         return 0.0
     grads = [(n, p.grad.detach().clone()) for n, p in model.named_parameters()]
@@ -161,19 +164,20 @@ def time_compress(grc, model, repeats: int, warmup: int = 1) -> float:
         compressors = {n: grc.node(n).comm.compressor for n, _ in grads}
     else:
         compressors = dict.fromkeys((n for n, _ in grads), grc.compressor)
+    paths = {n: Paths(c) for n, c in compressors.items()}
     times = []
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
         for name, g in grads:
-            comp = compressors[name]
-            payload, ctx = comp.compress(g, "bench/" + name)
+            comp, path = compressors[name], paths[name].on(g)
+            payload, ctx = path.compress(g, "bench/" + name, LOCAL)
             reduced = payload
             # multi-round (PowerSGD): the local-only replay uses this rank's payloads as "reduced"
             nxt = comp.next_round(reduced, ctx)
             while nxt is not None:
                 reduced, ctx = nxt
                 nxt = comp.next_round(reduced, ctx)
-            comp.decompress(reduced, ctx)
+            path.decompress(reduced, ctx)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
