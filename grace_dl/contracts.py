@@ -297,10 +297,6 @@ class OpsBackend(Protocol):
         """In place: every NaN and +-inf of ``var`` set to 0 (error feedback never keeps a
         non-finite value: ``grace_dl.memory.base``); returns var."""
 
-    def assign_add_finite(self, var, value) -> bool:
-        """In place: ``var += value``; returns True where the add's own pass proved every
-        entry of the result finite, else False ("not known")."""
-
     def known_finite(self, x) -> bool:
         """True where every entry of ``x`` is known finite without a device synchronisation
         (an integer tensor; a CPU tensor with a finite sum); False: not known."""

@@ -131,46 +131,6 @@ def test_ternary_equals_the_table_on_every_path(every_path, n):
         np.testing.assert_array_equal(out, want, err_msg=f"path {bits}")
 
 
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan, "overflow"])
-def test_add_finite_equals_an_add_and_a_finite_check_on_every_path(every_path, n, bad):
-    """The residual's compensation on the CPU (``ops.assign_add_finite``): the bits of
-    torch's add, and "all finite" exactly when no sum is a NaN or an Inf (also where two
-    finite floats add up to an Inf), wherever the bad entry sits."""
-    rng = np.random.default_rng(n)
-    slot0 = rng.standard_normal(n).astype(np.float32)
-    x = rng.standard_normal(n).astype(np.float32)
-    if bad == "overflow" and n:
-        slot0[-1] = x[-1] = np.float32(3e38)
-    elif bad is not None and n:
-        x[n // 2] = bad
-    want = (torch.from_numpy(slot0) + torch.from_numpy(x)).numpy()
-    for bits in every_path:
-        native.limit_vector_bits(bits)
-        slot = slot0.copy()
-        assert native.add_finite(slot, x) == bool(np.isfinite(want).all()), bits
-        np.testing.assert_array_equal(slot, want, err_msg=f"path {bits}")
-    assert native.add_finite(slot0, x[:-1] if n else np.ones(1, np.float32)) is None
-    assert native.add_finite(slot0.astype(np.float64), x) is None
-
-
-def test_compensation_on_the_cpu_proves_the_slot_finite_once():
-    """The residual's in-slot compensation says "finite" from its own pass, for that step's
-    tensor only; a non-finite step, or a slot the glue filled, falls back to the check."""
-    from grace_dl.compressors.paths import feedback_of
-    from grace_dl.registry import lookup
-
-    fb = feedback_of(lookup("memory", "residual")())
-    comp = lookup("compressor", "topk")(compress_ratio=0.1)
-    c = fb.compensate(torch.ones(8), "w", comp)
-    assert "w" in fb._finite and fb.known_finite(c, "w") and "w" not in fb._finite
-    c = fb.compensate(torch.tensor([1.0] * 7 + [float("nan")]), "w", comp)
-    assert "w" not in fb._finite and not fb.known_finite(c, "w")
-    fb.accumulator("w", torch.ones(8), comp)
-    c = fb.compensate(torch.ones(8), "w", comp)
-    assert "w" not in fb._finite and not fb.known_finite(c, "w")     # the NaN stays in the slot
-
-
 def test_sign_kernels_refuse_what_they_do_not_take():
     a = _mixed(64, 2)
     assert native.sign_planes(a.astype(np.float64)) is None
@@ -298,7 +258,6 @@ def test_use_false_gives_every_kernel_to_its_twin():
         assert native.sfc64_seed([1, 2, 3, 4]) is None
         assert native.choice_sorted(np.zeros(4, np.uint64), 100, 3, False) is None
         assert native.top_positions(a, 3) is None
-        assert native.add_finite(np.zeros(4, np.float32), np.ones(4, np.float32)) is None
         assert native.sparse_sum(np.zeros(4, np.float32), [np.arange(2, dtype=np.int32)],
                                  [np.ones(2, np.float32)]) is None
         np.testing.assert_array_equal(

@@ -505,7 +505,7 @@ class Communicator(Router, ABC):
         if self.compressor.caps.drops_nonfinite:
             # where a host read is free (CPU) and proves every entry finite, the mark (-0.0)
             # would change no bit and the error slot needs no clean-up: both skipped
-            finite = self.feedback.known_finite(compensated, name)
+            finite = ops_for(compensated).known_finite(compensated)
             if not finite:
                 mark = nonfinite_mark(compensated)
         # where ``compress`` is the path's, the path found once here

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from grace_dl.backend import ops_for
 from grace_dl.state import Stateful
 
 
@@ -98,12 +97,6 @@ class Feedback:
 
     def error_slot(self, name, compressor):
         return None
-
-    def known_finite(self, compensated, name) -> bool:
-        """Whether this step's ``compensated`` tensor for ``name`` is known to hold no NaN/Inf
-        without a device synchronisation (``ops.known_finite``); a path whose compensation
-        proved it on its way says so from that pass."""
-        return ops_for(compensated).known_finite(compensated)
 
     def error_written(self, name, finite: bool = False) -> None:
         raise NotImplementedError(f"{type(self.memory).__name__} offers no error slot")

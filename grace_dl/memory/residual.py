@@ -76,7 +76,6 @@ class ResidualFeedback(base.Feedback):
         super().__init__(memory)
         self._in_slot: dict = {}    # names compensated in their slot, not yet updated: the slot
         self._accumulated: set = set()  # names whose tensor was added into the slot already
-        self._finite: set = set()       # names whose compensation proved the slot finite
 
     def _in_place(self, compressor) -> bool:
         return self.memory.beta == 1.0 and self.memory.gamma == 1.0 and \
@@ -90,19 +89,10 @@ class ResidualFeedback(base.Feedback):
             return self.memory.compensate(tensor, name)
         ops = ops_for(tensor)
         slot = self._in_slot[name] = self.memory.state.zeros(name, ops, tensor)
-        self._finite.discard(name)
         if name in self._accumulated:
             self._accumulated.discard(name)
             return ops.read(slot)
-        if ops.assign_add_finite(slot, tensor):
-            self._finite.add(name)
-        return ops.read(slot)
-
-    def known_finite(self, compensated, name):
-        if name in self._finite:
-            self._finite.discard(name)
-            return True
-        return super().known_finite(compensated, name)
+        return ops.read(ops.assign_add(slot, tensor))
 
     def accumulator(self, name, like, compressor):
         if not self._in_place(compressor):

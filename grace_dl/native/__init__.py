@@ -77,8 +77,6 @@ def _load():
                                               ctypes.POINTER(ctypes.c_void_p),
                                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                               ctypes.c_int]
-            lib.gd_add_finite_f32.restype = ctypes.c_int
-            lib.gd_add_finite_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
             lib.gd_limit_vector_bits.restype = None
             lib.gd_limit_vector_bits.argtypes = [ctypes.c_int]
             return lib
@@ -192,15 +190,6 @@ def sign_planes(a: np.ndarray, err: np.ndarray | None = None, dec: np.ndarray | 
                                         None if err is None else err.ctypes.data,
                                         None if dec is None else dec.ctypes.data)
     return out
-
-
-def add_finite(slot: np.ndarray, x: np.ndarray):
-    """``slot += x`` (1-D float32, C-contiguous, as many elements) in one compiled pass, the
-    bits of the framework's add; returns whether every sum is finite, or None where the kernel
-    does not apply (nothing written: the caller adds)."""
-    if not _enabled or not _f32(slot) or not _f32(x, slot.size):
-        return None
-    return not _lib.gd_add_finite_f32(slot.ctypes.data, x.ctypes.data, slot.size)
 
 
 def ternary(pos: np.ndarray, neg: np.ndarray, n: int, out: np.ndarray):

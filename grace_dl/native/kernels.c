@@ -750,38 +750,3 @@ int gd_sign_vote_feedback_f32(const uint8_t *const *payloads, int ranks, int64_t
     default: return vote_feedback_scalar(payloads, ranks, 0, n, slot, out_neg, out_zero, dec);
     }
 }
-
-/* slot[i] += x[i] for i < n (float32, no contraction: the bits of torch's add_); returns 1 if
- * any sum is a NaN or an Inf (its exponent bits all set). One pass where an add and a finite
- * check read the slot twice. The same loop compiled for each width (the compiler vectorizes
- * it; the adds are element-wise, so every width gives the same bits). */
-#define GD_ADD_FINITE_BODY                                          \
-    uint32_t bad = 0;                                               \
-    for (int64_t i = 0; i < n; i++) {                               \
-        float v = slot[i] + x[i];                                   \
-        uint32_t b;                                                 \
-        slot[i] = v;                                                \
-        memcpy(&b, &v, sizeof b);                                   \
-        bad |= (b & 0x7f800000u) == 0x7f800000u;                    \
-    }                                                               \
-    return bad != 0;
-
-static int add_finite_scalar(float *slot, const float *x, int64_t n) { GD_ADD_FINITE_BODY }
-
-#ifdef GD_X86
-__attribute__((target("avx512f")))
-static int add_finite_avx512(float *slot, const float *x, int64_t n) { GD_ADD_FINITE_BODY }
-
-__attribute__((target("avx2")))
-static int add_finite_avx2(float *slot, const float *x, int64_t n) { GD_ADD_FINITE_BODY }
-#endif
-
-int gd_add_finite_f32(float *slot, const float *x, int64_t n) {
-    switch (gd_vector_bits()) {
-#ifdef GD_X86
-    case 512: return add_finite_avx512(slot, x, n);
-    case 256: return add_finite_avx2(slot, x, n);
-#endif
-    default: return add_finite_scalar(slot, x, n);
-    }
-}

@@ -673,12 +673,6 @@ def assign_finite(var):
     return var
 
 
-def assign_add_finite(var, value) -> bool:
-    """In place: ``var += value``; returns False ("not known": no host read in a graph)."""
-    var.assign_add(value)
-    return False
-
-
 def known_finite(x) -> bool:
     """False ("not known"): a graph has no host read of a tensor's values."""
     return not x.dtype.is_floating

@@ -868,21 +868,6 @@ def assign_add(var, value):
     return var
 
 
-def assign_add_finite(var, value) -> bool:
-    """In place: ``var += value``; returns ``known_finite`` of the result where the add proves
-    it on its way (a CPU float32 pair of one shape: one compiled pass, ``native.add_finite``,
-    instead of an add and a sum), else False ("not known")."""
-    if var.dtype == torch.float32 and value.dtype == torch.float32 and \
-            var.device.type == "cpu" and value.device.type == "cpu" and not _EMULATED[0] and \
-            var.is_contiguous() and value.is_contiguous() and var.shape == value.shape:
-        finite = native.add_finite(var.detach().view(-1).numpy(),
-                                   value.detach().view(-1).numpy())
-        if finite is not None:
-            return finite
-    var.add_(value)
-    return False
-
-
 def assign_sub(var, value):
     """In place: ``var -= value``; returns var."""
     var.sub_(value.reshape(var.shape))
