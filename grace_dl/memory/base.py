@@ -7,13 +7,12 @@ and travels through ``state_dict``/``load_state_dict``.
 **Non-finite values.** A memory never keeps a NaN or an infinity: after each update the
 non-finite entries of a tensor's slots are set to 0 (``State.keep_finite``, one elementwise
 pass per slot; skipped where a CPU path already knows the slot finite:
-``Feedback.known_finite``, ``error_written(finite=True)``). A NaN/Inf in the compensated
-gradient is sent in the step it occurs in (the compressor carries it, or the communicator marks
-the payload of one that may leave it out: ``Capabilities.drops_nonfinite``), so the averaged
-gradient shows it as uncompressed training would, and AMP's ``GradScaler`` or a user's
-``isfinite`` guard sees it; the next step starts from a finite memory instead of sending NaN
-forever. ``reset(name=None)`` zeroes the state of one tensor or of all (after rolling the model
-back, for instance).
+``error_written(finite=True)``). A NaN/Inf in the compensated gradient is sent in the step it
+occurs in (the compressor carries it, or the communicator marks the payload of one that may
+leave it out: ``Capabilities.drops_nonfinite``), so the averaged gradient shows it as
+uncompressed training would, and AMP's ``GradScaler`` or a user's ``isfinite`` guard sees it;
+the next step starts from a finite memory instead of sending NaN forever. ``reset(name=None)``
+zeroes the state of one tensor or of all (after rolling the model back, for instance).
 """
 
 from __future__ import annotations
