@@ -50,7 +50,8 @@ class PowerSGDMemory(base.Memory):
             if not in_slot:
                 ops.assign(slot, tensor)
             if not compressor.subtract_local_share(ctx, slot):
-                ops.assign(slot, ops.zeros_like(tensor))
+                self.state.zero([name])     # sent uncompressed: nothing lost, nothing to clean
+                return
         else:
             sent = base.sent(compressor, payload, ctx, approximation)
             if in_slot:
