@@ -674,7 +674,8 @@ def assign_finite(var):
 
 
 def known_finite(x) -> bool:
-    """False ("not known"): a graph has no host read of a tensor's values."""
+    """True for an integer tensor; for a float one False ("not known": a graph has no host
+    read of a tensor's values)."""
     return not x.dtype.is_floating
 
 
