@@ -519,6 +519,22 @@ def test_sign_paths_tell_a_finite_error_from_the_payloads_flag():
     assert Reference(comp).error_finite(comp.compress(finite, "w")[0]) is False
 
 
+def test_qsgd_cpu_path_tells_a_finite_error_from_the_norms():
+    """qsgd's CPU path: bucket norms finite and below 1e38 prove the error finite; a NaN, an
+    Inf or norms near the float32 range (where input minus decoding could overflow) do not."""
+    comp = lookup("compressor", "qsgd")(quantum_num=64, bucket_size=128)
+    path = Paths(comp).on(torch.empty(1))
+    assert type(path).__name__ == "QSGDOnCpu"
+    x = _tensor(9).reshape(-1)
+    for t, expected in ((torch.nan_to_num(x, posinf=2.0), True), (x, False),
+                        (torch.full((300,), 3e37), False)):
+        error = torch.empty_like(t)
+        payload, _ = path.compress_with_error(t.clone(), "w", Call(0, 1), error)
+        assert path.error_finite(payload) is expected
+        if expected:
+            assert bool(torch.isfinite(error).all())
+
+
 def test_known_finite_only_where_a_host_read_proves_it():
     from grace_dl.torch import ops
 

@@ -186,6 +186,13 @@ class QSGDOnCpu(QSGDPath):
     def compress(self, tensor, name, call):
         return self.compressor._compress(tensor, name, call, fast_levels=_qsgd_levels)
 
+    def error_finite(self, payload):
+        """From the bucket norms, read on the host (one float per bucket): where all are
+        finite and below 1e38, every bucket's input and decoding are finite and at most its
+        norm in magnitude, so the error (their difference) is finite."""
+        norms = payload[1]
+        return norms.numel() == 0 or bool(norms.abs().max() < 1e38)
+
     def compress_with_error(self, tensor, name, call, error, decoded=None):
         outs = self.compressor._error_outs(tensor, error, decoded)
         if outs is None:
