@@ -53,7 +53,6 @@ import grace_dl.torch.horovod as hvd
 from benchmarks.pipelines import PIPELINES, VARIANTS, kernels_on, make_grace, predict_step
 from grace_dl import native
 from grace_dl.compressors.base import LOCAL
-from grace_dl.compressors.paths import Paths
 from grace_dl.strategy.dispatcher import StrategyDispatcher
 
 MODELS = ("tiny", "mlp", "cnn", "resnet18", "transformer")
@@ -156,20 +155,20 @@ def time_update(model, repeats: int) -> float:
 def time_compress(grc, model, repeats: int, warmup: int = 1) -> float:
     """Median of ``repeats`` local replays of compress (+ later rounds) + decompress of every
     gradient, after ``warmup`` untimed ones (the first creates the compressor's state), each
-    through the path training runs it on (``Paths.on``: the CPU kernels, the device path)."""
+    through the path training runs it on (the communicator's ``paths``: the CPU kernels, the
+    device path)."""
     if grc is None:
         return 0.0
     grads = [(n, p.grad.detach().clone()) for n, p in model.named_parameters()]
     if isinstance(grc, StrategyDispatcher):  # each gradient's own pipeline
-        compressors = {n: grc.node(n).comm.compressor for n, _ in grads}
+        comms = {n: grc.node(n).comm for n, _ in grads}
     else:
-        compressors = dict.fromkeys((n for n, _ in grads), grc.compressor)
-    paths = {n: Paths(c) for n, c in compressors.items()}
+        comms = dict.fromkeys((n for n, _ in grads), grc)
     times = []
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
         for name, g in grads:
-            comp, path = compressors[name], paths[name].on(g)
+            comp, path = comms[name].compressor, comms[name].paths.on(g)
             payload, ctx = path.compress(g, "bench/" + name, LOCAL)
             reduced = payload
             # multi-round (PowerSGD): the local-only replay uses this rank's payloads as "reduced"

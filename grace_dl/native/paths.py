@@ -55,6 +55,12 @@ def _from(array):
 
 
 # ------------------------------------------------------------------ signs
+def _flagged(packed) -> bool:
+    """Whether a pure-sign payload's flag says its input held a NaN or an Inf (read on the
+    host: the CPU path's payloads are there)."""
+    return bool(signbits.flagged(ops, signbits.flag(ops, packed)))
+
+
 @register(signsgd.SignSGDCompressor, KIND)
 class SignSGDOnCpu(signsgd.SignSGDPath):
     """signsgd: both planes and the status in one compiled pass (``native.sign_planes``, with
@@ -82,14 +88,14 @@ class SignSGDOnCpu(signsgd.SignSGDPath):
         if full is None:
             return super().compress_with_error(tensor, name, call, error, decoded)
         payload = [signsgd.from_full(ops, full, tensor.numel())]
-        if bool(signbits.flagged(ops, signbits.flag(ops, payload[0]))):
+        if _flagged(payload[0]):
             signsgd.all_nan(ops, outs)     # as decoding gives
         return payload, (tuple(tensor.shape), ops.dtype(tensor))
 
     def error_finite(self, payload):
         """The payload's NaN/Inf flag, read on the host: without one, the error left is
         x - sign(x) of finite x (the chunk's, or the server's slot + vote), finite."""
-        return not bool(signbits.flagged(ops, signbits.flag(ops, payload[0])))
+        return not _flagged(payload[0])
 
     def _signs(self, pos, neg, status, ctx, out):
         shape, dtype = ctx
@@ -135,7 +141,7 @@ class SignSGDOnCpu(signsgd.SignSGDPath):
         if full is None:
             return None
         payload = signsgd.from_full(ops, torch.from_numpy(full), n)
-        if bool(signbits.flagged(ops, signbits.flag(ops, payload))):
+        if _flagged(payload):
             signsgd.all_nan(ops, (slot_flat, out_flat))
         return [payload]
 
