@@ -22,7 +22,12 @@ there too), and grace_dl's futures have no callbacks of their own. Counted are `
 ``"call"`` events (Python frames entered: functions, comprehensions and each resumption of a
 generator; not C functions) whose code lies in a file inside the ``grace_dl`` package, with the
 garbage collector off so that no finaliser lands in a step at random. ``files`` is how many
-distinct grace_dl files those calls are in.
+distinct grace_dl files those calls are in. ``torch_ops`` is how many torch operations (ATen
+operators, as a ``TorchDispatchMode`` sees them) the hook's call issues in that step: on a GPU
+each is a launch whose host cost (10-20 us on the lent H100's host, docs DECISIONS) adds to the
+step where the device waits for it. Counted on the path the tensors take (the CPU's here: its
+compiled kernels are C calls, not torch operations; a pipeline with a Triton kernel on the GPU
+issues fewer there).
 
 The issue's targets (``TARGETS``: calls per step, and files) stand beside the counts; a
 pipeline without a target has none yet. ``--model mlp5m`` counts the DDP benchmark's 5.8M
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import grace_dl
 from benchmarks import records, tables
@@ -135,6 +141,18 @@ class CallCounter:
         return out
 
 
+class OpCounter(TorchDispatchMode):
+    """Torch operations dispatched while active (``with counter:``, on this thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _process_group(device: str = "cpu"):
     """Start a single-process group (gloo; NCCL for ``device`` cuda) unless a group exists
     (then it is used); whether this started one (and should destroy it)."""
@@ -160,23 +178,28 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
         net = DDP(build().to(device), bucket_cap_mb_list=[100])    # one bucket
         state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
         counter = CallCounter()
-        hooked = []
+        hooked, ops = [], []
 
         def hook(state, bucket):            # unannotated: DDP checks only given annotations
             hooked.append(bucket.index())
-            with counter.cover_this_thread():
+            if not counter.active:
                 return grace_ddp.comm_hook(state, bucket)
+            with counter.cover_this_thread(), OpCounter() as issued:
+                future = grace_ddp.comm_hook(state, bucket)
+            ops.append(issued.ops)
+            return future
 
         net.register_comm_hook(state, hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         loss_fn = nn.CrossEntropyLoss()
         x = torch.randn(batch, *shape, device=device)
         y = torch.randint(0, 10, (batch,), device=device)
-        per_step, buckets = [], []
+        per_step, buckets, ops_per_step = [], [], []
         for step in range(warmup + steps):
             opt.zero_grad()
             loss = loss_fn(net(x), y)
             hooked.clear()
+            ops.clear()
             if step < warmup:
                 loss.backward()
             else:
@@ -184,6 +207,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
                     loss.backward()
                 per_step.append(counter.grace_calls())
                 buckets.append(len(hooked))
+                ops_per_step.append(sum(ops))
             opt.step()
         units = len(state.last_step_names)
     finally:
@@ -203,6 +227,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
         "buckets": max(buckets), "grace_tensors": units,
         "calls": sum(last.values()), "files": len(files),
         "calls_per_step": [sum(s.values()) for s in per_step],
+        "torch_ops": ops_per_step[-1], "torch_ops_per_step": ops_per_step,
         "target_calls": target[0] if target else None,
         "target_files": target[1] if target else None,
         "top_files": [[f, n] for f, n in sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))],
@@ -220,7 +245,9 @@ ABOUT = (
     "included; C functions not) whose code is in a grace_dl file, from the start of "
     "`loss.backward()` to its return (the hook, its future's completion, DDP's copy into "
     "`.grad`; not the forward pass or the optimizer step), for one step; *files* how many "
-    "distinct grace_dl files they are in. *target*: issue 42's aim for that pipeline (none "
+    "distinct grace_dl files they are in; *torch ops* the torch operations (ATen operators) the "
+    "hook's call issues in that step, on the CPU's path (on a GPU each is a launch). "
+    "*target*: issue 42's aim for that pipeline (none "
     "where it set none). The count does not depend on the machine; it moves with the code. "
     "Below: where the calls of each pipeline go, by function (file:line qualified name).")
 def main(argv=None) -> int:

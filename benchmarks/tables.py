@@ -441,7 +441,7 @@ def gpu_steps(doc: dict, plot: str | None = None) -> str:
 
 # --------------------------------------------------------------------------------- hook calls
 HOOK_CALLS_COLUMNS = ["pipeline", "calls", "target calls", "files", "target files",
-                      "grace tensors", "top files (calls)"]
+                      "torch ops", "grace tensors", "top files (calls)"]
 
 
 def hook_calls_rows(records: list[dict]) -> list[dict]:
@@ -459,6 +459,7 @@ def hook_calls_rows(records: list[dict]) -> list[dict]:
             "target calls": f"<= {r['target_calls']}" if r.get("target_calls") else "",
             "files": r["files"],
             "target files": f"<= {r['target_files']}" if r.get("target_files") else "",
+            "torch ops": r.get("torch_ops", ""),
             "grace tensors": r.get("grace_tensors"),
             "top files (calls)": ", ".join(f"{f} {n}" for f, n in r["top_files"][:4])})
     return out

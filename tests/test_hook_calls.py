@@ -12,6 +12,9 @@ from benchmarks import hook_calls, records, tables
 #: step exchange, communicators/exchange.py, added its file and 2-3 calls to 70b3e8b's.)
 MEASURED = {"none": (22, 6), "topk": (96, 16), "qsgd-2phase": (356, 19)}
 MARGIN = 1.10
+#: torch operations the hook issues per step (the *torch ops* column; on a GPU each is a
+#: launch), as measured when the column was added
+TORCH_OPS = {"none": 2, "powersgd": 292}
 
 
 def test_only_calls_in_grace_dl_files_are_counted():
@@ -62,12 +65,19 @@ def test_counts_do_not_grow(pipeline):
     assert got["target_calls"] == hook_calls.TARGETS[pipeline][0]
 
 
+@pytest.mark.parametrize("pipeline", sorted(TORCH_OPS))
+def test_torch_operations_per_step_do_not_grow(pipeline):
+    got = hook_calls.count(pipeline, warmup=2, steps=2)
+    assert got["torch_ops_per_step"] == [got["torch_ops"]] * 2      # step to step
+    assert 0 < got["torch_ops"] <= int(TORCH_OPS[pipeline] * MARGIN), got["torch_ops"]
+
+
 def test_table_puts_targets_beside_counts_and_the_main_prints_it(capsys, tmp_path):
     out = tmp_path / "hook_calls.json"
     assert hook_calls.main(["--pipelines", "none", "fp16", "--warmup", "2", "--steps", "1",
                             "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| pipeline | calls | target calls | files | target files |" in text
+    assert "| pipeline | calls | target calls | files | target files | torch ops |" in text
     assert "| none | " in text and "| <= 40 | " in text and "| <= 8 | " in text
     assert "`fp16`: the 10 functions called most" in text
     doc = records.load(out)
