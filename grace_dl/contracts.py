@@ -177,6 +177,13 @@ class OpsBackend(Protocol):
 
     def matmul(self, a, b): ...
 
+    def qr(self, x):
+        """The reduced QR factors ``(q, r)`` of a k x r matrix (k >= r), by Householder
+        reflections (LAPACK's, cuSOLVER's, Eigen's): one call, whatever r."""
+
+    def diagonal(self, x):
+        """The main diagonal of a matrix, 1-D."""
+
     def cat(self, xs, axis=0): ...
 
     def stack(self, xs, axis=0): ...

@@ -597,3 +597,58 @@ def test_the_warm_start_q_reaches_the_product_column_major():
     c = PowerSGDCompressor(compress_rank=2)
     q = c._warm_q(ops, "w", 300, 2, torch.zeros(4, 300))
     assert tuple(q.shape) == (300, 2) and q.stride() == (1, 300)
+
+
+# ------------------------------------------------------------------ orthonormalization
+def gram_schmidt(x):
+    """Classical Gram–Schmidt in float64 NumPy, each column divided by max(norm, 1e-20)."""
+    out = []
+    for j in range(x.shape[1]):
+        v = x[:, j].astype(np.float64)
+        for u in out:
+            v = v - (v @ u) * u
+        out.append(v / max(np.linalg.norm(v), 1e-20))
+    return np.stack(out, 1)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("r", [1, 2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_orthonormalize_gives_gram_schmidts_columns(fw, r, dtype):
+    from grace_dl.compressors.powersgd import orthonormalize
+
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal((40, r))
+    x[:, -1] *= 1e-6            # a small last column keeps its direction (not a zero one)
+    t = as_tensor(fw, x, dtype)
+    out = orthonormalize(ops_for(t), t)
+    assert ops_for(out).dtype(out) == dtype and ops_for(out).shape(out) == (40, r)
+    tol = {"float32": 2e-5, "float64": 1e-12, "bfloat16": 1e-2}[dtype]
+    want = gram_schmidt(as_numpy(t))    # of the input as the dtype holds it
+    np.testing.assert_allclose(as_numpy(out), want, atol=tol)
+    if r > 1:   # the rescale is what makes QR's columns Gram–Schmidt's: without it, this fails
+        ops = ops_for(t)
+        raw = as_numpy(ops.qr(ops.cast(t, "float32") if dtype == "bfloat16" else t)[0])
+        assert np.abs(raw - want).max() > 0.5
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_orthonormalize_keeps_zero_columns_zero_and_the_rest_orthonormal(fw):
+    from grace_dl.compressors.powersgd import orthonormalize
+
+    rng = np.random.default_rng(0)
+    zero = as_tensor(fw, np.zeros((12, 3)))
+    np.testing.assert_array_equal(as_numpy(orthonormalize(ops_for(zero), zero)), 0)
+    last = rng.standard_normal((12, 3))
+    last[:, 2] = 0              # a zero last column: exactly Gram–Schmidt's result
+    t = as_tensor(fw, last)
+    out = as_numpy(orthonormalize(ops_for(t), t))
+    np.testing.assert_allclose(out, gram_schmidt(last), atol=2e-5)
+    middle = rng.standard_normal((12, 3))
+    middle[:, 1] = 0            # a zero column before a non-zero one (the documented case)
+    t = as_tensor(fw, middle)
+    out = as_numpy(orthonormalize(ops_for(t), t))
+    np.testing.assert_array_equal(out[:, 1], 0)
+    kept = out[:, [0, 2]]
+    np.testing.assert_allclose(kept.T @ kept, np.eye(2), atol=1e-5)
+    np.testing.assert_allclose(out[:, 0], gram_schmidt(middle)[:, 0], atol=2e-5)

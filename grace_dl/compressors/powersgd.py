@@ -8,7 +8,7 @@ as two dense factors in two allreduce rounds (r = min(compress_rank, n, m)):
 1. ``compress``:   P = M Q, with Q (m x r) this tensor's warm-start matrix, orthonormalized.
    **The first allreduce sends P: n x r elements** of the gradient's dtype; the wire **sums**
    the P of all ranks.
-2. ``next_round``: P_hat = orthonormalize(sum of P) (Gram–Schmidt), Q_w = M^T P_hat.
+2. ``next_round``: P_hat = orthonormalize(sum of P), Q_w = M^T P_hat.
    **The second sends Q_w: m x r elements**; the wire sums them.
 3. ``decompress``: P_hat (sum_w Q_w)^T, reshaped to the gradient's shape and dtype. This is the
    *sum* of every rank's share P_hat Q_w^T, so the communicator's ``op=average`` division by the
@@ -33,11 +33,12 @@ as they are; Keras layouts (Dense (in, out); conv (*spatial, I, O)) are permuted
 (O, I, *spatial) first, so the same logical kernel gives the same matrix, and the same result,
 in both frameworks.
 
-Orthonormalization is modified Gram–Schmidt (two passes) where each column is divided by
-max(norm, 1e-20), not by its norm: exact for any column that is not (numerically) zero, and an
-all-zero layer stays finite (P_hat = 0, result 0). A column of the warm-start Q that became zero
-(the layer was zero, or had lower rank than r) is refilled from the initial draw, so the
-iteration never gets stuck in a smaller subspace. 16-bit inputs are orthonormalized in float32.
+Orthonormalization is Gram–Schmidt's, computed by one Householder QR (``orthonormalize``),
+where each column is divided by max(norm, 1e-20), not by its norm: exact for any column that is
+not (numerically) zero, and an all-zero layer stays finite (P_hat = 0, result 0). A column of
+the warm-start Q that became zero (the layer was zero, or had lower rank than r) is refilled
+from the initial draw, so the iteration never gets stuck in a smaller subspace. 16-bit inputs
+are orthonormalized in float32.
 
 ``tf.function``: works, with static tensor shapes; the step counter is then a graph tensor, so
 ``start_step > 0`` (a per-step choice between payloads of different shapes) raises ValueError
@@ -271,21 +272,25 @@ class PowerSGDPath(paths.Reference):
 
 
 def orthonormalize(ops, matrix):
-    """Modified Gram–Schmidt with re-orthogonalization on the columns of ``matrix`` (k x r):
-    orthonormal columns spanning the same space; each column is divided by max(norm, EPSILON),
-    so zero columns stay zero. Computed in float32 for 16-bit inputs."""
+    """Orthonormal columns from the columns of ``matrix`` (k x r, k >= r), as Gram–Schmidt
+    gives them: column j is what is left of column j after removing its projection on the
+    columns before it, divided by max(its norm, EPSILON), so a zero column stays zero. One
+    Householder QR (``ops.qr``: more accurate than Gram–Schmidt in float32, and one call
+    instead of O(r^2) vector operations): ``matrix = Q R``, and what is left of column j is
+    ``R[j, j] Q[:, j]``, so the result is ``Q`` with column j scaled by
+    ``R[j, j] / max(|R[j, j]|, EPSILON)``. The one difference from Gram–Schmidt: where an
+    exactly zero column comes before non-zero ones, QR gives it a unit direction of its own,
+    which the later columns are then orthogonal to (the result is still orthonormal; its
+    span may leave ``matrix``'s). One column (rank 1) is only divided. Computed in float32
+    for 16-bit inputs."""
     dt = ops.dtype(matrix)
     work = ops.cast(matrix, "float32") if dt in ("float16", "bfloat16") else matrix
-    rows = ops.transpose(work)  # columns as rows, so ops.slice can take them
-    r = ops.shape(rows)[0]
-    done = []
-    for i in range(r):
-        v = ops.slice(rows, i, i + 1)
-        for _ in range(2 if done else 0):  # twice: one pass loses orthogonality in float32
-            for u in done:
-                v = v - ops.sum(v * u) * u
-        done.append(v / ops.clamp(ops.norm(v), EPSILON))
-    out = ops.transpose(done[0] if r == 1 else ops.cat(done, 0))
+    if ops.shape(work)[1] == 1:
+        out = work / ops.clamp(ops.norm(work), EPSILON)
+    else:
+        q, r = ops.qr(work)
+        d = ops.diagonal(r)
+        out = q * (d / ops.clamp(ops.abs(d), EPSILON))
     return ops.cast(out, dt) if work is not matrix else out
 
 

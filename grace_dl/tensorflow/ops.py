@@ -256,6 +256,15 @@ def matmul(a, b):
     return tf.linalg.matmul(a, b)
 
 
+def qr(x):
+    """The reduced QR factors ``(q, r)`` of a k x r matrix (k >= r), by Householder
+    reflections."""
+    return tf.linalg.qr(x, full_matrices=False)
+
+
+diagonal = tf.linalg.diag_part
+
+
 # ------------------------------------------------------------------ joining, slicing, indexing
 def cat(xs, axis=0):
     return tf.concat(list(xs), axis=axis)

@@ -259,6 +259,12 @@ def matmul(a, b):
     return _product(a, b)
 
 
+#: the reduced QR factors ``(q, r)`` of a k x r matrix (k >= r), by Householder reflections
+#: (LAPACK on the CPU, cuSOLVER on a GPU)
+qr = torch.linalg.qr
+diagonal = torch.diagonal
+
+
 def _product(a, b, out=None, alpha=None):
     """``a @ b`` (into ``out`` when given; ``out += alpha * a @ b`` with ``alpha``). On the
     CPU a product over an inner dimension of at most ``OUTER_MAX_INNER`` with a large result
