@@ -67,6 +67,22 @@ class Collectives(ABC):
         ``allgather_async``."""
         return self.allgather_async(tensor, name)
 
+    def allgather_parts_async(self, parts, names, lengths_name: str):
+        """Start gathering every rank's 1-D ``parts`` when their lengths may differ across
+        ranks, with an int32 vector of those lengths (what a payload of data-dependent size
+        sends). Returns ``(handles, lengths)``: ``handles[i]`` resolves to every rank's part i
+        joined in rank order (sent as ``names[i]``), ``lengths`` to every rank's vector of
+        lengths, rank after rank (sent as ``lengths_name``). Default: the lengths (known to
+        be ``len(parts)`` long on every rank) and each part gathered on its own, each part
+        sized by the engine (Horovod negotiates sizes itself); an engine that must size its
+        buffers first waits for the lengths once instead of a size exchange per part."""
+        from grace_dl.backend import ops_for
+
+        handles = [self.allgather_async(p, n) for p, n in zip(parts, names)]
+        numels = ops_for(parts[0]).numels(parts)
+        return handles, self.allgather_known_async(numels, [len(parts)] * self.size(),
+                                                   lengths_name)
+
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         """``alltoall_async`` when the caller knows every rank's splits: ``matrix[r][j]``,
         the rows rank r sends to rank j, the same on every rank (row ``rank()`` is

@@ -65,15 +65,17 @@ class Allgather(PackingCommunicator):
         flats, shapes = ops.flat_parts(encoded.payload)         # (``wire.flatten``)
         sent = ops.total_nbytes(flats)
         lengths = None
-        if not self.compressor.caps.equal_sizes:
-            numels = ops.numels(flats)
-            lengths = coll.allgather_async(numels, self.wire_name(handle.name, "len"))
-            sent = sent + ops.nbytes(numels)
-        packed = None if lengths is not None else self.packed_layout(flats, ops)
-        # equal sizes: every rank's part is as long as this rank's, so an engine that sizes
-        # its buffers first (torch.distributed) needs no exchange of sizes (``_known``)
         size = encoded.call.size
-        if packed is not None:
+        if not self.compressor.caps.equal_sizes:
+            # sizes differ across ranks: the parts and an int32 vector of their lengths
+            names = [self.wire_name(handle.name, f"p{i}") for i in range(len(flats))]
+            parts, lengths = coll.allgather_parts_async(flats, names,
+                                                        self.wire_name(handle.name, "len"))
+            sent = sent + 4 * len(flats)
+            packed = numels = None
+        elif (packed := self.packed_layout(flats, ops)) is not None:
+            # equal sizes: every rank's part is as long as this rank's, so an engine that sizes
+            # its buffers first (torch.distributed) needs no exchange of sizes (``_known``)
             buffer = ops.pack_parts(flats)
             parts = [coll.allgather_known_async(buffer, [ops.numel(buffer)] * size,
                                                 self.wire_name(handle.name, "p"))]
@@ -81,10 +83,9 @@ class Allgather(PackingCommunicator):
         else:
             parts, numels = [], []
             for i, f in enumerate(flats):
-                name = self.wire_name(handle.name, f"p{i}")
                 numels.append(ops.numel(f))
-                parts.append(coll.allgather_async(f, name) if lengths is not None else
-                             coll.allgather_known_async(f, [numels[i]] * size, name))
+                parts.append(coll.allgather_known_async(f, [numels[i]] * size,
+                                                        self.wire_name(handle.name, f"p{i}")))
         wire.count(self, ops, handle.name, sent=sent)
         return Gathering(parts, lengths, shapes, numels, sent, packed)
 

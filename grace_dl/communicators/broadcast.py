@@ -90,7 +90,9 @@ class Broadcast(PackingCommunicator):
             numels = ops.numels(flats)
             sent = sent + ops.nbytes(numels)
             phase = Sizing(flats, shapes,
-                           coll.allgather_async(numels, self.wire_name(handle.name, "len")), sent)
+                           coll.allgather_known_async(numels, [len(flats)] * coll.size(),
+                                                      self.wire_name(handle.name, "len")),
+                           sent)
         wire.count(self, ops, handle.name, sent=sent)
         return phase
 

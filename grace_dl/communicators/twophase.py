@@ -252,10 +252,9 @@ class TwoPhase(PackingCommunicator):
                                                   self.wire_name(handle.name, "ag.p"))]
         elif phase.ragged:
             pieces = [mine[i] if mine is not None else got[i] for i in range(n_parts)]
-            gathers = [coll.allgather_async(p, self.wire_name(handle.name, f"ag.p{i}"))
-                       for i, p in enumerate(pieces)]
-            numels = ops.numels(pieces)
-            lengths = coll.allgather_async(numels, self.wire_name(handle.name, "ag.len"))
+            gathers, lengths = coll.allgather_parts_async(
+                pieces, [self.wire_name(handle.name, f"ag.p{i}") for i in range(n_parts)],
+                self.wire_name(handle.name, "ag.len"))
         else:
             gathers = []
             for i in range(n_parts):
@@ -265,7 +264,7 @@ class TwoPhase(PackingCommunicator):
                     piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
         sent = ops.total_nbytes(mine) if mine is not None else 0
         if lengths is not None:
-            sent = sent + ops.nbytes(numels)
+            sent = sent + 4 * n_parts
             received = 0        # counted when the gather is in (``_join``)
         else:
             received = 0

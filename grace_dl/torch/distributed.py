@@ -291,6 +291,17 @@ class DistCollectives(Collectives):
 
         return _Pending(work, finish)
 
+    def allgather_parts_async(self, parts, names, lengths_name: str):
+        """The lengths first, waited for (the one exchange of sizes: each part's buffers are
+        then sized from them), then every part with its ranks' lengths known."""
+        size, n = self.size(), len(parts)
+        numels = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+        every = self.synchronize(self.allgather_known_async(numels, [n] * size, lengths_name))
+        table = every.view(size, n).tolist()
+        handles = [self.allgather_known_async(p, [row[i] for row in table], name)
+                   for i, (p, name) in enumerate(zip(parts, names))]
+        return handles, _Pending([], lambda: every)
+
     def broadcast_async(self, tensor, root: int, name: str):
         if not 0 <= int(root) < self.size():
             raise ValueError(f"broadcast root must be a rank in [0, {self.size()}), got "

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mp
 from benchmarks.pipelines import GRACE
 from grace_dl import grace_from_params
+from grace_dl.collectives import Collectives
 from grace_dl.torch import ddp as grace_ddp
 from grace_dl.torch.distributed import DistCollectives
 
@@ -338,6 +339,25 @@ def mode_collectives() -> dict:
     out["gather_known"] = torch.equal(
         coll.synchronize(coll.allgather_known_async(ragged, counts, "ag.known")),
         coll.synchronize(coll.allgather_async(ragged, "ag.unknown")))
+    # a ragged payload's parts and their lengths: the lengths once, then each part sized
+    # from them (n + 1 all_gather calls), against the default's gathers that each size
+    # themselves (a size exchange per part): the same tensors
+    parts = [torch.arange(2 * r + 1, dtype=torch.float32) + 10 * r,
+             torch.full((r + 3,), r, dtype=torch.uint8), torch.zeros(0, dtype=torch.int32)]
+    calls = []
+    all_gather = dist.all_gather
+    dist.all_gather = lambda *a, **k: (calls.append(1), all_gather(*a, **k))[1]
+    try:
+        mine = coll.allgather_parts_async(parts, ["pp0", "pp1", "pp2"], "pp.len")
+        one_exchange = len(calls)
+        plain = Collectives.allgather_parts_async(coll, parts, ["pd0", "pd1", "pd2"], "pd.len")
+        plain_calls = len(calls) - one_exchange
+    finally:
+        dist.all_gather = all_gather
+    got = [[coll.synchronize(h) for h in hs] + [coll.synchronize(ln)] for hs, ln in (mine, plain)]
+    out["gather_parts"] = (one_exchange, plain_calls,
+                           all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(*got)),
+                           [g.tolist() for g in got[0]])
     known_errors = []
     for call in (lambda: coll.allgather_known_async(ragged, [5] * n, "bad.counts"),
                  lambda: coll.alltoall_known_async(rows, splits, [[1] * n] * n, "bad.matrix")):
