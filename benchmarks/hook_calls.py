@@ -27,7 +27,9 @@ operators, as a ``TorchDispatchMode`` sees them) the hook's call issues in that 
 each is a launch whose host cost (10-20 us on the lent H100's host, docs DECISIONS) adds to the
 step where the device waits for it. Counted on the path the tensors take (the CPU's here: its
 compiled kernels are C calls, not torch operations; a pipeline with a Triton kernel on the GPU
-issues fewer there).
+issues fewer there); ``--path device`` counts the GPU's code instead, on CPU tensors
+(``kernels.emulate_device`` with Triton's interpreter), and its Triton launches beside the
+torch operations: what a GPU launches per step, measured without one.
 
 The issue's targets (``TARGETS``: calls per step, and files) stand beside the counts; a
 pipeline without a target has none yet. ``--model mlp5m`` counts the DDP benchmark's 5.8M
@@ -142,15 +144,66 @@ class CallCounter:
 
 
 class OpCounter(TorchDispatchMode):
-    """Torch operations dispatched while active (``with counter:``, on this thread)."""
+    """Torch operations dispatched while active (``with counter:``, on this thread), and the
+    Triton kernels launched meanwhile (``kernels``: only where they run in Triton's
+    interpreter, ``--path device``; the interpreter's own torch operations are not counted)."""
+
+    _current = None
 
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.kernels = 0
+
+    def __enter__(self):
+        OpCounter._current = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        OpCounter._current = None
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def device_path():
+    """The device path on CPU tensors, as on a GPU: ``kernels.emulate_device()`` with the
+    Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set for this process),
+    each launch counted as one kernel by the ``OpCounter`` active at the time; what the
+    interpreter runs (the kernel's body in Python, its torch operations) is not counted."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:     # its own jit'd helpers are compiled, not interpreted
+            raise RuntimeError("the device path's count needs Triton's interpreter, which "
+                               "Triton sets up when imported: start Python with "
+                               "TRITON_INTERPRET=1 (Triton was imported without it)")
+        os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from grace_dl.torch import kernels
+
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        counter = OpCounter._current
+        if counter is None:
+            return run(self, *args, **kwargs)
+        ops, profile = counter.ops, sys.getprofile()
+        sys.setprofile(None)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            sys.setprofile(profile)
+            counter.ops, counter.kernels = ops, counter.kernels + 1
+
+    InterpretedFunction.run = counted
+    try:
+        with kernels.emulate_device():
+            yield
+    finally:
+        InterpretedFunction.run = run
 
 
 def _process_group(device: str = "cpu"):
@@ -163,9 +216,23 @@ def _process_group(device: str = "cpu"):
     return True
 
 
+PATHS = ("cpu", "device")
+
+
 def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
-          batch: int = 32, device: str = "cpu") -> dict:
-    """One pipeline's record: grace_dl calls and files per counted step, and where they go."""
+          batch: int = 32, device: str = "cpu", path: str = "cpu") -> dict:
+    """One pipeline's record: grace_dl calls and files per counted step, and where they go.
+    ``path``: "cpu" (the path CPU tensors take) or "device" (``device_path``: the GPU's code
+    on CPU tensors, Triton kernels interpreted and counted)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "device":
+        with device_path():
+            return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
+    return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
+
+
+def _count(pipeline, warmup, steps, model, batch, device) -> dict:
     from grace_dl import grace_from_params
     from grace_dl.torch import ddp as grace_ddp
 
@@ -178,7 +245,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
         net = DDP(build().to(device), bucket_cap_mb_list=[100])    # one bucket
         state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
         counter = CallCounter()
-        hooked, ops = [], []
+        hooked, ops, launched = [], [], []
 
         def hook(state, bucket):            # unannotated: DDP checks only given annotations
             hooked.append(bucket.index())
@@ -187,6 +254,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
             with counter.cover_this_thread(), OpCounter() as issued:
                 future = grace_ddp.comm_hook(state, bucket)
             ops.append(issued.ops)
+            launched.append(issued.kernels)
             return future
 
         net.register_comm_hook(state, hook)
@@ -194,12 +262,13 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
         loss_fn = nn.CrossEntropyLoss()
         x = torch.randn(batch, *shape, device=device)
         y = torch.randint(0, 10, (batch,), device=device)
-        per_step, buckets, ops_per_step = [], [], []
+        per_step, buckets, ops_per_step, kernels_per_step = [], [], [], []
         for step in range(warmup + steps):
             opt.zero_grad()
             loss = loss_fn(net(x), y)
             hooked.clear()
             ops.clear()
+            launched.clear()
             if step < warmup:
                 loss.backward()
             else:
@@ -208,6 +277,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
                 per_step.append(counter.grace_calls())
                 buckets.append(len(hooked))
                 ops_per_step.append(sum(ops))
+                kernels_per_step.append(sum(launched))
             opt.step()
         units = len(state.last_step_names)
     finally:
@@ -228,6 +298,7 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
         "calls": sum(last.values()), "files": len(files),
         "calls_per_step": [sum(s.values()) for s in per_step],
         "torch_ops": ops_per_step[-1], "torch_ops_per_step": ops_per_step,
+        "triton_kernels": kernels_per_step[-1],
         "target_calls": target[0] if target else None,
         "target_files": target[1] if target else None,
         "top_files": [[f, n] for f, n in sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))],
@@ -246,7 +317,10 @@ ABOUT = (
     "`loss.backward()` to its return (the hook, its future's completion, DDP's copy into "
     "`.grad`; not the forward pass or the optimizer step), for one step; *files* how many "
     "distinct grace_dl files they are in; *torch ops* the torch operations (ATen operators) the "
-    "hook's call issues in that step, on the CPU's path (on a GPU each is a launch). "
+    "hook's call issues in that step (on a GPU each is a launch); *Triton kernels* the launches "
+    "of grace_dl's kernels beside them. The first run takes the path CPU tensors take (its "
+    "compiled kernels are C calls, not counted); the `-device` run the GPU's code on CPU "
+    "tensors (`--path device`: `kernels.emulate_device`, Triton's interpreter). "
     "*target*: issue 42's aim for that pipeline (none "
     "where it set none). The count does not depend on the machine; it moves with the code. "
     "Below: where the calls of each pipeline go, by function (file:line qualified name).")
@@ -259,6 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the model and its gradients live (cuda: NCCL at world size "
                          "1, the device paths); the committed table is the CPU's")
+    ap.add_argument("--path", default="cpu", choices=PATHS,
+                    help="cpu: the path CPU tensors take (the committed table's first run); "
+                         "device: the GPU's code on CPU tensors (kernels.emulate_device, "
+                         "Triton's interpreter), its Triton launches counted")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="also write the results file (benchmarks/records.py's format) to PATH "
                          "(default: hook_calls.json in the cache, benchmarks.records."
@@ -273,7 +351,8 @@ def main(argv=None) -> int:
     rows = []
     for p in args.pipelines:
         try:
-            rows.append(count(p, args.warmup, args.steps, args.model, device=args.device))
+            rows.append(count(p, args.warmup, args.steps, args.model, device=args.device,
+                              path=args.path))
         except Exception as err:  # noqa: BLE001  (a pipeline that fails is reported)
             rows.append({"pipeline": p, "error": repr(err)[:300]})
         print(json.dumps({k: v for k, v in rows[-1].items()

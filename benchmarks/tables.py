@@ -441,7 +441,7 @@ def gpu_steps(doc: dict, plot: str | None = None) -> str:
 
 # --------------------------------------------------------------------------------- hook calls
 HOOK_CALLS_COLUMNS = ["pipeline", "calls", "target calls", "files", "target files",
-                      "torch ops", "grace tensors", "top files (calls)"]
+                      "torch ops", "Triton kernels", "grace tensors", "top files (calls)"]
 
 
 def hook_calls_rows(records: list[dict]) -> list[dict]:
@@ -460,6 +460,7 @@ def hook_calls_rows(records: list[dict]) -> list[dict]:
             "files": r["files"],
             "target files": f"<= {r['target_files']}" if r.get("target_files") else "",
             "torch ops": r.get("torch_ops", ""),
+            "Triton kernels": r.get("triton_kernels", "") if r.get("path") == "device" else "",
             "grace tensors": r.get("grace_tensors"),
             "top files (calls)": ", ".join(f"{f} {n}" for f, n in r["top_files"][:4])})
     return out

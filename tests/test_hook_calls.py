@@ -116,3 +116,33 @@ def test_a_hook_on_another_thread_is_counted_through_cover_this_thread():
     calls = counter.grace_calls()
     assert calls[("backend.py", backend.ops_for.__code__.co_firstlineno, "ops_for")] == 1
     assert len(counter.threads) == 2
+
+
+def test_the_device_path_counts_triton_launches_and_not_the_interpreters_work(tmp_path):
+    """``--path device``: the GPU's code on CPU tensors (a process of its own: Triton's
+    interpreter is chosen when Triton is imported); each Triton kernel is one launch (qsgd
+    two-phase: the worker's and the server's encoders and one decoder), and what the
+    interpreter runs for it (the kernel's Python, its copies) is not counted."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "device.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hook_calls", "--path", "device",
+                          "--pipelines", "qsgd-2phase", "none", "--warmup", "2", "--steps",
+                          "2", "--json", str(out)], capture_output=True, text=True,
+                         cwd=hook_calls.PACKAGE.parent, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| Triton kernels |" in run.stdout
+    device, none = records.load(out)["runs"][0]["records"]
+    cpu = hook_calls.count("qsgd-2phase", warmup=2, steps=1)
+    assert (cpu["path"], device["path"]) == ("cpu", "device")
+    assert cpu["triton_kernels"] == 0 and device["triton_kernels"] == 3
+    assert none["triton_kernels"] == 0
+    assert device["torch_ops_per_step"] == [device["torch_ops"]] * 2
+    assert not any(f.startswith("torch/kernels/jit_") for f, _ in device["top_files"]), \
+        device["top_files"]
+    assert any(f == "torch/device.py" for f, _ in device["top_files"])   # its speed paths ran
+    with pytest.raises(ValueError, match="path must be one of"):
+        hook_calls.count("none", path="gpu")
