@@ -169,22 +169,12 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def device_path():
-    """The device path on CPU tensors, as on a GPU: ``kernels.emulate_device()`` with the
-    Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set for this process),
-    each launch counted as one kernel by the ``OpCounter`` active at the time; what the
-    interpreter runs (the kernel's body in Python, its torch operations) is not counted."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        if "triton" in sys.modules:     # its own jit'd helpers are compiled, not interpreted
-            raise RuntimeError("the device path's count needs Triton's interpreter, which "
-                               "Triton sets up when imported: start Python with "
-                               "TRITON_INTERPRET=1 (Triton was imported without it)")
-        os.environ["TRITON_INTERPRET"] = "1"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from grace_dl.torch import kernels
-
-    run = InterpretedFunction.run
+def launches_counted(kind):
+    """Each launch of a Triton kernel of class ``kind`` (``JITFunction`` on a GPU,
+    ``InterpretedFunction`` in Triton's interpreter) counted as one kernel by the
+    ``OpCounter`` active at the time; what the launch runs on the host (the interpreter's
+    kernel body and copies, the JIT's launcher) is not counted as calls or operations."""
+    run = kind.run
 
     def counted(self, *args, **kwargs):
         counter = OpCounter._current
@@ -198,12 +188,30 @@ def device_path():
             sys.setprofile(profile)
             counter.ops, counter.kernels = ops, counter.kernels + 1
 
-    InterpretedFunction.run = counted
+    kind.run = counted
     try:
-        with kernels.emulate_device():
-            yield
+        yield
     finally:
-        InterpretedFunction.run = run
+        kind.run = run
+
+
+@contextlib.contextmanager
+def device_path():
+    """The device path on CPU tensors, as on a GPU: ``kernels.emulate_device()`` with the
+    Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set for this process),
+    their launches counted (``launches_counted``)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:     # its own jit'd helpers are compiled, not interpreted
+            raise RuntimeError("the device path's count needs Triton's interpreter, which "
+                               "Triton sets up when imported: start Python with "
+                               "TRITON_INTERPRET=1 (Triton was imported without it)")
+        os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from grace_dl.torch import kernels
+
+    with launches_counted(InterpretedFunction), kernels.emulate_device():
+        yield
 
 
 def _process_group(device: str = "cpu"):
@@ -229,6 +237,11 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
     if path == "device":
         with device_path():
             return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
+    if device == "cuda":        # the device path itself: its compiled kernels counted
+        from triton.runtime.jit import JITFunction
+
+        with launches_counted(JITFunction):
+            return {**_count(pipeline, warmup, steps, model, batch, device), "path": "device"}
     return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
 
 
@@ -332,7 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="small", choices=("small", "mlp5m"))
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the model and its gradients live (cuda: NCCL at world size "
-                         "1, the device paths); the committed table is the CPU's")
+                         "1, the device paths, their Triton launches counted); the committed "
+                         "tables are the CPU's")
     ap.add_argument("--path", default="cpu", choices=PATHS,
                     help="cpu: the path CPU tensors take (the committed table's first run); "
                          "device: the GPU's code on CPU tensors (kernels.emulate_device, "
