@@ -145,8 +145,8 @@ class CallCounter:
 
 class OpCounter(TorchDispatchMode):
     """Torch operations dispatched while active (``with counter:``, on this thread), and the
-    Triton kernels launched meanwhile (``kernels``: only where they run in Triton's
-    interpreter, ``--path device``; the interpreter's own torch operations are not counted)."""
+    Triton kernels launched meanwhile (``kernels``: only where ``launches_counted`` watches
+    them, on the device path; a launch's own torch operations are not counted)."""
 
     _current = None
 
@@ -235,14 +235,15 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path == "device":
-        with device_path():
-            return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
-    if device == "cuda":        # the device path itself: its compiled kernels counted
+        counting = device_path()
+    elif device == "cuda":      # the device path itself: its compiled kernels counted
         from triton.runtime.jit import JITFunction
 
-        with launches_counted(JITFunction):
-            return {**_count(pipeline, warmup, steps, model, batch, device), "path": "device"}
-    return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
+        counting, path = launches_counted(JITFunction), "device"
+    else:
+        counting = contextlib.nullcontext()
+    with counting:
+        return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
 
 
 def _count(pipeline, warmup, steps, model, batch, device) -> dict:

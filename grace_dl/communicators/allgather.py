@@ -71,7 +71,7 @@ class Allgather(PackingCommunicator):
             names = [self.wire_name(handle.name, f"p{i}") for i in range(len(flats))]
             parts, lengths = coll.allgather_parts_async(flats, names,
                                                         self.wire_name(handle.name, "len"))
-            sent = sent + 4 * len(flats)
+            sent = sent + wire.LENGTH_NBYTES * len(flats)
             packed = numels = None
         elif (packed := self.packed_layout(flats, ops)) is not None:
             # equal sizes: every rank's part is as long as this rank's, so an engine that sizes

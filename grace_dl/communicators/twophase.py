@@ -264,7 +264,7 @@ class TwoPhase(PackingCommunicator):
                     piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
         sent = ops.total_nbytes(mine) if mine is not None else 0
         if lengths is not None:
-            sent = sent + 4 * n_parts
+            sent = sent + wire.LENGTH_NBYTES * n_parts
             received = 0        # counted when the gather is in (``_join``)
         else:
             received = 0

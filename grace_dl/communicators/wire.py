@@ -19,6 +19,10 @@ from __future__ import annotations
 from grace_dl.backend import ops_for
 from grace_dl.registry import lookup, names
 
+#: bytes per part of the int32 lengths vector that goes with a payload of data-dependent size
+#: (``Collectives.allgather_parts_async``)
+LENGTH_NBYTES = 4
+
 
 def flatten(payload):
     """(1-D parts, their original shapes)."""
