@@ -221,7 +221,7 @@ class Auto(StrategyBuilder):
     ``Calibration`` or ``Throughput``; else the resource spec's ``compression_throughput``; else
     the spec's bandwidth and latency with pessimistic compression costs. On a GPU (``device``
     "cuda", or, with ``device=None``, parameters on a CUDA device) compression costs are the
-    GPU's: a measurement not taken on a GPU gives way to the shipped H100 one
+    GPU's: a measurement not taken on a GPU gives way to the shipped GPU one
     (``step_model.calibration_for``). ``compute_s``: the
     model's forward + backward time, which communication can overlap (0: none to hide behind).
 

@@ -47,7 +47,7 @@ entry's ``params`` (an entry with ``{}`` matches any parameters); the most speci
 
 **On a GPU** compression costs are a GPU's, not the host's: ``for_device("cuda")`` is the
 throughput shipped in ``gpu_throughput.json`` beside this module, derived from the committed
-H100 measurement (``benchmarks/results/gpu_compressors.json``, by ``python -m
+GPU measurement (``benchmarks/results/gpu_compressors.json``, by ``python -m
 benchmarks.gpu_costs --write``: each method's line through its 16M- and 64M-element calls, as
 ``grace_dl.strategy.measure`` fits its two sizes). Its entries match any parameters (``{}``;
 the parameters they were measured with are in ``measured_with``). ``grace-dl strategy
@@ -171,7 +171,7 @@ class Throughput:
 
 def for_device(device) -> Throughput:
     """The compression costs to assume on ``device`` when nothing was measured there: on a GPU
-    the shipped H100 measurement (``GPU_THROUGHPUT``), on a CPU none (the pessimistic
+    the shipped GPU measurement (``GPU_THROUGHPUT``), on a CPU none (the pessimistic
     default)."""
     if device_kind(device) == "cuda":
         return Throughput.load(GPU_THROUGHPUT)

@@ -285,7 +285,7 @@ def calibration_for(device, calib=None) -> Calibration:
     was given, anything ``Calibration.coerce`` takes). On a CPU, ``calib`` as it is. On a GPU
     (``cost_model.device_kind``), compression costs must be the GPU's: unless ``calib``'s
     throughput was measured on a GPU (its document's ``device``), it is replaced by the
-    shipped H100 measurement (``cost_model.for_device``), and pipelines timed end to end
+    shipped GPU measurement (``cost_model.for_device``), and pipelines timed end to end
     with it (``pipelines``, ``pieced``: compression on host tensors) are dropped; the job's
     collectives and overlaps stay, since they measured the network."""
     calib = Calibration.coerce(calib)
