@@ -5,7 +5,8 @@ training step, warm-started from the previous step (Vogels, Karimireddy & Jaggi 
 Each gradient is viewed as an n x m matrix ``M`` (n = output units, see *Matricization*) and sent
 as two dense factors in two allreduce rounds (r = min(compress_rank, n, m)):
 
-1. ``compress``:   P = M Q, with Q (m x r) this tensor's warm-start matrix, orthonormalized.
+1. ``compress``:   P = M Q, with Q (m x r) this tensor's warm-start matrix (the previous step's
+   reduced Q; see ``_warm_q``).
    **The first allreduce sends P: n x r elements** of the gradient's dtype; the wire **sums**
    the P of all ranks.
 2. ``next_round``: P_hat = orthonormalize(sum of P), Q_w = M^T P_hat.
@@ -33,12 +34,11 @@ as they are; Keras layouts (Dense (in, out); conv (*spatial, I, O)) are permuted
 (O, I, *spatial) first, so the same logical kernel gives the same matrix, and the same result,
 in both frameworks.
 
-Orthonormalization is Gram–Schmidt's, computed by one Householder QR (``orthonormalize``),
-where each column is divided by max(norm, 1e-20), not by its norm: exact for any column that is
-not (numerically) zero, and an all-zero layer stays finite (P_hat = 0, result 0). A column of
-the warm-start Q that became zero (the layer was zero, or had lower rank than r) is refilled
-from the initial draw, so the iteration never gets stuck in a smaller subspace. 16-bit inputs
-are orthonormalized in float32.
+Orthonormalization (of P only, as in the paper) is Gram–Schmidt's, computed by one Householder
+QR (``orthonormalize``), where a zero column stays zero: an all-zero layer stays finite
+(P_hat = 0, result 0). A column of the warm-start Q that became zero (the layer was zero) is
+refilled from the initial draw, so the iteration never gets stuck in a smaller subspace. 16-bit
+inputs are orthonormalized in float32.
 
 ``tf.function``: works, with static tensor shapes; the step counter is then a graph tensor, so
 ``start_step > 0`` (a per-step choice between payloads of different shapes) raises ValueError
@@ -110,6 +110,11 @@ class PowerSGDCompressor(Compressor):
         if r == 0 or n * m < self.min_compression_rate * r * (n + m):
             return None
         return n, m, r
+
+    def never_compresses(self, ops, tensor) -> bool:
+        """Whether ``tensor`` (a backend tensor) goes uncompressed at every step."""
+        return not ops.is_floating(tensor) or self.matrix_shape(ops.shape(tensor),
+                                                                ops.NAME) is None
 
     def payload_nbytes(self, size, dtype="float32", layout="torch"):
         """Bytes one rank sends for a tensor of shape ``size`` over both rounds once
@@ -221,14 +226,19 @@ class PowerSGDCompressor(Compressor):
         return ops.normal(self.seed, name, 0, (m, r), like=like)
 
     def _warm_q(self, ops, name, m, r, like):
-        """This step's Q: the stored (reduced) Q with zero columns refilled from the initial
-        draw, orthonormalized (its scale would otherwise grow with the number of ranks)."""
+        """This step's Q: the stored (reduced) Q with zero (or NaN) columns refilled from the
+        initial draw. Not orthonormalized, as in the paper's Algorithm 1: P_hat, the
+        orthonormalized P = M Q, is the same for Q and for Q times any upper-triangular matrix
+        with a positive diagonal (the QR factor that would orthonormalize Q), and Q's scale
+        does not grow over steps (it is M^T P_hat summed over the ranks, P_hat orthonormal).
+        16-bit tensors are the exception: there Q is orthonormalized (in float32) so that
+        M Q stays in range for a loss-scaled gradient."""
         q = ops.read(self._q_slot(ops, name, (m, r), like))
         q0 = ops.read(self.state.slot(f"q0/{name}", ops,
                                       lambda: self._initial_q(ops, name, m, r, like),
                                       ops.dtype(like), like))
         q = ops.where(ops.norm(q, axis=0) > 0, q, q0)
-        return orthonormalize(ops, q)
+        return orthonormalize(ops, q) if ops.dtype(q) in ("float16", "bfloat16") else q
 
     @staticmethod
     def _to_matrix(ops, tensor, n, m):
@@ -277,12 +287,13 @@ def orthonormalize(ops, matrix):
     columns before it, divided by max(its norm, EPSILON), so a zero column stays zero. One
     Householder QR (``ops.qr``: more accurate than Gram–Schmidt in float32, and one call
     instead of O(r^2) vector operations): ``matrix = Q R``, and what is left of column j is
-    ``R[j, j] Q[:, j]``, so the result is ``Q`` with column j scaled by
-    ``R[j, j] / max(|R[j, j]|, EPSILON)``. The one difference from Gram–Schmidt: where an
-    exactly zero column comes before non-zero ones, QR gives it a unit direction of its own,
-    which the later columns are then orthogonal to (the result is still orthonormal; its
-    span may leave ``matrix``'s). One column (rank 1) is only divided. Computed in float32
-    for 16-bit inputs."""
+    ``R[j, j] Q[:, j]``, so the result is ``Q`` with column j multiplied by the sign of
+    ``R[j, j]`` (0 where it is 0). Two differences from Gram–Schmidt: where an exactly zero
+    column comes before non-zero ones, QR gives it a unit direction of its own, which the
+    later columns are then orthogonal to (the result is still orthonormal; its span may leave
+    ``matrix``'s); and a remainder of norm below EPSILON but not zero gets a unit column,
+    not one of norm below 1. One column (rank 1) is only divided. Computed in float32 for
+    16-bit inputs."""
     dt = ops.dtype(matrix)
     work = ops.cast(matrix, "float32") if dt in ("float16", "bfloat16") else matrix
     if ops.shape(work)[1] == 1:
@@ -290,7 +301,7 @@ def orthonormalize(ops, matrix):
     else:
         q, r = ops.qr(work)
         d = ops.diagonal(r)
-        out = q * (d / ops.clamp(ops.abs(d), EPSILON))
+        out = q * ops.sign(d)
     return ops.cast(out, dt) if work is not matrix else out
 
 

@@ -45,13 +45,14 @@ class PowerSGDMemory(base.Memory):
         """The slot set to ``tensor`` (which it holds already when ``in_slot``) minus this
         rank's share of the result (multi-round) or what was sent (single-round)."""
         ops = ops_for(tensor)
+        if compressor.caps.rounds > 1 and not ctx.low_rank:
+            self.state.zero([name])     # sent uncompressed: nothing lost (no slot: nothing)
+            return
         slot = self.state.zeros(name, ops, tensor)
         if compressor.caps.rounds > 1:
             if not in_slot:
                 ops.assign(slot, tensor)
-            if not compressor.subtract_local_share(ctx, slot):
-                self.state.zero([name])     # sent uncompressed: nothing lost, nothing to clean
-                return
+            compressor.subtract_local_share(ctx, slot)
         else:
             sent = base.sent(compressor, payload, ctx, approximation)
             if in_slot:
@@ -64,18 +65,27 @@ class PowerSGDMemory(base.Memory):
 @paths.register(PowerSGDMemory)
 class PowerSGDFeedback(base.Feedback):
     """Compensation in the error's own slot (no new tensor); the update then subtracts this
-    rank's share there. Not for compressors whose payload is the compensated tensor itself;
-    multi-round: ``update`` takes this rank's share from the compressor, not the
-    approximation."""
+    rank's share there. A tensor PowerSGD never compresses (1-D, integer, too small to
+    gain) has no slot at all: its residual would always be zero. Not for compressors whose
+    payload is the compensated tensor itself; multi-round: ``update`` takes this rank's
+    share from the compressor, not the approximation."""
 
     def __init__(self, memory):
         super().__init__(memory)
         self._in_slot: set[str] = set()    # names compensated in their slot, not yet updated
+        self._never: dict = {}      # (name, shape) -> PowerSGD never compresses that tensor
 
     def compensate(self, tensor, name, compressor):
         if compressor.caps.sends_tensor:
             return self.memory.compensate(tensor, name)
         ops = ops_for(tensor)
+        if isinstance(compressor, PowerSGDCompressor):
+            key = (name, ops.shape(tensor))
+            never = self._never.get(key)
+            if never is None:
+                never = self._never[key] = compressor.never_compresses(ops, tensor)
+            if never:       # its residual is always zero: no slot, nothing to add or zero
+                return tensor
         self._in_slot.add(name)
         return ops.read(ops.assign_add(self.memory.state.zeros(name, ops, tensor), tensor))
 

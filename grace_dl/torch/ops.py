@@ -271,7 +271,10 @@ def _product(a, b, out=None, alpha=None):
     (PowerSGD's ``P @ Q.T`` and its error feedback) is a sum of outer products: torch's CPU
     GEMM is several times slower there on matrices whose rows are a power of two floats long
     (for the same reason PowerSGD writes ``Q = M.T @ P`` as ``(P.T @ M).T``; measured in
-    ``docs/DECISIONS.md``). Each element is the same sum of products, added in another order."""
+    ``docs/DECISIONS.md``). Each element is the same sum of products, added in another order.
+    A product by a row-major skinny right factor (PowerSGD's ``M @ Q``: at most
+    ``OUTER_MAX_INNER`` columns) takes it column-major: the same GEMM is 3-4x faster there
+    (2048 x 2048 times 2048 x 2: 3.5 against 1.3 ms with the copy, this project's 2-core host)."""
     if a.dim() == 2 and b.dim() == 2 and a.device.type == "cpu":
         (n, k), m = a.shape, b.shape[1]
         if 0 < k <= OUTER_MAX_INNER and n * m > k * (n + m):
@@ -281,6 +284,8 @@ def _product(a, b, out=None, alpha=None):
             for i in range(0 if alpha is not None else 1, k):
                 out.addr_(a[:, i], rows[i], alpha=1 if alpha is None else alpha)
             return out
+        if 1 < m <= OUTER_MAX_INNER and b.is_contiguous() and n * k > m * (n + k):
+            b = b.t().contiguous().t()     # a row-major skinny right factor: column-major
     if alpha is None:
         return torch.matmul(a, b, out=out)
     if a.dim() == 2 and b.dim() == 2:
