@@ -10,7 +10,8 @@ as two dense factors in two allreduce rounds (r = min(compress_rank, n, m)):
    **The first allreduce sends P: n x r elements** of the gradient's dtype; the wire **sums**
    the P of all ranks.
 2. ``next_round``: P_hat = orthonormalize(sum of P), Q_w = M^T P_hat.
-   **The second sends Q_w: m x r elements**; the wire sums them.
+   **The second sends Q_w^T = P_hat^T M: r x m elements** (row-major as computed, so nothing
+   is copied to flatten it); the wire sums them.
 3. ``decompress``: P_hat (sum_w Q_w)^T, reshaped to the gradient's shape and dtype. This is the
    *sum* of every rank's share P_hat Q_w^T, so the communicator's ``op=average`` division by the
    number of ranks yields the paper's average P_hat Q_avg^T. The reduced Q becomes the next
@@ -62,7 +63,7 @@ LAYOUTS = ("torch", "tensorflow")
 class _Ctx:
     """What one tensor's compression keeps locally between rounds (never sent)."""
 
-    __slots__ = ("name", "shape", "low_rank", "matrix", "p_hat", "q_local")
+    __slots__ = ("name", "shape", "low_rank", "matrix", "p_hat", "qt_local")
 
     def __init__(self, name, shape, low_rank, matrix=None):
         self.name = name
@@ -70,7 +71,7 @@ class _Ctx:
         self.low_rank = low_rank
         self.matrix = matrix
         self.p_hat = None
-        self.q_local = None
+        self.qt_local = None
 
 
 @register_compressor("powersgd")
@@ -158,30 +159,33 @@ class PowerSGDCompressor(Compressor):
         return [ops.matmul(matrix, q)], _Ctx(name, shape, True, matrix)
 
     def next_round(self, reduced, ctx):
-        """The first allreduce's result (the summed P): orthonormalize it and return ``[Q_w]``
-        to reduce. The second's (the summed Q), or an uncompressed tensor: ``None``."""
+        """The first allreduce's result (the summed P): orthonormalize it and return
+        ``[Q_w^T]`` to reduce. The second's (the summed Q^T), or an uncompressed tensor:
+        ``None``."""
         if not ctx.low_rank or ctx.p_hat is not None:
             return None
         ops = ops_for(reduced[0])
         ctx.p_hat = orthonormalize(ops, reduced[0])
-        # (P^T M)^T, not M^T P: transposing M costs a pass over it (TensorFlow copies it;
-        # torch's CPU GEMM strides across it, 40x slower for 2048 x 2048)
-        ctx.q_local = ops.transpose(ops.matmul(ops.transpose(ctx.p_hat), ctx.matrix))
-        return [ctx.q_local], ctx
+        # P^T M, not M^T P: transposing M costs a pass over it (TensorFlow copies it; torch's
+        # CPU GEMM strides across it, 40x slower for 2048 x 2048); sent as it comes, r x m,
+        # so that nothing is copied to flatten it
+        ctx.qt_local = ops.matmul(ops.transpose(ctx.p_hat), ctx.matrix)
+        return [ctx.qt_local], ctx
 
     def decompress(self, payload, ctx):
         """P_hat (reduced Q)^T in the tensor's shape and dtype; stores the reduced Q as the
-        next step's warm start. ``payload`` is the final reduced payload."""
+        next step's warm start. ``payload`` is the final reduced payload (the reduced Q^T)."""
         ops = ops_for(payload[0])
         if not ctx.low_rank:
             return ops.reshape(payload[0], ctx.shape)
-        q = self._keep_warm_start(ops, ctx, payload)
-        return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(q)), ctx.shape)
+        qt = self._keep_warm_start(ops, ctx, payload)
+        return self._from_matrix(ops, ops.matmul(ctx.p_hat, qt), ctx.shape)
 
     def _keep_warm_start(self, ops, ctx, payload):
-        """Store the reduced Q (``payload[-1]``: the sum, also in a ``divided`` payload) as the
-        next step's warm start; return the Q to multiply with (``payload[0]``)."""
-        warm = payload[-1]
+        """Store the reduced Q (``payload[-1]`` transposed: the sum, also in a ``divided``
+        payload) as the next step's warm start (m x r); return the Q^T to multiply with
+        (``payload[0]``)."""
+        warm = ops.transpose(payload[-1])
         ops.assign(self._q_slot(ops, ctx.name, ops.shape(warm), warm), warm)
         return payload[0]
 
@@ -192,8 +196,7 @@ class PowerSGDCompressor(Compressor):
         if not ctx.low_rank:
             return None
         ops = ops_for(ctx.p_hat)
-        return self._from_matrix(ops, ops.matmul(ctx.p_hat, ops.transpose(ctx.q_local)),
-                                 ctx.shape)
+        return self._from_matrix(ops, ops.matmul(ctx.p_hat, ctx.qt_local), ctx.shape)
 
     def subtract_local_share(self, ctx, residual) -> bool:
         """``residual -= P_hat Q_w^T`` as rank-r updates of the residual itself, with no
@@ -207,10 +210,11 @@ class PowerSGDCompressor(Compressor):
             view = ops.flat_view(residual)
             if view is not None:
                 ops.assign_sub_matmul(ops.reshape(view, ops.shape(ctx.matrix)), ctx.p_hat,
-                                      ops.transpose(ctx.q_local))
+                                      ctx.qt_local)
                 return True
         elif len(ctx.shape) == 2:
-            ops.assign_sub_matmul(residual, ctx.q_local, ops.transpose(ctx.p_hat))
+            ops.assign_sub_matmul(residual, ops.transpose(ctx.qt_local),
+                                  ops.transpose(ctx.p_hat))
             return True
         ops.assign_sub(residual, self.local_share(ctx))
         return True
@@ -268,9 +272,9 @@ class PowerSGDPath(paths.Reference):
         if out is None or not ctx.low_rank or ops.NAME != "torch" or not out.is_contiguous() \
                 or tuple(out.shape) != tuple(ctx.shape) or out.dtype != payload[0].dtype:
             return self.compressor.decompress(payload, ctx)
-        q = self.compressor._keep_warm_start(ops, ctx, payload)
+        qt = self.compressor._keep_warm_start(ops, ctx, payload)
         n, r = ops.shape(ctx.p_hat)
-        ops.assign_matmul(ops.reshape(out, (n, ops.shape(q)[0])), ctx.p_hat, ops.transpose(q))
+        ops.assign_matmul(ops.reshape(out, (n, ops.shape(qt)[1])), ctx.p_hat, qt)
         return out
 
     def divided(self, payload, divisor):
