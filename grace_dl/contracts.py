@@ -181,9 +181,6 @@ class OpsBackend(Protocol):
         """The reduced QR factors ``(q, r)`` of a k x r matrix (k >= r), by Householder
         reflections (LAPACK's, cuSOLVER's, Eigen's): one call, whatever r."""
 
-    def diagonal(self, x):
-        """The main diagonal of a matrix, 1-D."""
-
     def cat(self, xs, axis=0): ...
 
     def stack(self, xs, axis=0): ...

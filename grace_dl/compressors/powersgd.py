@@ -35,11 +35,11 @@ as they are; Keras layouts (Dense (in, out); conv (*spatial, I, O)) are permuted
 (O, I, *spatial) first, so the same logical kernel gives the same matrix, and the same result,
 in both frameworks.
 
-Orthonormalization (of P only, as in the paper) is Gram–Schmidt's, computed by one Householder
-QR (``orthonormalize``), where a zero column stays zero: an all-zero layer stays finite
-(P_hat = 0, result 0). A column of the warm-start Q that became zero (the layer was zero) is
-refilled from the initial draw, so the iteration never gets stuck in a smaller subspace. 16-bit
-inputs are orthonormalized in float32.
+Orthonormalization (of P only, as in the paper) is one Householder QR (``orthonormalize``):
+Gram–Schmidt's columns up to their signs, which the results do not depend on; an all-zero
+layer stays finite (result 0). A column of the warm-start Q that became zero (the layer was
+zero) or NaN is refilled from the initial draw, so the iteration never gets stuck in a
+smaller subspace. 16-bit inputs are orthonormalized in float32.
 
 ``tf.function``: works, with static tensor shapes; the step counter is then a graph tensor, so
 ``start_step > 0`` (a per-step choice between payloads of different shapes) raises ValueError
@@ -231,9 +231,9 @@ class PowerSGDCompressor(Compressor):
 
     def _warm_q(self, ops, name, m, r, like):
         """This step's Q: the stored (reduced) Q with zero (or NaN) columns refilled from the
-        initial draw. Not orthonormalized, as in the paper's Algorithm 1: P_hat, the
-        orthonormalized P = M Q, is the same for Q and for Q times any upper-triangular matrix
-        with a positive diagonal (the QR factor that would orthonormalize Q), and Q's scale
+        initial draw. Not orthonormalized, as in the paper's Algorithm 1: the span of
+        P = M Q, which P_hat is a basis of, is the same for Q and for Q times any invertible
+        upper-triangular matrix (the QR factor that would orthonormalize Q), and Q's scale
         does not grow over steps (it is M^T P_hat summed over the ranks, P_hat orthonormal).
         16-bit tensors are the exception: there Q is orthonormalized (in float32) so that
         M Q stays in range for a loss-scaled gradient."""
@@ -279,33 +279,32 @@ class PowerSGDPath(paths.Reference):
 
     def divided(self, payload, divisor):
         """The last round's payload for the average, O((n + m) r) instead of a pass over the
-        n x m result: ``[Q / divisor, Q]`` (the reduced Q divided, the sum itself kept as the
-        next warm start, so the state is the same as after a dense division); an uncompressed
-        tensor's values divided (as many elements as the division it replaces)."""
+        n x m result: ``[Q^T / divisor, Q^T]`` (the reduced Q^T divided, the sum itself kept
+        as the next warm start, so the state is the same as after a dense division). None
+        for an uncompressed tensor (its 1-D values): the communicator then divides them as
+        it writes them into the output, one pass where dividing here and copying took two."""
+        if len(ops_for(payload[0]).shape(payload[0])) == 1:
+            return None
         return [payload[0] / divisor, payload[0]]
 
 
 def orthonormalize(ops, matrix):
-    """Orthonormal columns from the columns of ``matrix`` (k x r, k >= r), as Gram–Schmidt
-    gives them: column j is what is left of column j after removing its projection on the
-    columns before it, divided by max(its norm, EPSILON), so a zero column stays zero. One
-    Householder QR (``ops.qr``: more accurate than Gram–Schmidt in float32, and one call
-    instead of O(r^2) vector operations): ``matrix = Q R``, and what is left of column j is
-    ``R[j, j] Q[:, j]``, so the result is ``Q`` with column j multiplied by the sign of
-    ``R[j, j]`` (0 where it is 0). Two differences from Gram–Schmidt: where an exactly zero
-    column comes before non-zero ones, QR gives it a unit direction of its own, which the
-    later columns are then orthogonal to (the result is still orthonormal; its span may leave
-    ``matrix``'s); and a remainder of norm below EPSILON but not zero gets a unit column,
-    not one of norm below 1. One column (rank 1) is only divided. Computed in float32 for
+    """Orthonormal columns spanning the columns of ``matrix`` (k x r, k >= r): Householder
+    QR's Q (``ops.qr``: LAPACK on the CPU, cuSOLVER on a GPU; what PyTorch's powerSGD_hook
+    uses), column j being what is left of column j after removing its projection on the
+    columns before it, normalized, up to its sign: Gram–Schmidt's columns up to their
+    signs, which PowerSGD's results do not depend on (the result is P_hat P_hat^T M, the
+    residual M - P_hat Q_w^T). Where a column is zero or in the span of the ones before it,
+    QR still gives a unit column orthogonal to them (a zero matrix gives unit columns; its
+    product P_hat P_hat^T M is still 0). One column (rank 1) is divided by
+    max(its norm, EPSILON) instead (a zero column stays zero). Computed in float32 for
     16-bit inputs."""
     dt = ops.dtype(matrix)
     work = ops.cast(matrix, "float32") if dt in ("float16", "bfloat16") else matrix
     if ops.shape(work)[1] == 1:
         out = work / ops.clamp(ops.norm(work), EPSILON)
     else:
-        q, r = ops.qr(work)
-        d = ops.diagonal(r)
-        out = q * ops.sign(d)
+        out = ops.qr(work)[0]
     return ops.cast(out, dt) if work is not matrix else out
 
 

@@ -262,9 +262,6 @@ def qr(x):
     return tf.linalg.qr(x, full_matrices=False)
 
 
-diagonal = tf.linalg.diag_part
-
-
 # ------------------------------------------------------------------ joining, slicing, indexing
 def cat(xs, axis=0):
     return tf.concat(list(xs), axis=axis)

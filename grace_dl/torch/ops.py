@@ -262,7 +262,6 @@ def matmul(a, b):
 #: the reduced QR factors ``(q, r)`` of a k x r matrix (k >= r), by Householder reflections
 #: (LAPACK on the CPU, cuSOLVER on a GPU)
 qr = torch.linalg.qr
-diagonal = torch.diagonal
 
 
 def _product(a, b, out=None, alpha=None):
