@@ -34,6 +34,12 @@ torch operations: what a GPU launches per step, measured without one.
 The issue's targets (``TARGETS``: calls per step, and files) stand beside the counts; a
 pipeline without a target has none yet. ``--model mlp5m`` counts the DDP benchmark's 5.8M
 MLP instead (one 23 MB bucket, which quantizers send as 4 MiB pieces: more grace tensors).
+``--model resnet50`` / ``decoder`` count a model of the GPU step table's networks' parameter
+shapes (``Shapes``: no compute) in DDP's default buckets, and ``--pipelines pytorch-fp16
+pytorch-powersgd`` count PyTorch's own hooks the same way (their torch operations; no
+grace_dl calls): a GPU step's host work against PyTorch's, measured without a GPU.
+*non-view ops* are the torch operations that are not views (a view makes a tensor header;
+the others are kernels on a GPU).
 """
 
 from __future__ import annotations
@@ -66,16 +72,100 @@ TARGETS = {"none": (40, 8), "topk": (100, 8), "qsgd-2phase": (200, 8)}
 TOP = 10
 
 
+#: PyTorch's own DDP hooks, counted as baselines beside grace's pipelines (no grace_dl calls)
+BASELINES = ("pytorch-fp16", "pytorch-powersgd")
+#: models of a real network's parameter shapes (``Shapes``), sent in DDP's default buckets
+SHAPES = ("resnet50", "decoder")
+
+
 def small_mlp() -> nn.Module:
     """benchmarks/ddp_worker.py's digits model: 6 parameter tensors, 26k parameters."""
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
                          nn.Linear(128, 10))
 
 
+def resnet50_shapes() -> list[tuple]:
+    """torchvision's ResNet-50 parameter shapes, in its registration order (161 tensors,
+    25.6M parameters): convolutions, batch norms' weights and biases, the classifier."""
+    shapes, width = [(64, 3, 7, 7), (64,), (64,)], 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            for out, inp, k in ((planes, width, 1), (planes, planes, 3), (4 * planes, planes, 1)):
+                shapes += [(out, inp, k, k), (out,), (out,)]
+            if b == 0:          # the projection shortcut
+                shapes += [(4 * planes, width, 1, 1), (4 * planes,), (4 * planes,)]
+            width = 4 * planes
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def decoder_shapes() -> list[tuple]:
+    """benchmarks/gpu.py's decoder (GPT-2-small-sized, 110M parameters) parameter shapes."""
+    from benchmarks.gpu import Decoder
+
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in Decoder().parameters()]
+
+
+class Shapes(nn.Module):
+    """Parameters of given shapes whose gradients are dense tensors of those shapes: what a
+    DDP hook sees of a real network, without its compute (the logits are the inputs scaled
+    by the sum of each parameter's first element)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.full(s, 0.01)) for s in shapes)
+
+    def forward(self, x):
+        return x[:, :10] * sum(p.reshape(-1)[0] for p in self.params)
+
+
 def _models():
     from benchmarks.ddp_worker import mlp_5m
 
-    return {"small": (small_mlp, (64,)), "mlp5m": (mlp_5m, (1, 28, 28))}
+    return {"small": (small_mlp, (64,)), "mlp5m": (mlp_5m, (1, 28, 28)),
+            "resnet50": (lambda: Shapes(resnet50_shapes()), (64,)),
+            "decoder": (lambda: Shapes(decoder_shapes()), (64,))}
+
+
+def _baseline(pipeline: str):
+    """(hook, state) of one of PyTorch's DDP hooks (``BASELINES``): its fp16 hook, or its
+    PowerSGD hook at the rank of ``GRACE["powersgd"]``, compressing from its third step on
+    (error feedback and warm start on, as grace's). The hook runs with every allreduce
+    waited for before it returns (``_completed``), so that its futures' callbacks run on the
+    hook's thread and are counted (at world size 1 the wait costs nothing)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if pipeline == "pytorch-fp16":
+        hook, state = default_hooks.fp16_compress_hook, None
+    else:
+        hook = powerSGD_hook.powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=GRACE["powersgd"]["compress_rank"],
+            start_powerSGD_iter=2, min_compression_rate=2)
+
+    def completed(state, bucket):
+        with _completed():
+            return hook(state, bucket)
+    return completed, state
+
+
+@contextlib.contextmanager
+def _completed():
+    """``dist.all_reduce`` waits for its work before returning it (a completed future's
+    ``then`` runs its callback at once, on the calling thread)."""
+    all_reduce = dist.all_reduce
+
+    def waited(*args, **kwargs):
+        work = all_reduce(*args, **kwargs)
+        if work is not None:
+            work.wait()
+        return work
+
+    dist.all_reduce = waited
+    try:
+        yield
+    finally:
+        dist.all_reduce = all_reduce
 
 
 class CallCounter:
@@ -153,6 +243,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.views = 0          # of ``ops``: views (no kernel: a new tensor header)
         self.kernels = 0
 
     def __enter__(self):
@@ -165,6 +256,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.views += func.is_view
         return func(*args, **(kwargs or {}))
 
 
@@ -250,24 +342,31 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
     from grace_dl import grace_from_params
     from grace_dl.torch import ddp as grace_ddp
 
-    if pipeline not in GRACE:
-        raise ValueError(f"pipeline must be one of {sorted(GRACE)}, got {pipeline!r}")
+    if pipeline not in GRACE and pipeline not in BASELINES:
+        raise ValueError(f"pipeline must be one of {sorted(GRACE) + list(BASELINES)}, got "
+                         f"{pipeline!r}")
     build, shape = _models()[model]
     created = _process_group(device)
     try:
         torch.manual_seed(0)
-        net = DDP(build().to(device), bucket_cap_mb_list=[100])    # one bucket
-        state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
+        # one bucket; a real network's shapes in DDP's default buckets, as on a GPU
+        net = DDP(build().to(device), **({} if model in SHAPES else {"bucket_cap_mb_list": [100]}))
+        if pipeline in BASELINES:
+            inner, state = _baseline(pipeline)
+        else:
+            inner = grace_ddp.comm_hook
+            state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
         counter = CallCounter()
-        hooked, ops, launched = [], [], []
+        hooked, ops, views, launched = [], [], [], []
 
         def hook(state, bucket):            # unannotated: DDP checks only given annotations
             hooked.append(bucket.index())
             if not counter.active:
-                return grace_ddp.comm_hook(state, bucket)
+                return inner(state, bucket)
             with counter.cover_this_thread(), OpCounter() as issued:
-                future = grace_ddp.comm_hook(state, bucket)
+                future = inner(state, bucket)
             ops.append(issued.ops)
+            views.append(issued.views)
             launched.append(issued.kernels)
             return future
 
@@ -282,6 +381,7 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
             loss = loss_fn(net(x), y)
             hooked.clear()
             ops.clear()
+            views.clear()
             launched.clear()
             if step < warmup:
                 loss.backward()
@@ -293,7 +393,7 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
                 ops_per_step.append(sum(ops))
                 kernels_per_step.append(sum(launched))
             opt.step()
-        units = len(state.last_step_names)
+        units = len(state.last_step_names) if pipeline in GRACE else None
     finally:
         if created:
             dist.destroy_process_group()
@@ -304,7 +404,7 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
     functions = sorted(last.items(), key=lambda kv: (-kv[1], kv[0]))
     target = TARGETS.get(pipeline)
     return {
-        "pipeline": pipeline, "grace": dict(GRACE[pipeline]), "model": model,
+        "pipeline": pipeline, "grace": dict(GRACE.get(pipeline, {})), "model": model,
         "device": device,
         "params": sum(p.numel() for p in net.parameters()),
         "tensors": sum(1 for _ in net.parameters()),
@@ -312,6 +412,7 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
         "calls": sum(last.values()), "files": len(files),
         "calls_per_step": [sum(s.values()) for s in per_step],
         "torch_ops": ops_per_step[-1], "torch_ops_per_step": ops_per_step,
+        "torch_views": sum(views),
         "triton_kernels": kernels_per_step[-1],
         "target_calls": target[0] if target else None,
         "target_files": target[1] if target else None,
@@ -334,16 +435,26 @@ ABOUT = (
     "hook's call issues in that step (on a GPU each is a launch); *Triton kernels* the launches "
     "of grace_dl's kernels beside them. The first run takes the path CPU tensors take (its "
     "compiled kernels are C calls, not counted); the `-device` run the GPU's code on CPU "
-    "tensors (`--path device`: `kernels.emulate_device`, Triton's interpreter). "
+    "tensors (`--path device`: `kernels.emulate_device`, Triton's interpreter); *non-view "
+    "ops* those that are not views (kernels on a GPU). Runs on `resnet50` / `decoder` count "
+    "a model of those networks' parameter shapes (no compute) in DDP's default buckets, "
+    "beside PyTorch's own fp16 and PowerSGD hooks (`pytorch-*`: no grace_dl calls). "
     "*target*: issue 42's aim for that pipeline (none "
     "where it set none). The count does not depend on the machine; it moves with the code. "
     "Below: where the calls of each pipeline go, by function (file:line qualified name).")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=sorted(GRACE))
+    ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES),
+                    choices=sorted(GRACE) + list(BASELINES),
+                    help="grace pipelines (benchmarks/pipelines.py), or PyTorch's own hooks "
+                         "as baselines (pytorch-fp16: fp16_compress_hook; pytorch-powersgd: "
+                         "powerSGD_hook at grace powersgd's rank)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps counted, one by one")
-    ap.add_argument("--model", default="small", choices=("small", "mlp5m"))
+    ap.add_argument("--model", default="small", choices=("small", "mlp5m", *SHAPES),
+                    help="small, mlp5m: one bucket; resnet50, decoder: the parameter shapes of "
+                         "benchmarks/gpu.py's two models (no compute) in DDP's default "
+                         "buckets, what the GPU step table's hook sees")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the model and its gradients live (cuda: NCCL at world size "
                          "1, the device paths, their Triton launches counted); the committed "

@@ -441,7 +441,8 @@ def gpu_steps(doc: dict, plot: str | None = None) -> str:
 
 # --------------------------------------------------------------------------------- hook calls
 HOOK_CALLS_COLUMNS = ["pipeline", "calls", "target calls", "files", "target files",
-                      "torch ops", "Triton kernels", "grace tensors", "top files (calls)"]
+                      "torch ops", "non-view ops", "Triton kernels", "grace tensors",
+                      "top files (calls)"]
 
 
 def hook_calls_rows(records: list[dict]) -> list[dict]:
@@ -460,6 +461,7 @@ def hook_calls_rows(records: list[dict]) -> list[dict]:
             "files": r["files"],
             "target files": f"<= {r['target_files']}" if r.get("target_files") else "",
             "torch ops": r.get("torch_ops", ""),
+            "non-view ops": r["torch_ops"] - r["torch_views"] if "torch_views" in r else "",
             "Triton kernels": r.get("triton_kernels", "") if r.get("path") == "device" else "",
             "grace tensors": r.get("grace_tensors"),
             "top files (calls)": ", ".join(f"{f} {n}" for f, n in r["top_files"][:4])})
@@ -470,7 +472,7 @@ def hook_calls_table(records: list[dict]) -> str:
     """The counts beside the targets, then each pipeline's busiest functions."""
     out = [table(HOOK_CALLS_COLUMNS, hook_calls_rows(records))]
     for r in records:
-        if "error" not in r:
+        if "error" not in r and r["top_functions"]:
             out += ["", f"`{r['pipeline']}`: the {len(r['top_functions'])} functions called "
                         f"most of its {r['calls']} calls (file:line qualified name):", "",
                     table(["calls", "function"], [{"calls": n, "function": f"`{f}`"}

@@ -3,6 +3,8 @@ count is positive, the same from step to step and run to run, every counted file
 grace_dl file, and the counts do not grow past what they were when the counter was written
 (issue 42 wants them far lower: a refactor that thins the hook lowers the bounds below)."""
 
+import math
+
 import pytest
 
 from benchmarks import hook_calls, records, tables
@@ -72,6 +74,30 @@ def test_torch_operations_per_step_do_not_grow(pipeline):
     got = hook_calls.count(pipeline, warmup=2, steps=2)
     assert got["torch_ops_per_step"] == [got["torch_ops"]] * 2      # step to step
     assert 0 < got["torch_ops"] <= int(TORCH_OPS[pipeline] * MARGIN), got["torch_ops"]
+
+
+def test_shape_models_have_the_real_networks_parameters():
+    """``--model resnet50`` / ``decoder``: torchvision's ResNet-50 (161 tensors, 25,557,032
+    parameters) and benchmarks/gpu.py's decoder, as parameter shapes."""
+    shapes = hook_calls.resnet50_shapes()
+    assert len(shapes) == 161 and sum(math.prod(s) for s in shapes) == 25_557_032
+    assert shapes[0] == (64, 3, 7, 7) and shapes[-2:] == [(1000, 2048), (1000,)]
+    decoder = hook_calls.decoder_shapes()
+    assert 100e6 < sum(math.prod(s) for s in decoder) < 130e6
+    assert (3 * 768, 768) in decoder and (768, 4 * 768) in decoder
+
+
+def test_pytorch_hooks_are_counted_as_baselines_with_no_grace_calls():
+    """PyTorch's PowerSGD hook at grace powersgd's rank: its torch operations per step (the
+    same every step) and no grace_dl calls; its ops are views and kernels both."""
+    got = hook_calls.count("pytorch-powersgd", warmup=3, steps=2)
+    assert got["calls"] == 0 and got["files"] == 0 and got["grace_tensors"] is None
+    assert got["torch_ops_per_step"] == [got["torch_ops"]] * 2
+    assert 0 < got["torch_views"] < got["torch_ops"]
+    row, = tables.hook_calls_rows([got])
+    assert row["non-view ops"] == got["torch_ops"] - got["torch_views"]
+    with pytest.raises(ValueError, match="pytorch-fp16"):
+        hook_calls.count("pytorch-sgd")
 
 
 def test_table_puts_targets_beside_counts_and_the_main_prints_it(capsys, tmp_path):
