@@ -402,7 +402,7 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
     for (rel, _, _), n in last.items():
         files[rel] += n
     functions = sorted(last.items(), key=lambda kv: (-kv[1], kv[0]))
-    target = TARGETS.get(pipeline)
+    target = None if model in SHAPES else TARGETS.get(pipeline)    # (targets: one bucket)
     return {
         "pipeline": pipeline, "grace": dict(GRACE.get(pipeline, {})), "model": model,
         "device": device,
