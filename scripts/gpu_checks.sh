@@ -5,9 +5,12 @@
 # has a time limit, so the whole fits one 10-minute call; each writes into $OUT as it goes.
 #
 #   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [ddp] [steps] [profile] [calls]
+#                              [stepprofile]
 #          (default: the first five; ddp: the hook and DistCollectives on NCCL,
 #           tests/workers/ddp_cuda.py; profile: benchmarks/gpu_profile.py; calls: the DDP
-#           hook's Python calls per step on CUDA tensors, benchmarks/hook_calls.py)
+#           hook's Python calls per step on CUDA tensors, benchmarks/hook_calls.py;
+#           stepprofile: where a step's time goes, grace's hook against PyTorch's,
+#           benchmarks/gpu_step_profile.py)
 set -u
 OUT="${OUT:-/tmp/grace_dl_gpu}"
 mkdir -p "$OUT"
@@ -38,6 +41,8 @@ for part in "${parts[@]}"; do
                >>"$log" 2>&1 ;;
     calls) timeout 120 python3 -m benchmarks.hook_calls --device cuda --id cuda \
              --json "$OUT/hook_calls.json" >>"$log" 2>&1 ;;
+    stepprofile) timeout "${STEPPROFILE_LIMIT:-240}" python3 -m benchmarks.gpu_step_profile \
+                   --out "$OUT" --steps 5 >>"$log" 2>&1 ;;
     *) echo "unknown part $part" >>"$log" ;;
   esac
   echo "== $part done rc=$? $(date -u +%T)" >>"$log"
