@@ -178,6 +178,16 @@ DEFAULT_AGREEMENT_TIMEOUT = 30.0
 _CHECKS: dict = {}
 
 
+def sends_in_any_order(grace) -> bool:
+    """Whether the hook may send a bucket whole in DDP's own order, whatever grace's
+    canonical one: ``grace`` is one communicator whose compressor is ``elementwise`` and whose
+    memory keeps nothing (the same bits per element either way, and no state whose layout
+    the order would change). A transformer's buckets are in graph order every step; any
+    other pipeline copies them into canonical order and back."""
+    return isinstance(grace, Communicator) and grace.compressor.caps.elementwise \
+        and grace.feedback.keeps_nothing
+
+
 def sums_in_place(grace) -> bool:
     """Whether the hook may sum a bucket itself, in place, as PyTorch's allreduce hook does:
     ``grace`` is exactly grace's ``Allreduce`` of compressor ``none`` with memory ``none``
@@ -244,6 +254,8 @@ class GraceState:
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
         #: the bucket summed in place as PyTorch's allreduce hook does (``sums_in_place``)
         self._sums_in_place = sums_in_place(grace)
+        #: a bucket out of canonical order sent as it is (``sends_in_any_order``)
+        self._any_order = sends_in_any_order(grace)
         # None where buckets go whole (per-parameter units go whole too: they are fused);
         # "auto" until the first bucket's device resolves it (_piece_sizes)
         self._piece_bytes = None if self.per_parameter else \
@@ -480,14 +492,19 @@ class GraceState:
         buffer = bucket.buffer()
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         fut = torch.futures.Future(devices=devices)
-        if layout.in_order and not self.per_parameter and self._target is None:
+        whole = not self.per_parameter and self._target is None
+        if whole and self._sums_in_place and layout.pieces is None \
+                and self.grace.fusion is None and self._sum_in_place(buffer.detach(), layout):
+            # summed in place in DDP's buffer, whatever its order: an element-wise sum (a
+            # transformer's buckets are in graph order, not canonical: no copies either way)
+            pass
+        elif whole and (layout.in_order or self._any_order):
             # the common step: the bucket's buffer is the one grace tensor, its result
-            # written there (no gradient views needed)
+            # written there (no gradient views needed; its members and numels are named in
+            # canonical order, for the step's layout and checkpoints, and not read back)
             flat = buffer.detach()
-            if not (self._sums_in_place and layout.pieces is None
-                    and self.grace.fusion is None and self._sum_in_place(flat, layout)):
-                self._exchange.start(flat, layout.name, layout.canonical, layout.numels, flat,
-                                    layout.pieces, self.collectives)
+            self._exchange.start(flat, layout.name, layout.canonical, layout.numels, flat,
+                                layout.pieces, self.collectives)
         elif self.per_parameter:
             # one fusion group per bucket: each round of its units goes out in one collective
             # per kind and dtype (as powerSGD_hook batches a bucket's P and Q matrices)
@@ -533,13 +550,19 @@ class GraceState:
 
     def _write_back(self, units) -> None:
         """Copy the results of ``units`` that did not land in the bucket by themselves into
-        the gradients' views of it."""
+        the gradients' views of it: one ``_foreach_copy_`` for all of them (on a GPU a few
+        launches, not one per gradient: a bucket whose parameters DDP orders otherwise than
+        grace's canonical order, as a transformer's, comes back this way every step)."""
         views = self._views
+        dsts, srcs = [], []
         for unit in units:
             if not unit.lands:
                 for n, part in zip(unit.members, unit.parts(unit.out)):
                     view = views[n]
-                    view.copy_(part.reshape(view.shape))
+                    dsts.append(view)
+                    srcs.append(part.reshape(view.shape))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def _sum_in_place(self, flat, layout) -> bool:
         """Start the allreduce of the bucket's buffer, in place, averaged by its postscale:
