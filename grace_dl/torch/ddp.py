@@ -74,9 +74,11 @@ parameter's name is its name in ``named_parameters`` if given, else ``param<i>``
 the order in which the hook first met it (deterministic: DDP computes the same first bucket
 layout on every rank and in every run of the same script). In ``"bucket"`` granularity a
 bucket's gradients are laid out in a canonical order (descending ``i``: the order DDP's rebuilt
-buckets use for most models; a bucket in another order is permuted, one copy) and the grace
-tensor is named ``bucket<n>:<digest>`` of those names, so state follows the bucket's content,
-not its index.
+buckets use for an MLP; a bucket in another order, as a transformer's every step, is copied
+into it and its result back, except where the order cannot change a bit: ``none`` summed in
+place, an ``elementwise`` compressor with a memory that keeps nothing, ``sends_in_any_order``)
+and the grace tensor is named ``bucket<n>:<digest>`` of those names, so state follows the
+bucket's content, not its index.
 
 **DDP's behaviours.**
 
