@@ -72,10 +72,21 @@ class Allreduce(Communicator):
                                           coll.size())
         wire.count(self, ops_for(payload[0]), handle.name, sent=moved, received=moved)
 
+    def _payload_is_free(self) -> bool:
+        """Whether no one reads a payload once it is sent (one round, not the tensor itself,
+        a memory that keeps nothing): the engine may then sum it in place, without the
+        fresh buffer ``allreduce_async`` takes (fp16's payload: one copy a bucket less)."""
+        caps = self.compressor.caps
+        return caps.rounds == 1 and not caps.sends_tensor and self.feedback.keeps_nothing
+
     def _reduce(self, payload, handle: Handle, tag: str) -> list:
         coll = handle.coll
-        pending = [coll.allreduce_async(part, self.wire_name(handle.name, f"{tag}{i}"))
-                   for i, part in enumerate(payload)]
+        free = self._payload_is_free()
+        pending = []
+        for i, part in enumerate(payload):
+            name = self.wire_name(handle.name, f"{tag}{i}")
+            started = coll.allreduce_async_(part, name) if free else None
+            pending.append(coll.allreduce_async(part, name) if started is None else started)
         self._count(payload, handle)
         return pending
 
