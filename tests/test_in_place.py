@@ -1,6 +1,7 @@
 """``send(..., into=)``: an uncompressed allreduce of the caller's own gradient sums it in place
-(Horovod's ``allreduce_async_``, the average taken by its postscale), and every other case
-keeps the result out of place. Driven in one process by ``Twin``, a two-rank job whose other
+(Horovod's ``allreduce_async_``, the average taken by its postscale), a payload no one reads
+after sending (fp16 without a memory) is summed in place too, and every other case keeps the
+result out of place. Driven in one process by ``Twin``, a two-rank job whose other
 rank holds the same tensor (so the sum is twice it), recording which verb each call used."""
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_receive_into_another_tensor_copies_the_in_place_result():
     ({"compressor": "none"}, "none"),                           # no target given
     ({"compressor": "none"}, "other"),                          # a target that is not the input
     ({"compressor": "none", "memory": "residual"}, "grad"),     # the payload is the residual's
-    ({"compressor": "fp16"}, "grad"),                           # the payload is a new tensor
+    ({"compressor": "fp16", "memory": "residual"}, "grad"),     # its payload is read again
 ])
 def test_everything_else_stays_out_of_place(params, into):
     grc, coll = grace_from_params(params), Twin()
@@ -84,6 +85,23 @@ def test_everything_else_stays_out_of_place(params, into):
     torch.testing.assert_close(out, torch.arange(4.0), rtol=0, atol=0)
     if target is not None:
         assert out is target
+
+
+@pytest.mark.parametrize("into", ["none", "grad"])
+def test_a_payload_no_one_reads_again_is_summed_in_place_not_the_gradient(into):
+    """fp16 without a memory: its payload is a new tensor that nothing reads after sending, so
+    the engine sums it in place (no fresh buffer); the caller's gradient is not what is
+    summed (untouched unless it is the ``into`` the result lands in)."""
+    grc, coll = grace_from_params({"compressor": "fp16"}), Twin()
+    grad = torch.arange(4.0)
+    target = grad if into == "grad" else None
+    out = grc.receive(grc.send(grad, "w", collectives=coll, into=target))
+    assert coll.calls == ["allreduce_ x1.0"]
+    torch.testing.assert_close(out, torch.arange(4.0), rtol=0, atol=0)
+    if target is None:
+        assert out is not grad and torch.equal(grad, torch.arange(4.0))
+    else:
+        assert out is grad
 
 
 @pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
