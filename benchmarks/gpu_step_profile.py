@@ -32,6 +32,7 @@ bf16 autocast and SGD as in the step table, world size 1 (NCCL on a GPU, gloo on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
@@ -116,27 +117,23 @@ class HookProfile:
                 self.seconds += time.perf_counter() - t0
         return profiled
 
+    @contextlib.contextmanager
     def installed(self):
-        """A context: the hooks' modules hold the wrapped hooks within it."""
-        import contextlib
-
+        """Within it, the hooks' modules hold the wrapped hooks."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         from grace_dl.torch import ddp as grace_ddp
 
-        @contextlib.contextmanager
-        def patched():
-            places = [(grace_ddp, "comm_hook"), (default_hooks, "fp16_compress_hook"),
-                      (powerSGD_hook, "powerSGD_hook")]
-            kept = [getattr(m, n) for m, n in places]
+        places = [(grace_ddp, "comm_hook"), (default_hooks, "fp16_compress_hook"),
+                  (powerSGD_hook, "powerSGD_hook")]
+        kept = [getattr(m, n) for m, n in places]
+        for (m, n), hook in zip(places, kept):
+            setattr(m, n, self._wrap(hook))
+        try:
+            yield
+        finally:
             for (m, n), hook in zip(places, kept):
-                setattr(m, n, self._wrap(hook))
-            try:
-                yield
-            finally:
-                for (m, n), hook in zip(places, kept):
-                    setattr(m, n, hook)
-        return patched()
+                setattr(m, n, hook)
 
 
 def _python(step, device, steps, hooks: HookProfile, top=12):

@@ -73,19 +73,13 @@ class PowerSGDFeedback(base.Feedback):
     def __init__(self, memory):
         super().__init__(memory)
         self._in_slot: set[str] = set()    # names compensated in their slot, not yet updated
-        self._never: dict = {}      # (name, shape) -> PowerSGD never compresses that tensor
 
     def compensate(self, tensor, name, compressor):
         if compressor.caps.sends_tensor:
             return self.memory.compensate(tensor, name)
         ops = ops_for(tensor)
-        if isinstance(compressor, PowerSGDCompressor):
-            key = (name, ops.shape(tensor))
-            never = self._never.get(key)
-            if never is None:
-                never = self._never[key] = compressor.never_compresses(ops, tensor)
-            if never:       # its residual is always zero: no slot, nothing to add or zero
-                return tensor
+        if isinstance(compressor, PowerSGDCompressor) and compressor.never_compresses(ops, tensor):
+            return tensor   # its residual is always zero: no slot, nothing to add or zero
         self._in_slot.add(name)
         return ops.read(ops.assign_add(self.memory.state.zeros(name, ops, tensor), tensor))
 

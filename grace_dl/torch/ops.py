@@ -269,7 +269,7 @@ def _product(a, b, out=None, alpha=None):
     CPU a product over an inner dimension of at most ``OUTER_MAX_INNER`` with a large result
     (PowerSGD's ``P @ Q.T`` and its error feedback) is a sum of outer products: torch's CPU
     GEMM is several times slower there on matrices whose rows are a power of two floats long
-    (for the same reason PowerSGD writes ``Q = M.T @ P`` as ``(P.T @ M).T``; measured in
+    (for the same reason PowerSGD computes ``P.T @ M``, not ``M.T @ P``; measured in
     ``docs/DECISIONS.md``). Each element is the same sum of products, added in another order.
     A product by a row-major skinny right factor (PowerSGD's ``M @ Q``: at most
     ``OUTER_MAX_INNER`` columns) takes it column-major: the same GEMM is 3-4x faster there
