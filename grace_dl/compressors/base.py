@@ -70,11 +70,6 @@ class Capabilities:
         below every magnitude; randomk sends only the entries it draws). The communicator then
         marks such a payload, so that the step's result shows the NaN as uncompressed training
         would. Default: ``sparse``.
-    ``elementwise``
-        Each element of the result depends only on the same element of every rank's input,
-        with no randomness and no state of its own (none, fp16, bf16): with a memory that
-        keeps nothing, a tensor's elements may be sent in any order (the DDP hook sends a
-        bucket in DDP's order, not grace's canonical one: no copies).
     """
 
     allreduce_safe: bool = False
@@ -87,7 +82,6 @@ class Capabilities:
     sparse: bool = False
     sends_tensor: bool = False
     drops_nonfinite: bool | None = None
-    elementwise: bool = False
 
     def __post_init__(self):
         if self.drops_nonfinite is None:

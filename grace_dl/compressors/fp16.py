@@ -22,7 +22,7 @@ from grace_dl.registry import register_compressor
 
 
 class _HalfCompressor(Compressor):
-    caps = Capabilities(allreduce_safe=True, two_phase_safe=True, elementwise=True)
+    caps = Capabilities(allreduce_safe=True, two_phase_safe=True)
     wire_dtype = "float16"
 
     def __init__(self):
@@ -57,4 +57,4 @@ class FP16Compressor(_HalfCompressor):
 @register_compressor("bf16")
 class BF16Compressor(_HalfCompressor):
     wire_dtype = "bfloat16"
-    caps = Capabilities(two_phase_safe=True, elementwise=True)
+    caps = Capabilities(two_phase_safe=True)

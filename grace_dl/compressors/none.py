@@ -13,8 +13,7 @@ from grace_dl.registry import register_compressor
 
 @register_compressor("none")
 class NoneCompressor(Compressor):
-    caps = Capabilities(allreduce_safe=True, two_phase_safe=True, unbiased=True, sends_tensor=True,
-                        elementwise=True)
+    caps = Capabilities(allreduce_safe=True, two_phase_safe=True, unbiased=True, sends_tensor=True)
 
     def __init__(self):
         super().__init__()

@@ -73,19 +73,19 @@ tolerates as it does at DDP's bucket rebuild.
 parameter's name is its name in ``named_parameters`` if given, else ``param<i>``, ``i`` being
 the order in which the hook first met it (deterministic: DDP computes the same first bucket
 layout on every rank and in every run of the same script). In ``"bucket"`` granularity a
-bucket's gradients are laid out in a canonical order (descending ``i``: the order DDP's rebuilt
-buckets use for an MLP; a bucket in another order, as a transformer's every step, is copied
-into it and its result back, except where the order cannot change a bit: ``none`` summed in
-place, an ``elementwise`` compressor with a memory that keeps nothing, ``sends_in_any_order``)
-and the grace tensor is named ``bucket<n>:<digest>`` of those names, so state follows the
-bucket's content, not its index.
+bucket is sent as DDP lays it out (its buffer is the grace tensor: no copy in or out, whatever
+order DDP gives its gradients, as a transformer's graph order) and the grace tensor is named
+``bucket<n>:<digest>`` of its members' names in that order, so state (a residual's element
+layout) follows the bucket's content and order, not its index. DDP's rebuilt buckets are the
+same on every rank (DDP takes rank 0's) and in every step after the first.
 
 **DDP's behaviours.**
 
 * *First-iteration bucket rebuild*: DDP re-buckets after the first iteration, in the order
-  gradients became ready. Bucket names follow content, so a rebuilt bucket simply starts its
-  own state (a fresh residual, which error feedback tolerates; the first iteration's state is
-  never used again); per-parameter state does not notice the rebuild at all.
+  gradients became ready. Bucket names follow content and order, so a rebuilt bucket that
+  differs from its first-iteration one simply starts its own state (a fresh residual, which
+  error feedback tolerates; the first iteration's state is never used again); per-parameter
+  state does not notice the rebuild at all.
 * ``no_sync()``: DDP does not call the hook inside it; gradients accumulate locally and the
   next synchronised backward hands the accumulated buckets over. Nothing is compressed or
   counted for the skipped passes.
@@ -180,16 +180,6 @@ DEFAULT_AGREEMENT_TIMEOUT = 30.0
 _CHECKS: dict = {}
 
 
-def sends_in_any_order(grace) -> bool:
-    """Whether the hook may send a bucket whole in DDP's own order, whatever grace's
-    canonical one: ``grace`` is one communicator whose compressor is ``elementwise`` and whose
-    memory keeps nothing (the same bits per element either way, and no state whose layout
-    the order would change). A transformer's buckets are in graph order every step; any
-    other pipeline copies them into canonical order and back."""
-    return isinstance(grace, Communicator) and grace.compressor.caps.elementwise \
-        and grace.feedback.keeps_nothing
-
-
 def sums_in_place(grace) -> bool:
     """Whether the hook may sum a bucket itself, in place, as PyTorch's allreduce hook does:
     ``grace`` is exactly grace's ``Allreduce`` of compressor ``none`` with memory ``none``
@@ -206,11 +196,8 @@ class _BucketLayout:
     """What ``GraceState._send`` works out of one DDP bucket's parameters."""
 
     names: list             # the parameters' names, in the bucket's order
-    order: list             # bucket positions in canonical order
-    canonical: list         # the names in canonical order
-    in_order: bool          # the bucket is in canonical order already
     name: str               # the grace tensor's name when the bucket goes as one
-    numels: list            # the parameters' numels, in canonical order
+    numels: list            # the parameters' numels, in the bucket's order
     pieces: list | None     # the lengths of the pieces its buffer goes in (None: whole)
 
 
@@ -256,8 +243,6 @@ class GraceState:
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
         #: the bucket summed in place as PyTorch's allreduce hook does (``sums_in_place``)
         self._sums_in_place = sums_in_place(grace)
-        #: a bucket out of canonical order sent as it is (``sends_in_any_order``)
-        self._any_order = sends_in_any_order(grace)
         # None where buckets go whole (per-parameter units go whole too: they are fused);
         # "auto" until the first bucket's device resolves it (_piece_sizes)
         self._piece_bytes = None if self.per_parameter else \
@@ -440,14 +425,9 @@ class GraceState:
     # ------------------------------------------------------------------ the step
     # A *unit* is one grace tensor (``grace_dl.communicators.exchange``), its members the
     # parameter names in its order. Its result lands in the bucket by itself where it is
-    # sent with the bucket's buffer or a gradient view as ``into``; other units (a bucket
-    # cat in canonical order, a resumed run's regrouping) are copied into the gradients'
-    # views of the bucket after receive (``_complete``).
-    def _start_unit(self, tensor, name, names, numels, into=None):
-        """Start a bucket-granularity unit, in pieces where ``_piece_sizes`` says."""
-        self._exchange.start(tensor, name, names, numels, into, self._piece_sizes(tensor),
-                            self.collectives)
-
+    # sent with the bucket's buffer or a gradient view as ``into``; other units (a resumed
+    # run's regrouping) are copied into the gradients' views of the bucket after receive
+    # (``_complete``).
     def _piece_sizes(self, tensor):
         """Lengths of the pieces a bucket-granularity unit is sent in (None: sent whole)."""
         if tensor.dim() != 1:
@@ -457,8 +437,8 @@ class GraceState:
         return piece_sizes(tensor.numel(), tensor.element_size(), self._piece_bytes)
 
     def _layout_of(self, bucket) -> _BucketLayout:
-        """``bucket``'s names and their canonical order, worked out when its parameters are
-        new (the first steps, DDP's rebuilt buckets), else the kept one."""
+        """``bucket``'s names, its grace tensor's name and its members' sizes, worked out when
+        its parameters are new (the first step, DDP's rebuilt buckets), else the kept one."""
         params = bucket.parameters()
         ids = list(map(id, params))
         kept = self._bucket_layouts.get(bucket.index())
@@ -471,14 +451,8 @@ class GraceState:
                              f"(nn.Embedding(sparse=True)?); grace compresses dense tensors: "
                              f"build the module with dense gradients (sparse=False), as the "
                              f"Horovod optimizer's sparse_as_dense=True does")
-        # canonical order: descending first-met index, DDP's rebuilt (ready) order for most
-        # models; a bucket in another order (the first iteration's) is permuted
-        order = sorted(range(len(names)), key=lambda i: -self._index[names[i]])
-        canonical = [names[i] for i in order]
-        buffer = bucket.buffer()
-        layout = _BucketLayout(names, order, canonical, order == list(range(len(names))),
-                               self.bucket_name(canonical),
-                               [params[i].numel() for i in order], self._piece_sizes(buffer))
+        layout = _BucketLayout(names, self.bucket_name(names), [p.numel() for p in params],
+                               self._piece_sizes(bucket.buffer()))
         self._bucket_layouts[bucket.index()] = (ids, layout)
         return layout
 
@@ -494,20 +468,7 @@ class GraceState:
         buffer = bucket.buffer()
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         fut = torch.futures.Future(devices=devices)
-        whole = not self.per_parameter and self._target is None
-        if whole and self._sums_in_place and layout.pieces is None \
-                and self.grace.fusion is None and self._sum_in_place(buffer.detach(), layout):
-            # summed in place in DDP's buffer, whatever its order: an element-wise sum (a
-            # transformer's buckets are in graph order, not canonical: no copies either way)
-            pass
-        elif whole and (layout.in_order or self._any_order):
-            # the common step: the bucket's buffer is the one grace tensor, its result
-            # written there (no gradient views needed; its members and numels are named in
-            # canonical order, for the step's layout and checkpoints, and not read back)
-            flat = buffer.detach()
-            self._exchange.start(flat, layout.name, layout.canonical, layout.numels, flat,
-                                layout.pieces, self.collectives)
-        elif self.per_parameter:
+        if self.per_parameter:
             # one fusion group per bucket: each round of its units goes out in one collective
             # per kind and dtype (as powerSGD_hook batches a bucket's P and Q matrices)
             grads = self._views_of(bucket, names)
@@ -517,21 +478,20 @@ class GraceState:
             for g, n in zip(grads, names):
                 self._exchange.start(g, n, [n], None, g, None, group)
             group.close()
+        elif self._target is not None and names not in self._target:
+            # first iteration after a resume, DDP's layout is not the saved one: wait for
+            # the whole step and regroup as the checkpointed run did (_complete)
+            self._deferred.update(zip(names, self._views_of(bucket, names)))
+        elif self._sums_in_place and layout.pieces is None and self.grace.fusion is None \
+                and self._sum_in_place(buffer.detach(), layout):
+            pass        # summed in place in DDP's buffer
         else:
-            grads = self._views_of(bucket, names)
-            order, canonical = layout.order, layout.canonical
-            if self._target is not None and canonical not in self._target:
-                # first iteration after a resume, DDP's layout is not the saved one: wait for
-                # the whole step and regroup as the checkpointed run did (_complete)
-                self._deferred.update(zip(names, grads))
-            elif layout.in_order:
-                flat = buffer.detach()
-                self._start_unit(flat, self.bucket_name(canonical), canonical,
-                                 [g.numel() for g in grads], into=flat)
-            else:
-                tensor = torch.cat([grads[i].reshape(-1) for i in order])
-                self._start_unit(tensor, self.bucket_name(canonical), canonical,
-                                 [grads[i].numel() for i in order])
+            # the common step: the bucket's buffer is the one grace tensor, its result
+            # written there (no gradient views needed; its members and numels name the
+            # step's layout for checkpoints, and are not read back)
+            flat = buffer.detach()
+            self._exchange.start(flat, layout.name, names, layout.numels, flat,
+                                layout.pieces, self.collectives)
         self._buckets.append((fut, buffer))
         if self._per_bucket and self._target is None:
             self._finish_bucket(fut, buffer)
@@ -552,9 +512,8 @@ class GraceState:
 
     def _write_back(self, units) -> None:
         """Copy the results of ``units`` that did not land in the bucket by themselves into
-        the gradients' views of it: one ``_foreach_copy_`` for all of them (on a GPU a few
-        launches, not one per gradient: a bucket whose parameters DDP orders otherwise than
-        grace's canonical order, as a transformer's, comes back this way every step)."""
+        the gradients' views of it (a resumed run's regrouped first step): one
+        ``_foreach_copy_`` for all of them (a few launches on a GPU, not one per gradient)."""
         views = self._views
         dsts, srcs = [], []
         for unit in units:
@@ -579,7 +538,7 @@ class GraceState:
             return False
         moved = ring_allreduce_bytes(coll.allreduce_nbytes(flat), size)
         grace.bytes.add(layout.name, moved, moved)
-        self._exchange.summed(pending, layout.name, layout.canonical, layout.numels, coll)
+        self._exchange.summed(pending, layout.name, layout.names, layout.numels, coll)
         return True
 
     def _start_deferred(self) -> None:
@@ -591,8 +550,10 @@ class GraceState:
                       key=lambda n: -self._index[n])
         for group in [*groups, rest] if rest else groups:
             grads = [deferred[n] for n in group]
-            self._start_unit(torch.cat([g.reshape(-1) for g in grads]), self.bucket_name(group),
-                             group, [g.numel() for g in grads])
+            tensor = torch.cat([g.reshape(-1) for g in grads])
+            self._exchange.start(tensor, self.bucket_name(group), group,
+                                 [g.numel() for g in grads], None, self._piece_sizes(tensor),
+                                 self.collectives)
 
     def _complete(self) -> None:
         try:
