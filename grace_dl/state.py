@@ -251,6 +251,20 @@ def unclaimed_keys(state: dict, names) -> list[str]:
     return out
 
 
+def without_slots(state: dict, names, keep=()) -> dict:
+    """A (nested) state dict without the per-tensor slots of tensors ``names`` (those also of
+    a tensor in ``keep`` stay); plain numbers are kept."""
+    names, keep = set(names), set(keep)
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = without_slots(value, names, keep)
+        elif isinstance(value, (bool, int, float, str)) or not _claimed(str(key), names) \
+                or _claimed(str(key), keep):
+            out[key] = value
+    return out
+
+
 def _claimed(key: str, names: set) -> bool:
     if key in names:
         return True

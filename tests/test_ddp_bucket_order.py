@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.gpu import Decoder
 from grace_dl import grace_from_params
+from grace_dl.state import unclaimed_keys
 from grace_dl.torch import ddp as grace_ddp
 
 PIPELINES = {
@@ -117,6 +118,10 @@ def test_an_out_of_order_bucket_is_sent_as_ddp_lays_it_out(pipeline):
     assert state.last_step_names == [name]
     if not state.grace.feedback.keeps_nothing:               # its residual: named so
         assert any(name in key for key in _keys(state.grace.state_dict()))
+    # the first iteration's bucket (DDP's initial layout, another order) had another name;
+    # its state was dropped after DDP's rebuild: only the live bucket's is left
+    assert unclaimed_keys(state.grace.state_dict(), [name]) == []
+    assert unclaimed_keys(state.state_dict()["grace"], [name]) == []
 
 
 def _keys(tree, prefix=""):

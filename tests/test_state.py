@@ -1,4 +1,4 @@
-"""Per-name state belongs to the framework that created it."""
+"""Per-name state: the framework that created a slot owns it; tensor names claim their slots."""
 
 import numpy as np
 import pytest
@@ -27,3 +27,19 @@ def test_one_name_fed_torch_then_tf_raises_a_clear_error(first, second, params):
     # other names are free to use the other framework
     payload, ctx = grc.compressor.compress(make[second](), "other")
     assert np.isfinite(np.asarray(grc.compressor.decompress(payload, ctx))).all()
+
+
+def test_unclaimed_keys_and_without_slots_follow_names_in_nested_state():
+    from grace_dl.state import unclaimed_keys, without_slots
+
+    state = {"memory": {"a": np.zeros(2), "b": np.ones(2)},
+             "compressor": {"step/a/chunk0": np.zeros(()), "step/b/chunk0": np.zeros(()),
+                            "epoch": 3},
+             "server/a/chunk0": np.zeros(2)}
+    assert sorted(unclaimed_keys(state, ["b"])) == ["compressor/step/a/chunk0", "memory/a",
+                                                    "server/a/chunk0"]
+    kept = without_slots(state, ["a"])
+    assert unclaimed_keys(kept, ["b"]) == []
+    assert kept["compressor"]["epoch"] == 3 and kept["memory"]["b"] is state["memory"]["b"]
+    # a slot of a dropped name that a kept name also claims stays
+    assert "a" in without_slots({"a": np.zeros(1)}, ["a"], keep=["a"])

@@ -84,8 +84,9 @@ same on every rank (DDP takes rank 0's) and in every step after the first.
 * *First-iteration bucket rebuild*: DDP re-buckets after the first iteration, in the order
   gradients became ready. Bucket names follow content and order, so a rebuilt bucket that
   differs from its first-iteration one simply starts its own state (a fresh residual, which
-  error feedback tolerates; the first iteration's state is never used again); per-parameter
-  state does not notice the rebuild at all.
+  error feedback tolerates), and the state of the first iteration's buckets that are gone is
+  dropped at the end of that step (memory and checkpoints keep only what later steps read);
+  per-parameter state does not notice the rebuild at all.
 * ``no_sync()``: DDP does not call the hook inside it; gradients accumulate locally and the
   next synchronised backward hands the accumulated buckets over. Nothing is compressed or
   counted for the skipped passes.
@@ -165,6 +166,7 @@ from grace_dl.communicators.pieces import (
 from grace_dl.communicators.wire import ring_allreduce_bytes
 from grace_dl.compressors.none import NoneCompressor
 from grace_dl.contracts import check_grace
+from grace_dl.state import unclaimed_keys, without_slots
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy, to_torch
 
@@ -574,10 +576,27 @@ class GraceState:
             self._clear()
             raise
         self.iteration += 1
-        self.last_step_names = list(map(_NAME, units))
+        names = list(map(_NAME, units))
+        if not self.per_parameter:
+            self._forget_vanished(names)
+        self.last_step_names = names
         self._layout = list(map(_MEMBERS, units))
         self._target = None  # DDP's own (rebuilt) layout from now on
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
+
+    def _forget_vanished(self, names) -> None:
+        """Drop the state of the grace tensors the last step sent and this one did not: DDP's
+        first-iteration buckets, which its rebuild replaced by others (another content or
+        order: another name). Their state (a residual the size of the bucket) would otherwise
+        stay in memory and in every checkpoint, never read again. At the rebuild only (a
+        round trip of the state through the host, once); its other slots keep their values."""
+        gone = set(self.last_step_names).difference(names)
+        if not gone:
+            return
+        state = self.grace.state_dict()
+        kept = without_slots(state, gone, keep=names)
+        if unclaimed_keys(state, names) != unclaimed_keys(kept, names):     # some dropped
+            self.grace.load_state_dict(kept)
 
     def _clear(self) -> None:
         """Forget a half-started step's units, futures and views."""
