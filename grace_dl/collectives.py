@@ -105,10 +105,14 @@ class Collectives(ABC):
 
 class Wrapping(Collectives):
     """Collectives that change how another's calls go out (fusion, host copies, counting):
-    the ranks, sizes and barrier are ``inner``'s."""
+    the ranks, sizes, byte widths and barrier are ``inner``'s (its own bound methods, set on
+    the instance: a communicator asks them for every tensor, through no frame of ours; a
+    subclass that changes one sets it after ``Wrapping.__init__``)."""
 
     def __init__(self, inner):
         self.inner = inner
+        self.size, self.rank = inner.size, inner.rank
+        self.allreduce_nbytes, self.barrier = inner.allreduce_nbytes, inner.barrier
 
     def size(self) -> int:
         return self.inner.size()

@@ -505,7 +505,8 @@ class Communicator(Router, ABC):
         if self.compressor.caps.drops_nonfinite:
             # where a host read is free (CPU) and proves every entry finite, the mark (-0.0)
             # would change no bit and the error slot needs no clean-up: both skipped
-            finite = ops_for(compensated).known_finite(compensated)
+            ops = ops_for(compensated)
+            finite = ops.known_finite(compensated)
             if not finite:
                 mark = nonfinite_mark(compensated)
         # where ``compress`` is the path's, the path found once here
@@ -532,7 +533,7 @@ class Communicator(Router, ABC):
         if self.compressor.state.accumulates:
             self.compressor.state.clean(name)
         if mark is not None:
-            encoded.payload = marked(encoded.payload, mark)
+            encoded.payload = ops.add_to_floating(encoded.payload, mark)     # (``marked``)
         return encoded
 
     def compress(self, compensated, name: str, call: Call):

@@ -127,7 +127,8 @@ class TwoPhase(PackingCommunicator):
         chunks = ops.split(ops.flatten(compensated), wire.chunk_sizes(numel, call.size))
         compressed = [self.paths.on(c).compress(c, f"{name}/chunk{j}", call)
                       for j, c in enumerate(chunks)]
-        return [p for p, _ in compressed], [c for _, c in compressed]
+        payloads, ctxs = zip(*compressed)
+        return list(payloads), list(ctxs)
 
     def compress_with_error(self, compensated, name: str, call: Call, error):
         """``compress``, each chunk writing its error into its slice of ``error``."""
@@ -148,10 +149,14 @@ class TwoPhase(PackingCommunicator):
                                        f"its error after chunk 0 did")
                 return None
             compressed.append(got)
-        return [p for p, _ in compressed], [c for _, c in compressed]
+        payloads, ctxs = zip(*compressed)
+        return list(payloads), list(ctxs)
 
     def _error_finite(self, payload) -> bool:
-        return all(self.paths.on(p).error_finite(p) for p in payload)
+        for p in payload:
+            if not self.paths.on(p).error_finite(p):
+                return False
+        return True
 
     def approximate(self, encoded: Encoded):
         """The chunks' decompressions joined in the tensor's shape."""
@@ -166,7 +171,7 @@ class TwoPhase(PackingCommunicator):
         if not encoded.payload:
             return Ready(encoded.compensated)
         coll = handle.coll
-        size, me = coll.size(), coll.rank()
+        size, me = handle.encoded.call.size, handle.encoded.call.rank  # (coll's)
         ops = ops_for(encoded.compensated)
         flat = list(map(ops.flat_parts, encoded.payload))   # per chunk: (1-D parts, shapes)
         m, n_parts = len(flat), len(flat[0][0])
@@ -206,7 +211,7 @@ class TwoPhase(PackingCommunicator):
 
     def _reduce_and_gather(self, phase: Scattering, handle: Handle) -> Gathering:
         coll = handle.coll
-        size, me = coll.size(), coll.rank()
+        size, me = handle.encoded.call.size, handle.encoded.call.rank  # (coll's)
         flat, ctxs = phase.flat, handle.encoded.ctx
         m, n_parts = len(flat), len(flat[0][0])
         ops = ops_for(flat[0][0][0])
@@ -276,7 +281,7 @@ class TwoPhase(PackingCommunicator):
 
     def _join(self, phase: Gathering, handle: Handle):
         coll = handle.coll
-        size = coll.size()
+        size, me = handle.encoded.call.size, handle.encoded.call.rank  # (coll's)
         flat, ctxs = phase.flat, handle.encoded.ctx
         m, n_parts = len(flat), len(flat[0][0])
         gathered = [coll.synchronize(h) for h in phase.gathers]
@@ -290,7 +295,7 @@ class TwoPhase(PackingCommunicator):
             lengths = ops.reshape(coll.synchronize(phase.lengths), (size, n_parts))
             by_part = ops.transpose(lengths)
             pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
-            own = wire.nbytes([pieces[i][coll.rank()] for i in range(n_parts)])
+            own = wire.nbytes([pieces[i][me] for i in range(n_parts)])
             wire.count(self, ops, handle.name, received=wire.nbytes(gathered) - own
                        + ops.nbytes(lengths) // size * (size - 1))
         else:
@@ -304,8 +309,8 @@ class TwoPhase(PackingCommunicator):
             for i in range(n_parts):
                 column.append([pieces[i][j]])
             payloads.append(ops.shaped_parts(column, flat[j][1], 1, equal)[0])
-        known = {} if phase.own is None else {coll.rank(): phase.own}
-        done = {coll.rank()} if phase.own_in_place else set()
+        known = {} if phase.own is None else {me: phase.own}
+        done = {me} if phase.own_in_place else set()
         divisor = None
         if handle.into is not None and ops.flat_view(handle.into) is not None:
             # decoded straight into ``into``: the average may be folded into the payloads
@@ -408,11 +413,11 @@ class TwoPhase(PackingCommunicator):
         instead of a fresh allocation (on CPU every large fresh tensor costs page faults). Not
         training state: its contents are overwritten before they are read. Where tensors have
         no writable views (TF) it is a fresh ``zeros_like``, only a shape to build in."""
-        ops = ops_for(like)
         buf = self._scratch.get(key)
-        if buf is None or ops.shape(buf) != ops.shape(like) or \
-                ops.dtype(buf) != ops.dtype(like) or \
-                getattr(buf, "device", None) != getattr(like, "device", None):
+        # (a kept buffer is a torch tensor: its shape, dtype and device compare as they are)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or \
+                buf.device != like.device:
+            ops = ops_for(like)
             buf = ops.zeros_like(like)
             if ops.flat_view(buf) is None:
                 return buf

@@ -94,7 +94,9 @@ def count(comm, ops, name: str, sent=0, received=0) -> None:
     ``tf.function``, where the values may be run-time scalars)."""
     counter = comm.bytes
     if ops.NAME == "torch" and type(sent) is int and type(received) is int:
-        counter.add(name, sent, received)      # torch runs this line each step: no callback
+        # torch runs this each step: no callback (``ByteCounter.add``, inline)
+        counter.sent[name] += sent
+        counter.received[name] += received
     else:   # (TF inside tf.function: a callback, or the count would be taken once, at trace)
         ops.host_callback(lambda s, r: counter.add(name, sent=s, received=r), sent, received)
 
@@ -110,7 +112,7 @@ def chunk_sizes(numel: int, size: int) -> list[int]:
     possible (the first ``numel % size`` one element longer)."""
     m = min(size, numel)
     base, extra = divmod(numel, m) if m else (0, 0)
-    return [base + (1 if j < extra else 0) for j in range(m)]
+    return [base + 1] * extra + [base] * (m - extra)
 
 
 def describe(compressor) -> str:

@@ -508,7 +508,8 @@ class GraceState:
     def _finish_bucket(self, fut, buffer) -> None:
         """Receive the bucket's units now and complete its future (``_per_bucket``)."""
         units = self._exchange.finish()
-        self._write_back(units)
+        if self._views:
+            self._write_back(units)
         self._finished.extend(units)
         fut.set_result(buffer)
 
@@ -562,7 +563,8 @@ class GraceState:
             if self._deferred:
                 self._start_deferred()
             units = self._exchange.finish()
-            self._write_back(units)
+            if self._views:         # (only a regrouped or per-parameter step has views)
+                self._write_back(units)
             if self._finished:
                 units = self._finished + units
             for fut, buffer in self._buckets:
@@ -577,7 +579,7 @@ class GraceState:
             raise
         self.iteration += 1
         names = list(map(_NAME, units))
-        if not self.per_parameter:
+        if names != self.last_step_names and not self.per_parameter:
             self._forget_vanished(names)
         self.last_step_names = names
         self._layout = list(map(_MEMBERS, units))

@@ -63,8 +63,9 @@ def _error_views(tensor, error, decoded):
     n = tensor.numel()
     if tensor.dtype != torch.float32:
         return None
-    views = [_flat_out(o, n) for o in ((error,) if decoded is None else (error, decoded))]
-    return None if any(v is None for v in views) else views
+    views = [_flat_out(error, n)] if decoded is None else \
+        [_flat_out(error, n), _flat_out(decoded, n)]
+    return None if views[0] is None or views[-1] is None else views
 
 
 # ------------------------------------------------------------------ table-coded methods

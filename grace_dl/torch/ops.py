@@ -46,10 +46,6 @@ def cast(x, dt: str):
     return x.to(_DTYPES[dt])
 
 
-def is_floating(x) -> bool:
-    return x.is_floating_point()
-
-
 def shape(x) -> tuple:
     return tuple(x.shape)
 
@@ -57,6 +53,7 @@ def shape(x) -> tuple:
 # The framework's own functions where they mean exactly the protocol's (no Python frame of
 # ours on a step's path: a step calls these dozens of times per tensor).
 numel = torch.numel
+is_floating = torch.Tensor.is_floating_point
 
 
 def nbytes(x) -> int:
