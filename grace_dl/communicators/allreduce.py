@@ -67,9 +67,8 @@ class Allreduce(Communicator):
         return None
 
     def _count(self, payload, handle: Handle) -> None:
-        coll = handle.coll
-        moved = wire.ring_allreduce_bytes(sum(coll.allreduce_nbytes(p) for p in payload),
-                                          coll.size())
+        moved = wire.ring_allreduce_bytes(sum(map(handle.coll.allreduce_nbytes, payload)),
+                                          handle.encoded.call.size)
         wire.count(self, ops_for(payload[0]), handle.name, sent=moved, received=moved)
 
     def _payload_is_free(self) -> bool:
@@ -120,7 +119,7 @@ class Allreduce(Communicator):
         if own_share_first:
             self.feedback.update(handle.encoded.compensated, handle.name, self.compressor,
                                phase.sent, phase.ctx)
-        reduced = [coll.synchronize(h) for h in phase.parts]
+        reduced = list(map(coll.synchronize, phase.parts))
         if phase.in_place:
             handle.finished_in_place = True
             return handle.into

@@ -30,6 +30,8 @@ GPU (the strategy dispatcher rejects a gradient that is not on one).
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from grace_dl.backend import ops_for
 from grace_dl.collectives import Wrapping
 
@@ -262,7 +264,7 @@ class GroupCollectives(Wrapping):
         self._batches += 1
         handle = self._start(kind, ops.cat(flats), name, root)
         lengths = None
-        static = all(isinstance(n, int) for n in numels)
+        static = all(map(isinstance, numels, repeat(int)))     # (no frame per tensor)
         if kind == "allgather" and not (self.equal_sizes and static):
             counts = ops.numels(flats)
             lengths = self._start("allgather", counts, f"{name}.len", None)

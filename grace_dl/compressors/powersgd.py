@@ -48,6 +48,8 @@ there: run the first ``start_step`` steps eagerly or use ``start_step=0`` in gra
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from grace_dl import dtypes
 from grace_dl.backend import ops_for
 from grace_dl.compressors import paths
@@ -139,7 +141,7 @@ class PowerSGDCompressor(Compressor):
     def compress(self, tensor, name, call=LOCAL):
         ops = ops_for(tensor)
         shape = ops.shape(tensor)
-        if not all(isinstance(d, int) for d in shape):
+        if not all(map(isinstance, shape, repeat(int))):    # (static: no frame per axis)
             raise ValueError(f"powersgd needs a static shape for tensor {name!r}, got {shape}")
         plan = self.matrix_shape(shape, ops.NAME) if ops.is_floating(tensor) else None
         if plan is not None and self.start_step > 0:
