@@ -224,9 +224,12 @@ class GroupCollectives(Wrapping):
 
     def flush(self) -> None:
         recorded, self._recorded = self._recorded, []
+        if not recorded:
+            return
+        ops = ops_for(recorded[0].tensor)       # (one framework per group)
         buckets: dict[tuple, list[_Call]] = {}
         for call in recorded:
-            key = (call.kind, ops_for(call.tensor).dtype(call.tensor), call.root)
+            key = (call.kind, ops.dtype(call.tensor), call.root)
             buckets.setdefault(key, []).append(call)
         for (kind, dtype, root), calls in buckets.items():
             if len(calls) == 1:

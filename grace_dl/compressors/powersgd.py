@@ -63,11 +63,13 @@ LAYOUTS = ("torch", "tensorflow")
 
 
 class _Ctx:
-    """What one tensor's compression keeps locally between rounds (never sent)."""
+    """What one tensor's compression keeps locally between rounds (never sent); ``ops``: its
+    backend, found once in ``compress``."""
 
-    __slots__ = ("name", "shape", "low_rank", "matrix", "p_hat", "qt_local")
+    __slots__ = ("ops", "name", "shape", "low_rank", "matrix", "p_hat", "qt_local")
 
-    def __init__(self, name, shape, low_rank, matrix=None):
+    def __init__(self, ops, name, shape, low_rank, matrix=None):
+        self.ops = ops
         self.name = name
         self.shape = shape
         self.low_rank = low_rank
@@ -154,11 +156,11 @@ class PowerSGDCompressor(Compressor):
             if step <= self.start_step:
                 plan = None
         if plan is None:
-            return [ops.flatten(tensor)], _Ctx(name, shape, False)
+            return [ops.flatten(tensor)], _Ctx(ops, name, shape, False)
         n, m, r = plan
         matrix = self._to_matrix(ops, tensor, n, m)
         q = self._warm_q(ops, name, m, r, tensor)
-        return [ops.matmul(matrix, q)], _Ctx(name, shape, True, matrix)
+        return [ops.matmul(matrix, q)], _Ctx(ops, name, shape, True, matrix)
 
     def next_round(self, reduced, ctx):
         """The first allreduce's result (the summed P): orthonormalize it and return
@@ -166,7 +168,7 @@ class PowerSGDCompressor(Compressor):
         ``None``."""
         if not ctx.low_rank or ctx.p_hat is not None:
             return None
-        ops = ops_for(reduced[0])
+        ops = ctx.ops
         ctx.p_hat = orthonormalize(ops, reduced[0])
         # P^T M, not M^T P: transposing M costs a pass over it (TensorFlow copies it; torch's
         # CPU GEMM strides across it, 40x slower for 2048 x 2048); sent as it comes, r x m,
@@ -177,7 +179,7 @@ class PowerSGDCompressor(Compressor):
     def decompress(self, payload, ctx):
         """P_hat (reduced Q)^T in the tensor's shape and dtype; stores the reduced Q as the
         next step's warm start. ``payload`` is the final reduced payload (the reduced Q^T)."""
-        ops = ops_for(payload[0])
+        ops = ctx.ops
         if not ctx.low_rank:
             return ops.reshape(payload[0], ctx.shape)
         qt = self._keep_warm_start(ops, ctx, payload)
@@ -197,7 +199,7 @@ class PowerSGDCompressor(Compressor):
         went uncompressed (nothing was lost)."""
         if not ctx.low_rank:
             return None
-        ops = ops_for(ctx.p_hat)
+        ops = ctx.ops
         return self._from_matrix(ops, ops.matmul(ctx.p_hat, ctx.qt_local), ctx.shape)
 
     def subtract_local_share(self, ctx, residual) -> bool:
@@ -207,7 +209,7 @@ class PowerSGDCompressor(Compressor):
         plain subtraction of ``local_share``."""
         if not ctx.low_rank:
             return False
-        ops = ops_for(ctx.p_hat)
+        ops = ctx.ops
         if ops.NAME == "torch":
             view = ops.flat_view(residual)
             if view is not None:
@@ -270,7 +272,7 @@ class PowerSGDPath(paths.Reference):
     def decompress_into(self, payload, ctx, out=None):
         """``decompress`` with P_hat (reduced Q)^T multiplied straight into ``out`` (the
         caller's gradient) where its memory is the matrix's (torch layout, contiguous)."""
-        ops = ops_for(payload[0])
+        ops = ctx.ops
         if out is None or not ctx.low_rank or ops.NAME != "torch" or not out.is_contiguous() \
                 or tuple(out.shape) != tuple(ctx.shape) or out.dtype != payload[0].dtype:
             return self.compressor.decompress(payload, ctx)
@@ -285,7 +287,7 @@ class PowerSGDPath(paths.Reference):
         as the next warm start, so the state is the same as after a dense division). None
         for an uncompressed tensor (its 1-D values): the communicator then divides them as
         it writes them into the output, one pass where dividing here and copying took two."""
-        if len(ops_for(payload[0]).shape(payload[0])) == 1:
+        if len(payload[0].shape) == 1:     # (a torch or TF tensor's rank, no ops call)
             return None
         return [payload[0] / divisor, payload[0]]
 

@@ -44,10 +44,10 @@ class PowerSGDMemory(base.Memory):
     def _assign_error(self, tensor, name, compressor, payload, ctx, approximation, in_slot):
         """The slot set to ``tensor`` (which it holds already when ``in_slot``) minus this
         rank's share of the result (multi-round) or what was sent (single-round)."""
-        ops = ops_for(tensor)
         if compressor.caps.rounds > 1 and not ctx.low_rank:
             self.state.zero([name])     # sent uncompressed: nothing lost (no slot: nothing)
             return
+        ops = ops_for(tensor)
         slot = self.state.zeros(name, ops, tensor)
         if compressor.caps.rounds > 1:
             if not in_slot:
