@@ -254,13 +254,21 @@ def test_distributed_collectives_on_gloo():
 
 @pytest.mark.multiproc
 def test_powersgd_units_of_a_bucket_go_in_one_collective_per_round():
+    """And PowerSGD's bucket path (``grace_dl.torch.ddp_powersgd``, the default for grace's
+    own PowerSGD pipeline) gives the reference composition's bits, bytes and state."""
     res = torchrun("fused", 3)
     for out in res:
         # 3 weight matrices (P, then Q) and 3 biases: alone, 6 + 3 all_reduce calls a step;
         # fused, one for the Ps and biases and one for the Qs (powerSGD_hook's batching)
         assert out["alone"]["calls"] == [9, 9, 9]
-        assert out["fused"]["calls"] == [2, 2, 2]
-        assert_equal_dicts(out["fused"]["params"], out["alone"]["params"])
+        assert out["fused"]["calls"] == out["reference"]["calls"] == [2, 2, 2]
+        assert out["fused"]["bucket_path"]
+        for other in ("reference", "alone"):
+            assert_equal_dicts(out["fused"]["params"], out[other]["params"])
+            assert_equal_dicts(out["fused"]["state"], out[other]["state"])
+            assert out["fused"]["bytes"] == out[other]["bytes"], other
+            assert out["fused"]["names"] == out[other]["names"]
+        assert all(sum(sent for sent, _ in step.values()) > 0 for step in out["fused"]["bytes"])
     assert_equal_dicts(res[0]["fused"]["params"], res[1]["fused"]["params"])
 
 

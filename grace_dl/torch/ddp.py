@@ -38,8 +38,10 @@ with ``into=`` that memory, and the future returns the buffer. The grace tensors
 (``"parameter"`` granularity) share one ``GroupCollectives`` and are received together
 (``Router.receive_all``, phases in lockstep), so each round goes out as one collective per
 kind and dtype per bucket: PowerSGD sends one allreduce of the bucket's Ps (and uncompressed
-tensors) and one of its Qs, as PyTorch's ``powerSGD_hook`` does. Communication of early buckets thus
-overlaps the rest of the backward pass; the wire traffic is the communicator's (see its
+tensors) and one of its Qs, as PyTorch's ``powerSGD_hook`` does. Grace's own PowerSGD pipeline
+(``Allreduce``, memory ``powersgd``) takes a bucket path with the same bits, bytes and state and
+none of the per-tensor plumbing (``grace_dl.torch.ddp_powersgd``). Communication of early
+buckets thus overlaps the rest of the backward pass; the wire traffic is the communicator's (see its
 module docstring), and ``grc.bytes.steps[-1]`` says how many bytes this rank moved. Grace
 ``none`` (``Allreduce``, memory ``none``: ``sums_in_place``) is summed by the hook itself, in
 place, as PyTorch's allreduce hook does: the send path's collective, bits and byte counts
@@ -167,6 +169,7 @@ from grace_dl.communicators.wire import ring_allreduce_bytes
 from grace_dl.compressors.none import NoneCompressor
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys, without_slots
+from grace_dl.torch.ddp_powersgd import PowerSGDBuckets
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.trees import to_numpy, to_torch
 
@@ -245,6 +248,11 @@ class GraceState:
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
         #: the bucket summed in place as PyTorch's allreduce hook does (``sums_in_place``)
         self._sums_in_place = sums_in_place(grace)
+        #: PowerSGD's buckets sent by its bucket path (``grace_dl.torch.ddp_powersgd``), and
+        #: this step's buckets on it not yet finished
+        self._powersgd = PowerSGDBuckets(grace, self.op) \
+            if self.per_parameter and PowerSGDBuckets.serves(grace) else None
+        self._powersgd_buckets: list = []
         # None where buckets go whole (per-parameter units go whole too: they are fused);
         # "auto" until the first bucket's device resolves it (_piece_sizes)
         self._piece_bytes = None if self.per_parameter else \
@@ -470,7 +478,11 @@ class GraceState:
         buffer = bucket.buffer()
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         fut = torch.futures.Future(devices=devices)
-        if self.per_parameter:
+        if self._powersgd is not None:
+            self._powersgd_buckets.append(self._powersgd.start(
+                [g.detach() for g in bucket.gradients()], names, self.collectives,
+                f"bucket{bucket.index()}"))
+        elif self.per_parameter:
             # one fusion group per bucket: each round of its units goes out in one collective
             # per kind and dtype (as powerSGD_hook batches a bucket's P and Q matrices)
             grads = self._views_of(bucket, names)
@@ -507,7 +519,7 @@ class GraceState:
 
     def _finish_bucket(self, fut, buffer) -> None:
         """Receive the bucket's units now and complete its future (``_per_bucket``)."""
-        units = self._exchange.finish()
+        units = self._finish_units()
         if self._views:
             self._write_back(units)
         self._finished.extend(units)
@@ -562,7 +574,7 @@ class GraceState:
         try:
             if self._deferred:
                 self._start_deferred()
-            units = self._exchange.finish()
+            units = self._finish_units()
             if self._views:         # (only a regrouped or per-parameter step has views)
                 self._write_back(units)
             if self._finished:
@@ -600,9 +612,18 @@ class GraceState:
         if unclaimed_keys(state, names) != unclaimed_keys(kept, names):     # some dropped
             self.grace.load_state_dict(kept)
 
+    def _finish_units(self) -> list:
+        """Receive the units started and not yet received (on PowerSGD's bucket path, its
+        buckets'), in the order started."""
+        if self._powersgd is None:
+            return self._exchange.finish()
+        buckets, self._powersgd_buckets = self._powersgd_buckets, []
+        return self._powersgd.exchange(buckets)
+
     def _clear(self) -> None:
         """Forget a half-started step's units, futures and views."""
         self._exchange.clear()
+        self._powersgd_buckets = []
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
 
     # ------------------------------------------------------------------ checkpoints

@@ -202,7 +202,7 @@ def mode_train(pipelines, epochs) -> dict:
             fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
             again = fresh.state_dict()
             rec["roundtrip"] = _same_tree(sd["grace"], again["grace"])
-            rec["state_keys"] = sorted(_flat_keys(sd["grace"]))
+            rec["state_keys"] = sorted(k for k, _ in _flat_items(sd["grace"]))
             rec["sent_per_step"] = [s["sent"] for s in state.grace.bytes.steps]
             rec["last_step_names"] = state.last_step_names
             rec["granularity"] = "parameter" if state.per_parameter else "bucket"
@@ -211,12 +211,13 @@ def mode_train(pipelines, epochs) -> dict:
     return out
 
 
-def _flat_keys(tree, prefix=""):
+def _flat_items(tree, prefix=""):
+    """``(key, array)`` of a nested state dict's leaves, keyed by their ``/``-joined path."""
     if isinstance(tree, dict):
         for k, v in tree.items():
-            yield from _flat_keys(v, f"{prefix}/{k}")
+            yield from _flat_items(v, f"{prefix}/{k}")
     else:
-        yield prefix
+        yield prefix, np.asarray(tree)
 
 
 def _same_tree(a, b) -> bool:
@@ -265,7 +266,7 @@ def mode_resume(pipelines, steps) -> dict:
                          names_resumed,
                          "names": names_straight, "names_resumed": list(state.last_step_names),
                          "iteration": state.iteration,
-                         "keys": sorted(_flat_keys(state.grace.state_dict()))}
+                         "keys": sorted(k for k, _ in _flat_items(state.grace.state_dict()))}
         # without the hook state the run differs (the test checks state matters)
         model, opt, state = make(pipeline)
         model.load_state_dict(ckpt["model"])
@@ -382,8 +383,10 @@ def mode_collectives() -> dict:
 
 
 def mode_fused(steps: int) -> dict:
-    """PowerSGD per parameter, one bucket: all_reduce calls per step and the parameters after
-    ``steps`` steps, with the hook's per-bucket fusion and with every unit sent alone."""
+    """PowerSGD per parameter, one bucket: all_reduce calls per step, the parameters, the bytes
+    counted and the grace state after ``steps`` steps, on the hook's PowerSGD bucket path
+    (``fused``), on the reference composition with its per-bucket fusion (``reference``), and
+    with every unit sent alone (``alone``)."""
     from grace_dl.collectives import Wrapping
 
     class Alone(Wrapping):
@@ -421,9 +424,12 @@ def mode_fused(steps: int) -> dict:
 
     out = {}
     fused = grace_ddp.GroupCollectives
-    for label, group in (("fused", fused), ("alone", Alone)):
+    for label, group in (("fused", fused), ("reference", fused), ("alone", Alone)):
         grace_ddp.GroupCollectives = group
-        model, opt, _ = make("powersgd", bucket_cap_mb=100)
+        model, opt, state = make("powersgd", bucket_cap_mb=100)
+        bucket_path = state._powersgd is not None
+        if label != "fused":
+            state._powersgd = None
         per_step = []
         for x, y in list(batches(data, 1))[:steps]:
             opt.zero_grad()
@@ -433,7 +439,10 @@ def mode_fused(steps: int) -> dict:
             dist.all_reduce = real
             per_step.append(len(calls))
             opt.step()
-        out[label] = {"calls": per_step, "params": params_of(model)}
+        out[label] = {"calls": per_step, "params": params_of(model), "bucket_path": bucket_path,
+                      "bytes": [step["per_tensor"] for step in state.grace.bytes.steps],
+                      "state": dict(_flat_items(state.grace.state_dict())),
+                      "names": state.last_step_names}
     grace_ddp.GroupCollectives = fused
     return out
 
