@@ -265,7 +265,11 @@ class GroupCollectives(Wrapping):
         numels = [ops.numel(f) for f in flats]
         name = f"grace.fused.{self.label}.{self._batches}.{kind}.{dtype}"
         self._batches += 1
-        handle = self._start(kind, ops.cat(flats), name, root)
+        fused = ops.cat(flats)
+        # the concatenation is ours alone: summed in place where the engine can (else into
+        # the fresh buffer ``allreduce_async`` takes, a second copy of it)
+        handle = (self.inner.allreduce_async_(fused, name) if kind == "allreduce" else None) \
+            or self._start(kind, fused, name, root)
         lengths = None
         static = all(map(isinstance, numels, repeat(int)))     # (no frame per tensor)
         if kind == "allgather" and not (self.equal_sizes and static):
