@@ -68,6 +68,9 @@ class Exchange:
 
     def __init__(self, grace, op: str):
         self.grace, self.op = grace, op
+        #: the grace object's own ``receive_all`` (phases in lockstep), found once; None: it
+        #: has none (``receive_each`` then receives one handle after the other)
+        self._receive_all = getattr(grace, "receive_all", None)
         self.units: list[Unit] = []
         #: handles sent this step, oldest first, for ``advance`` (the glue's early rounds)
         self.pending: deque = deque()
@@ -113,7 +116,9 @@ class Exchange:
             # (pieces land in their slices of ``whole``; a summed unit has no handles)
             handles.extend(u.handles)
             intos.extend([u.into if u.whole is None else None] * len(u.handles))
-        outs = iter(receive_each(self.grace, handles, intos) if handles else ())
+        receive_all = self._receive_all
+        outs = iter(() if not handles else receive_all(handles, intos) if receive_all else
+                    receive_each(self.grace, handles, intos))
         for u in units:
             if u.summed is not None:
                 collectives, pending = u.summed

@@ -519,7 +519,7 @@ class GraceState:
 
     def _finish_bucket(self, fut, buffer) -> None:
         """Receive the bucket's units now and complete its future (``_per_bucket``)."""
-        units = self._finish_units()
+        units = self._exchange.finish() if self._powersgd is None else self._powersgd_units()
         if self._views:
             self._write_back(units)
         self._finished.extend(units)
@@ -574,7 +574,8 @@ class GraceState:
         try:
             if self._deferred:
                 self._start_deferred()
-            units = self._finish_units()
+            units = self._exchange.finish() if self._powersgd is None else \
+                self._powersgd_units()
             if self._views:         # (only a regrouped or per-parameter step has views)
                 self._write_back(units)
             if self._finished:
@@ -612,11 +613,9 @@ class GraceState:
         if unclaimed_keys(state, names) != unclaimed_keys(kept, names):     # some dropped
             self.grace.load_state_dict(kept)
 
-    def _finish_units(self) -> list:
-        """Receive the units started and not yet received (on PowerSGD's bucket path, its
-        buckets'), in the order started."""
-        if self._powersgd is None:
-            return self._exchange.finish()
+    def _powersgd_units(self) -> list:
+        """Finish the buckets started on PowerSGD's bucket path and not yet finished, in the
+        order started (what ``Exchange.finish`` does for the others); their units."""
         buckets, self._powersgd_buckets = self._powersgd_buckets, []
         return self._powersgd.exchange(buckets)
 
