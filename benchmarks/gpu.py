@@ -91,8 +91,11 @@ PIECED = {"grace fp16, 4 MiB pieces": "grace fp16",
 #: one, as it does on gloo (on NCCL it completes each in its own hook call): what that buys
 TOGETHER = {"grace fp16, buckets completed together": "grace fp16",
             "grace qsgd two-phase, buckets completed together": "grace qsgd two-phase"}
+#: a row of grace's PowerSGD sent tensor by tensor through the send path (fused per bucket):
+#: the composition the hook's bucket path (``grace_dl.torch.ddp_powersgd``) replaces
+PER_TENSOR = {"grace PowerSGD rank 4, per-tensor sends": "grace PowerSGD rank 4"}
 #: every row that runs another row's pipeline with other hook options -> that row
-VARIANTS = {**PIECED, **TOGETHER}
+VARIANTS = {**PIECED, **TOGETHER, **PER_TENSOR}
 
 
 # ------------------------------------------------------------------ timing
@@ -349,6 +352,8 @@ def _hooked(label, model, device):
             grace, piece_bytes=DEFAULT_PIECE_BYTES if label in PIECED else AUTO)
         if label in TOGETHER:
             state._per_bucket = False       # (the hook's own choice on gloo)
+        if label in PER_TENSOR:
+            state._powersgd = None          # (the reference composition)
         ddp.register_comm_hook(state, grace_ddp.comm_hook)
     return ddp
 

@@ -52,7 +52,7 @@ from benchmarks import gpu  # noqa: E402
 #: the rows profiled by default: the targets of issue 42 that the H200 run missed
 LABELS = ("DDP", "grace none", "PyTorch fp16_compress_hook", "grace fp16",
           "grace fp16, buckets completed together", "PyTorch powerSGD_hook rank 4",
-          "grace PowerSGD rank 4")
+          "grace PowerSGD rank 4", "grace PowerSGD rank 4, per-tensor sends")
 GRACE_DIR = str(ROOT / "grace_dl")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 WARMUP = 5
