@@ -13,6 +13,9 @@ from benchmarks import hook_calls, records, tables
 #: results file): (calls, files) per step; the bounds allow 10% more, so a regression fails
 MEASURED = {"none": (22, 6), "topk": (91, 17), "qsgd-2phase": (330, 19)}
 MARGIN = 1.10
+#: pipelines without a target, their calls per step as measured (PowerSGD on the hook's bucket
+#: path, ``grace_dl.torch.ddp_powersgd``: 684 when every tensor took the send path)
+UNTARGETED = {"powersgd": 323, "fp16": 58}
 #: torch operations the hook issues per step (the *torch ops* column; on a GPU each is a
 #: launch), as measured when the column was added; PowerSGD's after its QR orthonormalization
 #: of P alone, with Q^T sent as computed and QR's column signs kept (292 with two-pass
@@ -67,6 +70,13 @@ def test_counts_do_not_grow(pipeline):
     assert got["calls"] <= int(calls * MARGIN), (got["calls"], got["top_functions"])
     assert got["files"] <= int(files * MARGIN), (got["files"], got["top_files"])
     assert got["target_calls"] == hook_calls.TARGETS[pipeline][0]
+
+
+@pytest.mark.parametrize("pipeline", sorted(UNTARGETED))
+def test_untargeted_counts_do_not_grow(pipeline):
+    got = hook_calls.count(pipeline, warmup=2, steps=1)
+    assert got["calls"] <= int(UNTARGETED[pipeline] * MARGIN), got["top_functions"]
+    assert got["target_calls"] is None
 
 
 @pytest.mark.parametrize("pipeline", sorted(TORCH_OPS))
