@@ -7,8 +7,12 @@ world of one); test_ddp's 2-rank jobs compare the sums and the resume."""
 
 import pytest
 import torch
-import torch.distributed as dist
-from test_ddp_bucket_order import _keys, _model, _train
+from test_ddp_bucket_order import (
+    _keys,
+    _model,
+    _train,
+    group,  # noqa: F401  (its one-process gloo group)
+)
 
 from grace_dl import grace_from_params
 from grace_dl.communicators.allreduce import Allreduce
@@ -18,16 +22,6 @@ from grace_dl.torch.ddp_powersgd import PowerSGDBuckets
 
 POWERSGD = {"compressor": "powersgd", "compress_rank": 2, "memory": "powersgd",
             "communicator": "allreduce"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    if started:
-        dist.destroy_process_group()
 
 
 def _run(params, op, bucket_path):
