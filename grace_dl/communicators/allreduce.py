@@ -123,7 +123,8 @@ class Allreduce(Communicator):
         if phase.in_place:
             handle.finished_in_place = True
             return handle.into
-        step = self.compressor.next_round(reduced, phase.ctx)
+        step = self.compressor.next_round(reduced, phase.ctx) \
+            if self.compressor.caps.rounds > 1 else None    # (a multi-round method's only)
         if step is not None:
             payload, ctx = step
             rnd = phase.round + 1
