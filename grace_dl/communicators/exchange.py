@@ -39,7 +39,8 @@ class Unit:
     itself (None: the glue writes it back); ``handles``: the pieces' handles (one where the
     unit goes whole); ``whole``: the 1-D tensor pieces were cut from, which holds the result
     once they are received; ``summed``: a collective the glue started itself, in place
-    (DDP's allreduce of an uncompressed bucket), finished by waiting on it. ``lands``: the
+    (DDP's allreduce of an uncompressed bucket, or of its 16-bit cast), finished by waiting on
+    it and then calling its ``then`` on the result, where given. ``lands``: the
     result is in the framework's buffer once received. ``out``: the result, once
     ``Exchange.finish`` has received it."""
 
@@ -90,10 +91,11 @@ class Exchange:
         self.units.append(unit)
         return unit
 
-    def summed(self, pending, name: str, members, numels, collectives) -> Unit:
+    def summed(self, pending, name: str, members, numels, collectives, then=None) -> Unit:
         """Record a collective the glue started itself in place, in the framework's buffer
-        (``pending``, waited on through ``collectives.synchronize``), as a unit of the step."""
-        unit = Unit(name, members, numels, None, [], None, (collectives, pending))
+        (``pending``, waited on through ``collectives.synchronize``), as a unit of the step;
+        ``then``: what makes the unit's result of the summed tensor (None: it is the result)."""
+        unit = Unit(name, members, numels, None, [], None, (collectives, pending, then))
         self.units.append(unit)
         return unit
 
@@ -121,8 +123,10 @@ class Exchange:
                     receive_each(self.grace, handles, intos))
         for u in units:
             if u.summed is not None:
-                collectives, pending = u.summed
+                collectives, pending, then = u.summed
                 u.out = collectives.synchronize(pending)
+                if then is not None:
+                    u.out = then(u.out)
                 continue
             out = next(outs)
             for _ in u.handles[1:]:

@@ -44,8 +44,9 @@ none of the per-tensor plumbing (``grace_dl.torch.ddp_powersgd``). Communication
 buckets thus overlaps the rest of the backward pass; the wire traffic is the communicator's (see its
 module docstring), and ``grc.bytes.steps[-1]`` says how many bytes this rank moved. Grace
 ``none`` (``Allreduce``, memory ``none``: ``sums_in_place``) is summed by the hook itself, in
-place, as PyTorch's allreduce hook does: the send path's collective, bits and byte counts
-without its Python.
+place, as PyTorch's allreduce hook does, and grace ``fp16`` (memory ``none``: ``sums_in_half``)
+is cast, summed in place and cast back with the average's division into the bucket, the work of
+PyTorch's fp16 hook: the send path's collective, bits and byte counts without its Python.
 
 **Granularity.** ``"bucket"``: one grace tensor per bucket (a flat 1-D buffer), so a
 compressor sees whole buckets and the number of collectives is the number of buckets
@@ -166,11 +167,13 @@ from grace_dl.communicators.pieces import (
     piece_sizes,
 )
 from grace_dl.communicators.wire import ring_allreduce_bytes
+from grace_dl.compressors.fp16 import FP16Compressor
 from grace_dl.compressors.none import NoneCompressor
 from grace_dl.contracts import check_grace
 from grace_dl.state import unclaimed_keys, without_slots
 from grace_dl.torch.ddp_powersgd import PowerSGDBuckets
 from grace_dl.torch.distributed import DistCollectives
+from grace_dl.torch.ops import assign_div
 from grace_dl.torch.trees import to_numpy, to_torch
 
 GRANULARITIES = ("auto", "bucket", "parameter")
@@ -193,6 +196,17 @@ def sums_in_place(grace) -> bool:
     many Python calls. The same collective, bits and byte counts; chosen when the state is
     built."""
     return (type(grace) is Allreduce and type(grace.compressor) is NoneCompressor
+            and grace.feedback.keeps_nothing)
+
+
+def sums_in_half(grace) -> bool:
+    """Whether the hook may send a bucket in float16 itself, as PyTorch's fp16 hook does:
+    ``grace`` is exactly grace's ``Allreduce`` of compressor ``fp16`` with memory ``none``,
+    whose send path does just that (compress: the cast; issue: an allreduce of it in place;
+    complete: the cast back, divided into the bucket) around many Python calls. The same
+    operations, bits and byte counts; chosen when the state is built (and, per bucket, for a
+    whole bucket that is not already float16)."""
+    return (type(grace) is Allreduce and type(grace.compressor) is FP16Compressor
             and grace.feedback.keeps_nothing)
 
 
@@ -248,6 +262,8 @@ class GraceState:
         self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
         #: the bucket summed in place as PyTorch's allreduce hook does (``sums_in_place``)
         self._sums_in_place = sums_in_place(grace)
+        #: the bucket cast, summed and cast back as PyTorch's fp16 hook does (``sums_in_half``)
+        self._sums_in_half = sums_in_half(grace)
         #: PowerSGD's buckets sent by its bucket path (``grace_dl.torch.ddp_powersgd``), and
         #: this step's buckets on it not yet finished
         self._powersgd = PowerSGDBuckets(grace, self.op) \
@@ -499,6 +515,9 @@ class GraceState:
         elif self._sums_in_place and layout.pieces is None and self.grace.fusion is None \
                 and self._sum_in_place(buffer.detach(), layout):
             pass        # summed in place in DDP's buffer
+        elif self._sums_in_half and layout.pieces is None and self.grace.fusion is None \
+                and buffer.dtype != torch.float16 and self._sum_in_half(buffer.detach(), layout):
+            pass        # its float16 cast summed in place, cast back into DDP's buffer
         else:
             # the common step: the bucket's buffer is the one grace tensor, its result
             # written there (no gradient views needed; its members and numels name the
@@ -554,6 +573,29 @@ class GraceState:
         moved = ring_allreduce_bytes(coll.allreduce_nbytes(flat), size)
         grace.bytes.add(layout.name, moved, moved)
         self._exchange.summed(pending, layout.name, layout.names, layout.numels, coll)
+        return True
+
+    def _sum_in_half(self, flat, layout) -> bool:
+        """Start the allreduce of the bucket's float16 cast, in place, and have its sum cast
+        back into the bucket, divided by the group's size for an average: what grace's
+        ``Allreduce`` does with ``fp16`` and no memory (``sums_in_half``), with its bytes
+        counted, without the send path around it; False where the engine cannot sum the cast
+        in place (the send path then runs)."""
+        coll, grace = self.collectives, self.grace
+        half = flat.to(torch.float16)
+        pending = coll.allreduce_async_(half, grace.wire_name(layout.name, "p0"))
+        if pending is None:
+            return False
+        size = coll.size()
+        moved = ring_allreduce_bytes(coll.allreduce_nbytes(half), size)
+        grace.bytes.add(layout.name, moved, moved)
+        divisor = size if self.op == AVERAGE else None
+        dtype = flat.dtype
+
+        def cast_back(summed):
+            return assign_div(flat, summed.to(dtype), divisor)
+
+        self._exchange.summed(pending, layout.name, layout.names, layout.numels, coll, cast_back)
         return True
 
     def _start_deferred(self) -> None:
