@@ -512,12 +512,10 @@ class GraceState:
             # first iteration after a resume, DDP's layout is not the saved one: wait for
             # the whole step and regroup as the checkpointed run did (_complete)
             self._deferred.update(zip(names, self._views_of(bucket, names)))
-        elif self._sums_in_place and layout.pieces is None and self.grace.fusion is None \
+        elif (self._sums_in_place or self._sums_in_half and buffer.dtype != torch.float16) \
+                and layout.pieces is None and self.grace.fusion is None \
                 and self._sum_in_place(buffer.detach(), layout):
-            pass        # summed in place in DDP's buffer
-        elif self._sums_in_half and layout.pieces is None and self.grace.fusion is None \
-                and buffer.dtype != torch.float16 and self._sum_in_half(buffer.detach(), layout):
-            pass        # its float16 cast summed in place, cast back into DDP's buffer
+            pass        # summed in place in DDP's buffer (fp16: its cast, cast back there)
         else:
             # the common step: the bucket's buffer is the one grace tensor, its result
             # written there (no gradient views needed; its members and numels name the
@@ -560,42 +558,28 @@ class GraceState:
             torch._foreach_copy_(dsts, srcs)
 
     def _sum_in_place(self, flat, layout) -> bool:
-        """Start the allreduce of the bucket's buffer, in place, averaged by its postscale:
-        what grace's ``Allreduce`` does with an uncompressed tensor that is its ``into``
-        (``sums_in_place``), with its bytes counted, without the send path around it; False
-        where the engine cannot sum this buffer in place (the send path then runs)."""
+        """Start the allreduce of the bucket, in place, as grace's ``Allreduce`` does without
+        a memory, with its bytes counted, without the send path around it: for ``none``
+        (``sums_in_place``) the buffer itself, averaged by its postscale; for ``fp16``
+        (``sums_in_half``) its float16 cast, whose sum is cast back into the buffer, divided
+        by the group's size for an average. False where the engine cannot sum it in place
+        (the send path then runs)."""
         coll, grace = self.collectives, self.grace
         size = coll.size()
-        scale = 1.0 / size if self.op == AVERAGE else 1.0
-        pending = coll.allreduce_async_(flat, grace.wire_name(layout.name, "p0"), scale)
+        average = self.op == AVERAGE
+        if self._sums_in_half:
+            sent, scale, dtype = flat.to(torch.float16), 1.0, flat.dtype
+
+            def then(summed):
+                return assign_div(flat, summed.to(dtype), size if average else None)
+        else:
+            sent, scale, then = flat, 1.0 / size if average else 1.0, None
+        pending = coll.allreduce_async_(sent, grace.wire_name(layout.name, "p0"), scale)
         if pending is None:
             return False
-        moved = ring_allreduce_bytes(coll.allreduce_nbytes(flat), size)
+        moved = ring_allreduce_bytes(coll.allreduce_nbytes(sent), size)
         grace.bytes.add(layout.name, moved, moved)
-        self._exchange.summed(pending, layout.name, layout.names, layout.numels, coll)
-        return True
-
-    def _sum_in_half(self, flat, layout) -> bool:
-        """Start the allreduce of the bucket's float16 cast, in place, and have its sum cast
-        back into the bucket, divided by the group's size for an average: what grace's
-        ``Allreduce`` does with ``fp16`` and no memory (``sums_in_half``), with its bytes
-        counted, without the send path around it; False where the engine cannot sum the cast
-        in place (the send path then runs)."""
-        coll, grace = self.collectives, self.grace
-        half = flat.to(torch.float16)
-        pending = coll.allreduce_async_(half, grace.wire_name(layout.name, "p0"))
-        if pending is None:
-            return False
-        size = coll.size()
-        moved = ring_allreduce_bytes(coll.allreduce_nbytes(half), size)
-        grace.bytes.add(layout.name, moved, moved)
-        divisor = size if self.op == AVERAGE else None
-        dtype = flat.dtype
-
-        def cast_back(summed):
-            return assign_div(flat, summed.to(dtype), divisor)
-
-        self._exchange.summed(pending, layout.name, layout.names, layout.numels, coll, cast_back)
+        self._exchange.summed(pending, layout.name, layout.names, layout.numels, coll, then)
         return True
 
     def _start_deferred(self) -> None:
