@@ -47,10 +47,11 @@ class _Tensor:
 class _Bucket:
     """A bucket's tensors, its collectives and the round they are in."""
 
-    __slots__ = ("tensors", "coll", "call", "pending", "low_rank")
+    __slots__ = ("tensors", "coll", "call", "label", "pending", "low_rank")
 
-    def __init__(self, tensors, coll, call, pending):
-        self.tensors, self.coll, self.call, self.pending = tensors, coll, call, pending
+    def __init__(self, tensors, coll, call, label, pending):
+        self.tensors, self.coll, self.call, self.label = tensors, coll, call, label
+        self.pending = pending
         self.low_rank = None    # the tensors in the second round
 
 
@@ -82,7 +83,8 @@ class PowerSGDBuckets:
                 path = self.grace.paths.on(compensated)
             payload, ctx = path.compress(compensated, name, call)
             tensors.append(_Tensor(grad, name, compensated, payload[0], ctx))
-        return _Bucket(tensors, coll, call, self._allreduce(tensors, coll, call, label + ".p"))
+        return _Bucket(tensors, coll, call, label,
+                       self._allreduce(tensors, coll, call, label + ".p"))
 
     def exchange(self, buckets) -> list:
         """Finish ``buckets`` (started by ``start``, in the same order on every rank) in
@@ -91,6 +93,7 @@ class PowerSGDBuckets:
         units (one per gradient, named as the reference names them)."""
         compressor, feedback, grace = self.compressor, self.feedback, self.grace
         for bucket in buckets:      # first round: the summed Ps (and the uncompressed tensors)
+            divisor = bucket.call.size if self.average else None
             self._received(bucket)
             low_rank = []
             for t in bucket.tensors:
@@ -99,26 +102,26 @@ class PowerSGDBuckets:
                     out = grace.paths.on(t.reduced).decompress_into([t.reduced], t.ctx,
                                                                     t.grad)
                     feedback.update(t.compensated, t.name, compressor, [t.reduced], t.ctx)
-                    ops.assign_div(t.grad, out, bucket.call.size if self.average else None)
+                    ops.assign_div(t.grad, out, divisor)
                 else:
                     t.sent = step[0][0]
                     low_rank.append(t)
             bucket.low_rank = low_rank
-            bucket.pending = self._allreduce(low_rank, bucket.coll, bucket.call, ".q") \
-                if low_rank else None
+            bucket.pending = self._allreduce(low_rank, bucket.coll, bucket.call,
+                                             bucket.label + ".q") if low_rank else None
         for bucket in buckets:      # second round: the summed Q^Ts
             tensors = bucket.low_rank
             for t in tensors:       # this rank's share is known: the residual, meanwhile
                 feedback.update(t.compensated, t.name, compressor, [t.sent], t.ctx)
             if tensors:
                 self._received(bucket)
+            divisor = bucket.call.size if self.average else None
             for t in tensors:
                 path = grace.paths.on(t.reduced)
-                payload = path.divided([t.reduced], bucket.call.size) if self.average \
-                    else None
+                # the average folded into Q where the path can (then nothing divides after)
+                payload = None if divisor is None else path.divided([t.reduced], divisor)
                 out = path.decompress_into(payload or [t.reduced], t.ctx, t.grad)
-                ops.assign_div(t.grad, out, None if payload is not None or not self.average
-                               else bucket.call.size)
+                ops.assign_div(t.grad, out, None if payload is not None else divisor)
         return [Unit(t.name, [t.name], None, t.grad, [], None, None)
                 for bucket in buckets for t in bucket.tensors]
 
