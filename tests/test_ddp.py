@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mp
@@ -16,6 +17,10 @@ from grace_dl import grace_from_params
 from support import assert_dicts_differ, assert_equal_dicts
 
 N = 2
+#: ``ddp_check.DDP_OPTIONS``'s labels
+DDP_LABELS = ("default", "bucket_view", "static", "both")
+#: the half-precision models it trains
+HALVES = ("bfloat16", "float16")
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
@@ -345,6 +350,58 @@ def test_resume_from_a_checkpoint_continues_bit_for_bit():
         assert not any("/piece" in k for k in out["qsgd-2phase"]["keys"])
     for p in pipelines:
         assert_equal_dicts(res[0][p]["resumed"], res[1][p]["resumed"])
+
+
+@pytest.mark.multiproc
+def test_ddps_speed_and_memory_options():
+    """``gradient_as_bucket_view`` (gradients are views of DDP's buckets, which the hook writes
+    into) gives every pipeline the parameters, bytes, state and names of DDP's defaults, bit
+    for bit. ``static_graph`` rebuilds DDP's buckets after the second iteration, not the
+    first: the hook follows (the first layout's names twice, its state dropped at the
+    rebuild), the same bits where state does not depend on the layout (none, fp16, PowerSGD
+    per parameter), the same names, bytes and state keys from the rebuild on for the others.
+    A bfloat16 or float16 model trains on every pipeline with its ranks in step; ``none``
+    equals DDP's own averaging in bfloat16, and in float16 up to DDP's division before the
+    sum."""
+    pipelines = ["ddp", "none", "fp16", "topk", "randomk", "qsgd-2phase", "powersgd", "signsgd",
+                 "topk@bucketwise"]     # (each bucket completed in its hook call: NCCL's way)
+    layout_free = ("ddp", "none", "fp16", "powersgd")
+    res = torchrun("options", 6, *pipelines, timeout=600)
+    for out in res:
+        for p in pipelines:
+            default = out[f"{p}/default"]
+            for label in ("bucket_view", "static", "both"):
+                run = out[f"{p}/{label}"]
+                static = label != "bucket_view"
+                if p in layout_free or not static:
+                    assert_equal_dicts(default["params"], run["params"])
+                if p == "ddp":
+                    continue
+                names, want = run["names"], default["names"]
+                assert len(names) == 6 and run["keys"] == default["keys"], (p, label)
+                if static:  # DDP's first layout twice; then its rebuilt one, as by default
+                    assert names[1] == want[0] and names[2:] == want[2:], (p, label, names)
+                    assert run["sent"][2:] == default["sent"][2:], (p, label)
+                else:
+                    assert names == want and run["sent"] == default["sent"], (p, label)
+            for dtype in HALVES:
+                half = out[f"{p}/{dtype}"]["params"]
+                assert all(np.isfinite(v).all() for v in half.values()), (p, dtype)
+                assert_dicts_differ(half, out["ddp/default"]["params"])     # (it trained)
+                if p not in ("ddp", "none"):    # (none: equal to DDP's, below)
+                    assert len(out[f"{p}/{dtype}"]["sent"]) == 6, (p, dtype)
+                    assert_dicts_differ(half, out[f"ddp/{dtype}"]["params"])
+        for label in (*DDP_LABELS, "bfloat16"):
+            assert_equal_dicts(out[f"none/{label}"]["params"], out[f"ddp/{label}"]["params"])
+        # float16: DDP halves each rank's gradient before the sum, grace the sum: a gradient
+        # small enough to be subnormal when halved rounds otherwise (a last bit, here and there)
+        for k, want in out["ddp/float16"]["params"].items():
+            np.testing.assert_allclose(out["none/float16"]["params"][k], want, rtol=2e-3,
+                                       atol=1e-5, err_msg=k)
+        # the layout changes at DDP's rebuild (else the static case above proves nothing)
+        assert out["topk/default"]["names"][0] != out["topk/default"]["names"][1]
+    for key in res[0]:
+        assert_equal_dicts(res[0][key]["params"], res[1][key]["params"])
 
 
 @pytest.mark.multiproc

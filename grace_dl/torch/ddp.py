@@ -96,10 +96,24 @@ same on every rank (DDP takes rank 0's) and in every step after the first.
 * ``find_unused_parameters=True``: DDP fills unused parameters' slots of the bucket with zeros
   before calling the hook; the hook compresses and sends them like any gradient (every rank
   must take part in every collective).
+* ``gradient_as_bucket_view=True``: the gradients are DDP's buckets themselves, which the
+  hook writes its results into anyway: the same bits as without it.
+* ``static_graph=True``: DDP rebuilds its buckets after the second iteration instead of the
+  first; the hook follows (the first layout's state is dropped then). Pipelines whose state
+  is per bucket (error feedback in ``"bucket"`` granularity) thus restart it one step later
+  than without the option (other bits than DDP's default from there on, the same names,
+  bytes and state keys); the others give the same bits.
+* A model in bfloat16 or float16: the buckets are in its dtype and each compressor sends
+  what it sends for that dtype.
 
 **Averaging.** ``op="average"`` (default) gives DDP's result: the sum over ranks divided by the
-group size (for ``none``/``allreduce`` it equals DDP's own allreduce; compressors that already
-normalise, like signSGD's majority vote, are not divided). ``op="sum"`` leaves the sum.
+group size (compressors that already normalise, like signSGD's majority vote, are not
+divided). ``op="sum"`` leaves the sum. For ``none``/``allreduce`` it equals DDP's own allreduce
+bit for bit at a power-of-two group size; DDP divides each rank's gradient before the sum and
+grace divides the sum (as Horovod does), so at other sizes, or for float16 gradients small
+enough to lose bits when halved, the two differ in the last bit. Dividing after the sum keeps
+the small gradients' bits and lets a float16 sum overflow where DDP's would not (by a factor of
+the group size: ``GradScaler`` then settles on a smaller scale).
 
 **Checkpoints.** ``state.state_dict()`` is this rank's grace state (CPU tensors, so
 ``torch.load`` reads it with its default ``weights_only=True``), the grouping of the last step,

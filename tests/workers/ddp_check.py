@@ -15,6 +15,9 @@ Modes:
   root, alltoall with uneven splits (short, and in several gloo pieces), in-place allreduce.
 - ``fused <steps>``: PowerSGD per parameter in one bucket, with the hook's per-bucket fusion
   and with each unit sent alone: all_reduce calls per step, parameters after the steps.
+- ``options <steps> <pipeline>...``: each pipeline under DDP's other options
+  (``gradient_as_bucket_view``, ``static_graph``, both) and on a half-precision model: parameters
+  after the steps, bytes per step, the hook's state keys.
 """
 
 from __future__ import annotations
@@ -447,6 +450,46 @@ def mode_fused(steps: int) -> dict:
     return out
 
 
+#: DDP's options a user sets for speed or memory, by label (the first is DDP's defaults)
+DDP_OPTIONS = {"default": {}, "bucket_view": {"gradient_as_bucket_view": True},
+               "static": {"static_graph": True},
+               "both": {"gradient_as_bucket_view": True, "static_graph": True}}
+
+
+def mode_options(steps: int, pipelines) -> dict:
+    """Each pipeline ``steps`` steps under each of ``DDP_OPTIONS`` (several buckets, SGD with
+    momentum), and on the model cast to bfloat16 and float16 (DDP's defaults); pipeline
+    ``ddp`` is DDP without a hook. ``names``: the grace tensors of each step."""
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    out = {}
+    for pipeline in pipelines:
+        runs = [(label, opts, torch.float32) for label, opts in DDP_OPTIONS.items()]
+        for label, opts, dtype in runs + [("bfloat16", {}, torch.bfloat16),
+                                          ("float16", {}, torch.float16)]:
+            torch.manual_seed(0)
+            model = DDP(mlp().to(dtype), bucket_cap_mb=0.02, **opts)
+            state = None if pipeline == "ddp" else hook_state(pipeline)
+            if state is not None:
+                model.register_comm_hook(state, grace_ddp.comm_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            names = []
+            for _, (x, y) in zip(range(steps), batches(data, 1)):
+                opt.zero_grad()
+                loss_fn(model(x.to(dtype)), y).backward()
+                opt.step()
+                if state is not None:
+                    names.append(list(state.last_step_names))
+            out[f"{pipeline}/{label}"] = {
+                "params": {k: v.detach().float().numpy().copy()
+                           for k, v in model.state_dict().items()},
+                **({} if state is None else {
+                    "sent": [s["sent"] for s in state.grace.bytes.steps],
+                    "keys": sorted(k for k, _ in _flat_items(state.grace.state_dict())),
+                    "names": names})}
+    return out
+
+
 def mode_disagree() -> dict:
     """Rank 1 uses another compress_ratio: the first hook call must raise on both ranks."""
     ratio = 0.1 if dist.get_rank() == 0 else 0.2
@@ -477,6 +520,8 @@ def main() -> None:
         result = mode_collectives()
     elif mode == "fused":
         result = mode_fused(int(sys.argv[2]))
+    elif mode == "options":
+        result = mode_options(int(sys.argv[2]), sys.argv[3:])
     elif mode == "disagree":
         result = mode_disagree()
     else:
