@@ -405,6 +405,24 @@ def test_ddps_speed_and_memory_options():
 
 
 @pytest.mark.multiproc
+def test_uneven_inputs_under_ddps_join():
+    """Rank 1 runs out of batches two steps before rank 0; under ``model.join()`` its DDP runs
+    the hook on zero buckets for rank 0's last steps, so every pipeline's collectives stay
+    matched (no hang), its ranks end with the same parameters, and ``none`` equals DDP's
+    own join."""
+    pipelines = ["ddp", "none", "fp16", "topk", "qsgd-2phase", "powersgd", "signsgd",
+                 "topk@bucketwise"]
+    res = torchrun("join", *pipelines, timeout=300)
+    for p in pipelines:
+        assert_equal_dicts(res[0][p]["params"], res[1][p]["params"])
+        if p != "ddp":
+            for out in res:     # the joined rank's hook ran for the steps it shadowed
+                assert out[p]["steps"] == 6 and out[p]["iteration"] == 6, (p, out[p])
+    assert_equal_dicts(res[0]["none"]["params"], res[0]["ddp"]["params"])
+    assert_dicts_differ(res[0]["topk"]["params"], res[0]["ddp"]["params"])
+
+
+@pytest.mark.multiproc
 def test_ranks_with_different_configurations_fail_instead_of_hanging():
     res = torchrun("disagree", timeout=120)
     for out in res:

@@ -15,6 +15,9 @@ Modes:
   root, alltoall with uneven splits (short, and in several gloo pieces), in-place allreduce.
 - ``fused <steps>``: PowerSGD per parameter in one bucket, with the hook's per-bucket fusion
   and with each unit sent alone: all_reduce calls per step, parameters after the steps.
+- ``join <pipeline>...``: uneven inputs under ``model.join()`` (rank 0 six batches, rank 1
+  four; the joined rank's DDP runs the hook on zero buckets for the others' steps):
+  parameters, the hook's steps.
 - ``options <steps> <pipeline>...``: each pipeline under DDP's other options
   (``gradient_as_bucket_view``, ``static_graph``, both) and on a half-precision model: parameters
   after the steps, bytes per step, the hook's state keys.
@@ -450,6 +453,25 @@ def mode_fused(steps: int) -> dict:
     return out
 
 
+def mode_join(pipelines) -> dict:
+    """Each pipeline (``ddp``: no hook) with rank 0 taking 6 steps and rank 1 taking 4 under
+    DDP's ``join()``: the parameters after it, and how many steps the hook ran."""
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    steps = 6 if dist.get_rank() == 0 else 4
+    out = {}
+    for pipeline in pipelines:
+        model, opt, state = make(None if pipeline == "ddp" else pipeline)
+        with model.join():
+            for _, (x, y) in zip(range(steps), batches(data, 1)):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+        out[pipeline] = {"params": params_of(model), **({} if state is None else {
+            "steps": len(state.grace.bytes.steps), "iteration": state.iteration})}
+    return out
+
+
 #: DDP's options a user sets for speed or memory, by label (the first is DDP's defaults)
 DDP_OPTIONS = {"default": {}, "bucket_view": {"gradient_as_bucket_view": True},
                "static": {"static_graph": True},
@@ -520,6 +542,8 @@ def main() -> None:
         result = mode_collectives()
     elif mode == "fused":
         result = mode_fused(int(sys.argv[2]))
+    elif mode == "join":
+        result = mode_join(sys.argv[2:])
     elif mode == "options":
         result = mode_options(int(sys.argv[2]), sys.argv[3:])
     elif mode == "disagree":
