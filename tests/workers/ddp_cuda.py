@@ -5,10 +5,11 @@ machine; CI has none):
     PYTHONPATH=. torchrun --standalone --nproc-per-node 1 tests/workers/ddp_cuda.py gloo
 
 World size 1 (NCCL needs one GPU per rank). For every pipeline: an MLP on ``cuda:0`` wrapped in
-DDP with the grace hook trains a few steps; the script checks that gradients stay on the GPU
-and finite, that ``none``/``allreduce`` equals DDP's own reduction bit for bit, that the hook's
-state_dict round-trips, and exercises each collective (sum, ragged allgather, broadcast,
-alltoall) on CUDA tensors. Prints one line per check and exits non-zero if any failed.
+DDP with the grace hook trains a few steps; the script checks that gradients stay on the GPU and
+finite, that ``none``/``allreduce`` equals DDP's own reduction bit for bit (and that DDP's
+``gradient_as_bucket_view`` changes no pipeline's bits), that the hook's state_dict round-trips,
+and exercises each collective (sum, ragged allgather, broadcast, alltoall) on CUDA tensors.
+Prints one line per check and exits non-zero if any failed.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def model(device):
                          nn.Linear(512, 10)).to(device)
 
 
-def train(pipeline, device, steps=5, per_bucket=None):
+def train(pipeline, device, steps=5, per_bucket=None, **options):
     """``per_bucket``: force completing each bucket in its hook call (True) or the step's
-    together (False); None: the hook's choice (NCCL: each in its call)."""
+    together (False); None: the hook's choice (NCCL: each in its call). ``options``: DDP's."""
     net = DDP(model(device), device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=0.5)
+              bucket_cap_mb=0.5, **options)
     state = None
     if pipeline is not None:
         state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[pipeline])))
@@ -143,6 +144,18 @@ def main() -> int:
         return f"each bucket in its hook call == the step's together: {done}"
 
     check(f"{backend} buckets completed one by one == together", bucketwise_equals_together)
+
+    def bucket_views_change_nothing():
+        done = []
+        for pipeline in ("none", "fp16", "topk", "qsgd-2phase", "powersgd"):
+            a, _ = train(pipeline, device)
+            b, _ = train(pipeline, device, gradient_as_bucket_view=True)
+            for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+                assert torch.equal(x, y), (pipeline, k)
+            done.append(pipeline)
+        return f"gradient_as_bucket_view=True == default: {done}"
+
+    check(f"{backend} hook with gradient_as_bucket_view", bucket_views_change_nothing)
 
     for pipeline in PIPELINES:
         def one(pipeline=pipeline):
