@@ -103,6 +103,9 @@ same on every rank (DDP takes rank 0's) and in every step after the first.
   is per bucket (error feedback in ``"bucket"`` granularity) thus restart it one step later
   than without the option (other bits than DDP's default from there on, the same names,
   bytes and state keys); the others give the same bits.
+* ``join()`` (uneven inputs): for each step the other ranks still take, DDP runs the hook of a
+  rank that ran out of batches on zero buckets; the hook sends them as any gradient (its
+  error feedback goes on as for a zero gradient), so the collectives stay matched.
 * A model in bfloat16 or float16: the buckets are in its dtype and each compressor sends
   what it sends for that dtype.
 
