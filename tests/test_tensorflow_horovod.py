@@ -236,3 +236,30 @@ def test_keras_optimizer_checkpoint_carries_grace_state(keras_fit):
 def test_keras_fit_with_embedding_equal_across_ranks(keras_fit):
     for key in ("emb_plain", "emb_topk"):
         _equal(keras_fit[0][key], keras_fit[1][key])
+
+
+def test_keras_mixed_precision_skips_the_same_steps_on_every_rank():
+    """``mixed_float16``: rank 1's gradients overflow in 2 of 10 steps. With the loss scaling
+    inside ours (``DistributedOptimizer(LossScaleOptimizer(SGD))``) the scaler sees the
+    averaged gradients, so both ranks skip the same steps, halve the scale alike and keep
+    equal weights: through Horovod's average (exactly those 2 steps) and through grace's topk
+    (whose residual keeps the overflowing steps' finite entries, which here, rank 1's inputs
+    scaled by 1e4, overflow later steps too). Ours wrapped by ``compile`` instead is refused
+    on both ranks, before any collective, naming the fix (before, rank 1 skipped alone and
+    the ranks' collectives went out of step)."""
+    res = mp.run("tf_keras_mixed.py", np=N, timeout=300)
+    for out in res:
+        assert out["wrapped"] is not None and "LossScaleOptimizer(optimizer)" in out["wrapped"]
+        for case in ("plain", "topk"):
+            run = out[case]
+            assert run["compiled_with"] == "LossScaleOptimizer" and run["inner"] == "SGD"
+        assert out["plain"]["iterations"] == 8     # 10 steps, 2 skipped
+        assert out["plain"]["scale"] == 2.0 ** 15 / 4
+        assert out["topk"]["iterations"] < 10 and out["topk"]["sent_steps"] == 10
+    for case in ("plain", "topk"):
+        assert res[0][case]["iterations"] == res[1][case]["iterations"]
+        assert res[0][case]["scale"] == res[1][case]["scale"]
+        for a, b in zip(res[0][case]["weights"], res[1][case]["weights"]):
+            np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(res[0]["plain"]["weights"], res[0]["topk"]["weights"]))

@@ -16,6 +16,10 @@ user's optimizer class (same name, same config) whose ``apply`` reduces the grad
 * ``grace=grc``: each gradient goes through ``grc.send`` / ``grc.receive``; gradient names are
   the variables' Keras ``path``s (see ``grace_dl.tensorflow.gradients``).
 
+Mixed precision (``"mixed_float16"``): pass ``DistributedOptimizer(keras.optimizers.
+LossScaleOptimizer(opt))``, so that the loss scaler sees the averaged gradients and every rank
+skips the same steps; an optimizer of ours that ``compile`` wraps in a ``LossScaleOptimizer``
+itself is refused at the first step (each rank would test its own gradients).
 Horovod ops cannot be XLA-compiled: compile with ``jit_compile=False`` (the default on CPU).
 The optimizer's own ``gradient_accumulation_steps`` accumulates the already-reduced gradients.
 The optimizer also tracks the grace state (``self.grace_state``), so ``tf.train.Checkpoint(
@@ -23,6 +27,8 @@ optimizer=opt)`` saves residuals and counters with the optimizer's slots.
 """
 
 from __future__ import annotations
+
+import sys
 
 import horovod.tensorflow as hvd
 import keras
@@ -38,6 +44,9 @@ class _Distributed:
     """Mixed in front of the user's optimizer class."""
 
     def apply(self, grads, trainable_variables=None):
+        if not getattr(self, "_hvd_outer_checked", False):
+            _refuse_loss_scaling_outside(self)
+            self._hvd_outer_checked = True
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
         grads = self._hvd_reducer(list(grads), variables)
@@ -47,6 +56,35 @@ class _Distributed:
         """Gradients of ``var`` are not reduced (as in Horovod)."""
         self._hvd_reducer.register_local(var)
 
+
+def _refuse_loss_scaling_outside(opt) -> None:
+    """Raise where ``opt`` is the inner optimizer of Keras's ``LossScaleOptimizer`` (its
+    ``apply`` calling ours: ``model.compile`` wraps an optimizer so under the
+    ``"mixed_float16"`` policy). That wrapper tests each rank's own gradients for overflow
+    before ours averages them, so ranks whose gradients differ skip different steps and their
+    collectives no longer match (a wrong average, then a crash or a hang). Raised while the
+    first step is traced, on every rank alike, before any collective."""
+    frame = sys._getframe(2)
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
+            return
+        outer = frame.f_locals.get("self")
+        if isinstance(outer, keras.optimizers.LossScaleOptimizer) and \
+                getattr(outer, "inner_optimizer", None) is opt:
+            raise ValueError(
+                f"DistributedOptimizer({type(opt).__name__}) is the inner optimizer of "
+                f"keras's LossScaleOptimizer (model.compile wraps it so under the "
+                f"'mixed_float16' policy): the loss scale would be checked on each rank's own "
+                f"gradients before they are averaged, and ranks that disagree on skipping a "
+                f"step no longer match their collectives. Put the loss scaling inside: "
+                f"DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer)), and "
+                f"compile with that")
+        frame = frame.f_back
+
+
+#: caller frames searched for a ``LossScaleOptimizer`` around ours (its ``apply``, its branch
+#: for finite gradients, and TF's ``cond`` between them)
+_CALLER_FRAMES = 12
 
 _CLASSES: dict[type, type] = {}
 
