@@ -44,9 +44,7 @@ class _Distributed:
     """Mixed in front of the user's optimizer class."""
 
     def apply(self, grads, trainable_variables=None):
-        if not getattr(self, "_hvd_outer_checked", False):
-            _refuse_loss_scaling_outside(self)
-            self._hvd_outer_checked = True
+        _refuse_loss_scaling_outside(self)     # (a traced step: once; eager: a few frames)
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
         grads = self._hvd_reducer(list(grads), variables)
@@ -57,13 +55,19 @@ class _Distributed:
         self._hvd_reducer.register_local(var)
 
 
+#: caller frames searched for a ``LossScaleOptimizer`` around ours (its ``apply``, its branch
+#: for finite gradients, and TF's ``cond`` between them)
+_CALLER_FRAMES = 12
+
+
 def _refuse_loss_scaling_outside(opt) -> None:
     """Raise where ``opt`` is the inner optimizer of Keras's ``LossScaleOptimizer`` (its
     ``apply`` calling ours: ``model.compile`` wraps an optimizer so under the
     ``"mixed_float16"`` policy). That wrapper tests each rank's own gradients for overflow
     before ours averages them, so ranks whose gradients differ skip different steps and their
     collectives no longer match (a wrong average, then a crash or a hang). Raised while the
-    first step is traced, on every rank alike, before any collective."""
+    first step is traced, on every rank alike, before any collective; checked at every call,
+    so an optimizer compiled again under another policy is checked again."""
     frame = sys._getframe(2)
     for _ in range(_CALLER_FRAMES):
         if frame is None:
@@ -81,10 +85,6 @@ def _refuse_loss_scaling_outside(opt) -> None:
                 f"compile with that")
         frame = frame.f_back
 
-
-#: caller frames searched for a ``LossScaleOptimizer`` around ours (its ``apply``, its branch
-#: for finite gradients, and TF's ``cond`` between them)
-_CALLER_FRAMES = 12
 
 _CLASSES: dict[type, type] = {}
 
