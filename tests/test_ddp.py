@@ -370,7 +370,7 @@ def test_ddps_speed_and_memory_options():
     for out in res:
         for p in pipelines:
             default = out[f"{p}/default"]
-            for label in ("bucket_view", "static", "both"):
+            for label in DDP_LABELS[1:]:
                 run = out[f"{p}/{label}"]
                 static = label != "bucket_view"
                 if p in layout_free or not static:

@@ -52,7 +52,8 @@ PIPELINES = {
 
 
 def params_of(model) -> dict:
-    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    """The model's state as float32 arrays (a half-precision model's widened exactly)."""
+    return {k: v.detach().float().cpu().numpy().copy() for k, v in model.state_dict().items()}
 
 
 # ---------------------------------------------------------------- digits
@@ -91,8 +92,10 @@ def hook_state(pipeline, **kwargs):
     return state
 
 
-def make(pipeline, bucket_cap_mb=0.02, granularity="auto"):
-    model = DDP(mlp(), bucket_cap_mb=bucket_cap_mb)
+def make(pipeline, bucket_cap_mb=0.02, granularity="auto", dtype=torch.float32, **options):
+    """The MLP in ``dtype`` under DDP (``options``: DDP's), the hook of ``pipeline`` (None:
+    none), SGD with momentum."""
+    model = DDP(mlp().to(dtype), bucket_cap_mb=bucket_cap_mb, **options)
     state = None
     if pipeline is not None:
         state = hook_state(pipeline, granularity=granularity)
@@ -489,12 +492,8 @@ def mode_options(steps: int, pipelines) -> dict:
         runs = [(label, opts, torch.float32) for label, opts in DDP_OPTIONS.items()]
         for label, opts, dtype in runs + [("bfloat16", {}, torch.bfloat16),
                                           ("float16", {}, torch.float16)]:
-            torch.manual_seed(0)
-            model = DDP(mlp().to(dtype), bucket_cap_mb=0.02, **opts)
-            state = None if pipeline == "ddp" else hook_state(pipeline)
-            if state is not None:
-                model.register_comm_hook(state, grace_ddp.comm_hook)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            model, opt, state = make(None if pipeline == "ddp" else pipeline, dtype=dtype,
+                                     **opts)
             names = []
             for _, (x, y) in zip(range(steps), batches(data, 1)):
                 opt.zero_grad()
@@ -503,9 +502,7 @@ def mode_options(steps: int, pipelines) -> dict:
                 if state is not None:
                     names.append(list(state.last_step_names))
             out[f"{pipeline}/{label}"] = {
-                "params": {k: v.detach().float().numpy().copy()
-                           for k, v in model.state_dict().items()},
-                **({} if state is None else {
+                "params": params_of(model), **({} if state is None else {
                     "sent": [s["sent"] for s in state.grace.bytes.steps],
                     "keys": sorted(k for k, _ in _flat_items(state.grace.state_dict())),
                     "names": names})}

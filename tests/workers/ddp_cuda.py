@@ -53,6 +53,12 @@ def model(device):
                          nn.Linear(512, 10)).to(device)
 
 
+def assert_same_parameters(a, b, label) -> None:
+    """The two DDP models' parameters (and buffers) are bit-equal."""
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), (label, k)
+
+
 def train(pipeline, device, steps=5, per_bucket=None, **options):
     """``per_bucket``: force completing each bucket in its hook call (True) or the step's
     together (False); None: the hook's choice (NCCL: each in its call). ``options``: DDP's."""
@@ -126,8 +132,7 @@ def main() -> int:
     def equal_to_ddp():
         ref, _ = train(None, device)
         got, _ = train("none", device)
-        for (k, a), (_, b) in zip(ref.state_dict().items(), got.state_dict().items()):
-            assert torch.equal(a, b), k
+        assert_same_parameters(ref, got, "none")
         return "5 steps, parameters bit-equal"
 
     check(f"{backend} hook none/allreduce == DDP default", equal_to_ddp)
@@ -138,8 +143,7 @@ def main() -> int:
             a, sa = train(pipeline, device)
             b, _ = train(pipeline, device, per_bucket=not sa._per_bucket)
             assert sa._per_bucket is (backend == "nccl"), (pipeline, sa._per_bucket)
-            for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-                assert torch.equal(x, y), (pipeline, k)
+            assert_same_parameters(a, b, pipeline)
             done.append(pipeline)
         return f"each bucket in its hook call == the step's together: {done}"
 
@@ -150,8 +154,7 @@ def main() -> int:
         for pipeline in ("none", "fp16", "topk", "qsgd-2phase", "powersgd"):
             a, _ = train(pipeline, device)
             b, _ = train(pipeline, device, gradient_as_bucket_view=True)
-            for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-                assert torch.equal(x, y), (pipeline, k)
+            assert_same_parameters(a, b, pipeline)
             done.append(pipeline)
         return f"gradient_as_bucket_view=True == default: {done}"
 
