@@ -69,19 +69,24 @@ class Collectives(ABC):
 
     def allgather_parts_async(self, parts, names, lengths_name: str):
         """Start gathering every rank's 1-D ``parts`` when their lengths may differ across
-        ranks, with an int32 vector of those lengths (what a payload of data-dependent size
-        sends). Returns ``(handles, lengths)``: ``handles[i]`` resolves to every rank's part i
-        joined in rank order (sent as ``names[i]``), ``lengths`` to every rank's vector of
-        lengths, rank after rank (sent as ``lengths_name``). Default: the lengths (known to
-        be ``len(parts)`` long on every rank) and each part gathered on its own, each part
-        sized by the engine (Horovod negotiates sizes itself); an engine that must size its
-        buffers first waits for the lengths once instead of a size exchange per part."""
+        ranks (what a payload of data-dependent size sends), each rank's int32 vector of
+        those lengths going with them; ``synchronize_parts`` waits for the handle. ``names``:
+        one per part, for engines that send the parts one by one. Default (engines that size
+        a gather themselves: Horovod): one allgather, sent as ``lengths_name``, of each
+        rank's block of its lengths then its parts' bytes (``ops.pack_ragged``): the sizes
+        travel inside the gather instead of in a collective beside it."""
         from grace_dl.backend import ops_for
 
-        handles = [self.allgather_async(p, n) for p, n in zip(parts, names)]
-        numels = ops_for(parts[0]).numels(parts)
-        return handles, self.allgather_known_async(numels, [len(parts)] * self.size(),
-                                                   lengths_name)
+        return self.allgather_async(ops_for(parts[0]).pack_ragged(parts), lengths_name)
+
+    def synchronize_parts(self, handle, dtypes: list) -> list:
+        """Wait for an ``allgather_parts_async`` of parts of ``dtypes`` (every rank's are the
+        same): ``pieces[i][r]``, rank r's part i. Its lengths vectors were on the wire:
+        ``wire.LENGTH_NBYTES`` a part a rank."""
+        from grace_dl.backend import ops_for
+
+        gathered = self.synchronize(handle)
+        return ops_for(gathered).unpack_ragged(gathered, dtypes, self.size())
 
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         """``alltoall_async`` when the caller knows every rank's splits: ``matrix[r][j]``,

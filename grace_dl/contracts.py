@@ -206,6 +206,14 @@ class OpsBackend(Protocol):
         """``buffer``'s segments laid out as ``layouts`` cut into ``pieces[i][s]``: part i of
         non-empty segment s."""
 
+    def pack_ragged(self, flats):
+        """One rank's block of a gather of ragged parts: their int32 element counts, then
+        their bytes, as one 1-D uint8 tensor."""
+
+    def unpack_ragged(self, buffer, dtypes: list, size: int) -> list:
+        """``size`` ``pack_ragged`` blocks one after another cut into ``pieces[i][r]``: rank
+        r's part i, read as ``dtypes[i]``."""
+
     def shaped_parts(self, pieces, shapes, ranks: int, equal_sizes: bool = True) -> list:
         """Every rank's payload from the 1-D ``pieces[i][r]``, each part in its local shape's
         layout."""

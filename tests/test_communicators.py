@@ -292,6 +292,27 @@ def test_payload_parts_travel_packed_one_collective_per_round():
 
 
 @pytest.mark.multiproc
+def test_ragged_payload_gathers_its_lengths_and_parts_in_one_collective():
+    """A payload whose size depends on the data (threshold, signSGD's zero plane) is gathered
+    on Horovod in one allgather, each rank's lengths at the front of its block
+    (``Collectives.allgather_parts_async``): allgather sends ``len`` alone, two-phase's
+    gather ``ag.len`` and no per-part ``ag.p<i>``. The results and byte counts (the lengths
+    counted as before) are the reference's, checked above."""
+    per = _collectives_per_tensor(launch("gloo", 2))
+    ragged_pairs = set()
+    for (comm, comp), tensors in per.items():
+        if comm == "broadcast" or cc.SimRank(comp).compressor.caps.equal_sizes:
+            continue
+        ragged_pairs.add((comm, comp))
+        for name, calls in tensors.items():
+            gathers = [c for c in calls if not c.startswith("a2a")]
+            assert gathers == (["len"] if comm == "allgather" else ["ag.len"]), \
+                (comm, comp, name, calls)
+    assert {("allgather", "threshold"), ("allgather", "signsgd"),
+            ("twophase", "signsgd")} <= ragged_pairs, sorted(ragged_pairs)
+
+
+@pytest.mark.multiproc
 def test_pack_parts_false_sends_one_collective_per_part_with_the_same_results():
     """``pack_parts=False`` on allgather, broadcast and two-phase: one collective per payload
     part (``.p<i>``), results and byte counts as the single-process reference says."""

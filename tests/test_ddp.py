@@ -245,10 +245,11 @@ def test_distributed_collectives_on_gloo():
         assert list(out["alltoall_known"]) == list(out["alltoall_big"])
         assert out["gather_known"]
         # a ragged payload's three parts: one all_gather of their lengths, then one per part
-        # sized from them (the default: a size exchange per part, 7 calls); the same tensors
+        # sized from them (the default: one gather of lengths and parts together, sized by an
+        # exchange of sizes: 2 calls); the same pieces, rank by rank
         one_exchange, plain_calls, same, got = out["gather_parts"]
-        assert (one_exchange, plain_calls, same) == (4, 7, True)
-        assert got == [[0.0, 10.0, 11.0, 12.0], [0, 0, 0, 1, 1, 1, 1], [], [1, 3, 0, 3, 4, 0]]
+        assert (one_exchange, plain_calls, same) == (4, 2, True)
+        assert got == [[[0.0], [10.0, 11.0, 12.0]], [[0, 0, 0], [1, 1, 1, 1]], [[], []]]
         counts_error, matrix_error = out["known_errors"]
         assert "counts must be 2 non-negative row counts" in counts_error and "[5, 5]" in \
             counts_error, counts_error

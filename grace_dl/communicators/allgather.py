@@ -38,10 +38,13 @@ def gather_rounds_refusal(compressor) -> str | None:
 
 @dataclass
 class Gathering(Phase):
-    """The payload parts' allgathers (and, for ragged payloads, the lengths' one) in flight."""
+    """The payload parts' allgathers in flight (for a ragged payload, the one
+    ``Collectives.allgather_parts_async``)."""
 
     parts: list
-    lengths: Any
+    #: the parts' dtypes where their sizes differ across ranks (``parts`` holds the one
+    #: ``allgather_parts_async`` handle), else None
+    ragged_dtypes: list | None
     shapes: list
     numels: list | None     # the parts' element counts (None: they travel packed)
     sent: Any
@@ -49,7 +52,7 @@ class Gathering(Phase):
     packed: Any = None
 
     def waits_on(self) -> list:
-        return self.parts if self.lengths is None else [*self.parts, self.lengths]
+        return self.parts
 
 
 @register_communicator("allgather")
@@ -64,14 +67,15 @@ class Allgather(PackingCommunicator):
         ops = ops_for(encoded.payload[0])
         flats, shapes = ops.flat_parts(encoded.payload)         # (``wire.flatten``)
         sent = ops.total_nbytes(flats)
-        lengths = None
+        ragged_dtypes = None
         size = encoded.call.size
         if not self.compressor.caps.equal_sizes:
             # sizes differ across ranks: the parts and an int32 vector of their lengths
             names = [self.wire_name(handle.name, f"p{i}") for i in range(len(flats))]
-            parts, lengths = coll.allgather_parts_async(flats, names,
-                                                        self.wire_name(handle.name, "len"))
+            parts = [coll.allgather_parts_async(flats, names,
+                                                self.wire_name(handle.name, "len"))]
             sent = sent + wire.LENGTH_NBYTES * len(flats)
+            ragged_dtypes = [ops.dtype(f) for f in flats]
             packed = numels = None
         elif (packed := self.packed_layout(flats, ops)) is not None:
             # equal sizes: every rank's part is as long as this rank's, so an engine that sizes
@@ -87,7 +91,7 @@ class Allgather(PackingCommunicator):
                 parts.append(coll.allgather_known_async(f, [numels[i]] * size,
                                                         self.wire_name(handle.name, f"p{i}")))
         wire.count(self, ops, handle.name, sent=sent)
-        return Gathering(parts, lengths, shapes, numels, sent, packed)
+        return Gathering(parts, ragged_dtypes, shapes, numels, sent, packed)
 
     def complete(self, phase: Gathering, handle: Handle):
         coll = handle.coll
@@ -97,17 +101,15 @@ class Allgather(PackingCommunicator):
             ops = ops_for(gathered)
             pieces = ops.unpack_parts(gathered, [phase.packed] * size)   # (``wire.unpack_all``)
             received = phase.sent * (size - 1)
-        elif phase.lengths is None:
+        elif phase.ragged_dtypes is None:
             gathered = [coll.synchronize(h) for h in phase.parts]
             ops = ops_for(gathered[0])
             pieces = [ops.split(g, [n] * size) for g, n in zip(gathered, phase.numels)]
             received = phase.sent * (size - 1)
         else:
-            gathered = [coll.synchronize(h) for h in phase.parts]
-            ops = ops_for(gathered[0])
-            lengths = ops.reshape(coll.synchronize(phase.lengths), (size, len(gathered)))
-            by_part = ops.transpose(lengths)
-            pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
-            received = wire.nbytes(gathered) + ops.nbytes(lengths) - phase.sent
+            pieces = coll.synchronize_parts(phase.parts[0], phase.ragged_dtypes)
+            ops = ops_for(pieces[0][0])
+            received = wire.nbytes([p for part in pieces for p in part]) - phase.sent \
+                + wire.LENGTH_NBYTES * len(pieces) * size
         wire.count(self, ops, handle.name, received=received)
         return wire.combine(self, pieces, phase.shapes, handle, size, average=True, ops=ops)

@@ -86,11 +86,12 @@ class Gathering(Phase):
     packed: bool = False
     #: ``own`` is already written in the handle's ``into`` (``_server_step`` fused)
     own_in_place: bool = False
-    #: for payload sizes that differ across ranks: the gather of the parts' lengths
-    lengths: object = None
+    #: for payload sizes that differ across ranks: the parts' dtypes (``gathers`` holds the
+    #: one ``Collectives.allgather_parts_async`` handle)
+    ragged_dtypes: list | None = None
 
     def waits_on(self) -> list:
-        return self.gathers if self.lengths is None else [*self.gathers, self.lengths]
+        return self.gathers
 
 
 @register_communicator("twophase")
@@ -246,7 +247,7 @@ class TwoPhase(PackingCommunicator):
 
         # A rank that owns no chunk received nothing and contributes that empty piece;
         # using it keeps its alltoall alive in tf.function, which prunes unused ops.
-        lengths = None
+        ragged_dtypes = None
         if phase.packed:
             piece = ops.pack_parts(mine) if mine is not None else got[0]
             counts = []
@@ -257,9 +258,10 @@ class TwoPhase(PackingCommunicator):
                                                   self.wire_name(handle.name, "ag.p"))]
         elif phase.ragged:
             pieces = [mine[i] if mine is not None else got[i] for i in range(n_parts)]
-            gathers, lengths = coll.allgather_parts_async(
+            gathers = [coll.allgather_parts_async(
                 pieces, [self.wire_name(handle.name, f"ag.p{i}") for i in range(n_parts)],
-                self.wire_name(handle.name, "ag.len"))
+                self.wire_name(handle.name, "ag.len"))]
+            ragged_dtypes = [ops.dtype(p) for p in pieces]
         else:
             gathers = []
             for i in range(n_parts):
@@ -268,7 +270,7 @@ class TwoPhase(PackingCommunicator):
                 gathers.append(coll.allgather_known_async(
                     piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
         sent = ops.total_nbytes(mine) if mine is not None else 0
-        if lengths is not None:
+        if ragged_dtypes is not None:
             sent = sent + wire.LENGTH_NBYTES * n_parts
             received = 0        # counted when the gather is in (``_join``)
         else:
@@ -277,32 +279,33 @@ class TwoPhase(PackingCommunicator):
                 if j != me:
                     received += ops.total_nbytes(flat[j][0])
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Gathering(gathers, flat, own, phase.packed, own_in_place, lengths)
+        return Gathering(gathers, flat, own, phase.packed, own_in_place, ragged_dtypes)
 
     def _join(self, phase: Gathering, handle: Handle):
         coll = handle.coll
         size, me = handle.encoded.call.size, handle.encoded.call.rank  # (coll's)
         flat, ctxs = phase.flat, handle.encoded.ctx
         m, n_parts = len(flat), len(flat[0][0])
-        gathered = [coll.synchronize(h) for h in phase.gathers]
-        ops = ops_for(gathered[0])
-        if phase.packed:
+        if phase.ragged_dtypes is not None:
+            pieces = coll.synchronize_parts(phase.gathers[0], phase.ragged_dtypes)
+            ops = ops_for(pieces[0][0])
+            others = [p for i in range(n_parts) for r, p in enumerate(pieces[i]) if r != me]
+            wire.count(self, ops, handle.name, received=wire.nbytes(others)
+                       + wire.LENGTH_NBYTES * n_parts * (size - 1))
+        elif phase.packed:
+            gathered = [coll.synchronize(h) for h in phase.gathers]
+            ops = ops_for(gathered[0])
             layouts = []
             for j in range(m):
                 layouts.append(ops.part_layout(flat[j][0]))
             pieces = ops.unpack_parts(gathered[0], layouts + [[]] * (size - m))
-        elif phase.lengths is not None:
-            lengths = ops.reshape(coll.synchronize(phase.lengths), (size, n_parts))
-            by_part = ops.transpose(lengths)
-            pieces = [ops.split_by(g, by_part[i]) for i, g in enumerate(gathered)]
-            own = wire.nbytes([pieces[i][me] for i in range(n_parts)])
-            wire.count(self, ops, handle.name, received=wire.nbytes(gathered) - own
-                       + ops.nbytes(lengths) // size * (size - 1))
         else:
+            gathered = [coll.synchronize(h) for h in phase.gathers]
+            ops = ops_for(gathered[0])
             lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                        for i in range(n_parts)]
             pieces = [ops.split(g, lengths[i]) for i, g in enumerate(gathered)]
-        equal = phase.lengths is None
+        equal = phase.ragged_dtypes is None
         payloads = []
         for j in range(m):
             column = []

@@ -383,6 +383,33 @@ def pack_parts(flats):
     return tf.concat(chunks, axis=0)
 
 
+def pack_ragged(flats):
+    """One rank's block for a gather of parts whose lengths differ across ranks: the parts'
+    element counts (int32), then their bytes (a ``bool`` part's as uint8), as one 1-D uint8
+    tensor (``unpack_ragged``)."""
+    counts = tf.stack([tf.size(f, out_type=tf.int32) for f in flats])
+    return tf.concat([to_bytes(counts), *(to_bytes(tf.cast(f, tf.uint8) if f.dtype == tf.bool
+                                                   else f) for f in flats)], axis=0)
+
+
+def unpack_ragged(buffer, dtypes: list, size: int) -> list:
+    """``size`` ``pack_ragged`` blocks one after another in ``buffer`` (a gather, in rank
+    order) cut into ``pieces[i][r]``: rank r's part i, read as ``dtypes[i]``. Each block's
+    counts are read where it starts, as tensors (graph mode knows no sizes)."""
+    n = len(dtypes)
+    widths = tf.constant([_DTYPES[d].size for d in dtypes], tf.int32)
+    pieces = [[] for _ in dtypes]
+    at = tf.constant(0, tf.int32)
+    for _ in range(size):
+        sizes = tf.bitcast(tf.reshape(buffer[at:at + 4 * n], [n, 4]), tf.int32) * widths
+        at = at + 4 * n
+        for i, d in enumerate(dtypes):
+            b = buffer[at:at + sizes[i]]
+            pieces[i].append(tf.cast(b, tf.bool) if d == "bool" else from_bytes(b, d))
+            at = at + sizes[i]
+    return pieces
+
+
 def unpack_parts(buffer, layouts: list) -> list:
     """``buffer``'s segments (one per entry of ``layouts``, each ``part_layout``'s list of its
     packed parts; ``[]``: an empty segment) cut into ``pieces[i][s]``: part i of non-empty

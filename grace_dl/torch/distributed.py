@@ -293,14 +293,21 @@ class DistCollectives(Collectives):
 
     def allgather_parts_async(self, parts, names, lengths_name: str):
         """The lengths first, waited for (the one exchange of sizes: each part's buffers are
-        then sized from them), then every part with its ranks' lengths known."""
+        then sized from them), then every part with its ranks' lengths known, cut by them
+        where they arrive."""
         size, n = self.size(), len(parts)
         numels = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
         every = self.synchronize(self.allgather_known_async(numels, [n] * size, lengths_name))
         table = every.view(size, n).tolist()
-        handles = [self.allgather_known_async(p, [row[i] for row in table], name)
-                   for i, (p, name) in enumerate(zip(parts, names))]
-        return handles, _Pending([], lambda: every)
+        pending = []
+        for i, (p, name) in enumerate(zip(parts, names)):
+            counts = [row[i] for row in table]
+            pending.append((self.allgather_known_async(p, counts, name), counts))
+        return _Pending([h.work for h, _ in pending],
+                        lambda: [list(torch.split(h.finish(), c)) for h, c in pending])
+
+    def synchronize_parts(self, handle, dtypes: list) -> list:
+        return self.synchronize(handle)
 
     def broadcast_async(self, tensor, root: int, name: str):
         if not 0 <= int(root) < self.size():

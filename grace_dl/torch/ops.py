@@ -437,6 +437,36 @@ def pack_parts(flats):
     return torch.cat(chunks)
 
 
+def pack_ragged(flats):
+    """One rank's block for a gather of parts whose lengths differ across ranks: the parts'
+    element counts (int32), then their bytes, as one 1-D uint8 tensor (``unpack_ragged``)."""
+    counts = torch.tensor([f.numel() for f in flats], dtype=torch.int32,
+                          device=flats[0].device)
+    return torch.cat([counts.view(torch.uint8), *(to_bytes(f) for f in flats)])
+
+
+def unpack_ragged(buffer, dtypes: list, size: int) -> list:
+    """``size`` ``pack_ragged`` blocks one after another in ``buffer`` (a gather, in rank
+    order) cut into ``pieces[i][r]``: rank r's part i, read as ``dtypes[i]``. Each block's
+    counts are read where it starts (one host read a rank: the blocks' sizes are data)."""
+    n, at = len(dtypes), 0
+    widths = [_DTYPES[d].itemsize for d in dtypes]
+    cuts = []
+    for _ in range(size):
+        counts = buffer[at:at + 4 * n].clone().view(torch.int32).tolist()
+        cuts.append(4 * n)
+        at += 4 * n
+        for c, w in zip(counts, widths):
+            cuts.append(c * w)
+            at += c * w
+    if at != buffer.numel():
+        raise ValueError(f"a gather of {size} ragged blocks of {n} parts ({dtypes}) holds "
+                         f"{buffer.numel()} bytes; its blocks' counts say {at}")
+    cut = torch.split(buffer, cuts)
+    return [[from_bytes(cut[r * (n + 1) + 1 + i], d) for r in range(size)]
+            for i, d in enumerate(dtypes)]
+
+
 def unpack_parts(buffer, layouts: list) -> list:
     """``buffer``'s segments (one per entry of ``layouts``, each ``part_layout``'s list of its
     packed parts; ``[]``: an empty segment) cut into ``pieces[i][s]``: part i of non-empty

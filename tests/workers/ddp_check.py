@@ -350,10 +350,12 @@ def mode_collectives() -> dict:
         coll.synchronize(coll.allgather_known_async(ragged, counts, "ag.known")),
         coll.synchronize(coll.allgather_async(ragged, "ag.unknown")))
     # a ragged payload's parts and their lengths: the lengths once, then each part sized
-    # from them (n + 1 all_gather calls), against the default's gathers that each size
-    # themselves (a size exchange per part): the same tensors
+    # from them (n + 1 all_gather calls), against the default (one gather of every rank's
+    # block of lengths and parts, which this engine sizes with an exchange of sizes): the
+    # same pieces
     parts = [torch.arange(2 * r + 1, dtype=torch.float32) + 10 * r,
              torch.full((r + 3,), r, dtype=torch.uint8), torch.zeros(0, dtype=torch.int32)]
+    dtypes = ["float32", "uint8", "int32"]
     calls = []
     all_gather = dist.all_gather
     dist.all_gather = lambda *a, **k: (calls.append(1), all_gather(*a, **k))[1]
@@ -364,10 +366,12 @@ def mode_collectives() -> dict:
         plain_calls = len(calls) - one_exchange
     finally:
         dist.all_gather = all_gather
-    got = [[coll.synchronize(h) for h in hs] + [coll.synchronize(ln)] for hs, ln in (mine, plain)]
+    got = [coll.synchronize_parts(mine, dtypes),
+           Collectives.synchronize_parts(coll, plain, dtypes)]
     out["gather_parts"] = (one_exchange, plain_calls,
-                           all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(*got)),
-                           [g.tolist() for g in got[0]])
+                           all(torch.equal(a, b) and a.dtype == b.dtype
+                               for pa, pb in zip(*got) for a, b in zip(pa, pb)),
+                           [[g.tolist() for g in part] for part in got[0]])
     known_errors = []
     for call in (lambda: coll.allgather_known_async(ragged, [5] * n, "bad.counts"),
                  lambda: coll.alltoall_known_async(rows, splits, [[1] * n] * n, "bad.matrix")):

@@ -1,0 +1,73 @@
+"""``ops.pack_ragged`` / ``ops.unpack_ragged``: a gather of parts whose lengths differ across
+ranks, each rank's block its lengths then its parts' bytes (what Horovod sends for a payload of
+data-dependent size, ``Collectives.allgather_parts_async``). Three ranks' blocks joined as a
+gather joins them are cut back into every rank's parts, in torch and in TF (eager and inside
+``tf.function``, where no size is known), whatever the parts' dtypes and alignments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grace_dl.tensorflow import ops as tf_ops
+from grace_dl.torch import ops as torch_ops
+
+DTYPES = ["float32", "uint8", "int64", "bool", "float16"]
+
+
+def _parts(rank: int) -> list[np.ndarray]:
+    """Rank ``rank``'s parts: lengths that differ by rank (an empty one on rank 1), odd byte
+    counts before the wider dtypes, so they start off their alignment in the block."""
+    rng = np.random.default_rng(rank)
+    n = [2 * rank + 1, 3 + rank, 0 if rank == 1 else rank + 2, 5 - rank, rank + 1]
+    return [rng.standard_normal(n[0]).astype(np.float32),
+            rng.integers(0, 255, n[1]).astype(np.uint8),
+            rng.integers(-2 ** 40, 2 ** 40, n[2]).astype(np.int64),
+            rng.integers(0, 2, n[3]).astype(bool),
+            rng.standard_normal(n[4]).astype(np.float16)]
+
+
+def test_torch_blocks_cut_back_into_every_ranks_parts():
+    import torch
+
+    ranks = [[torch.from_numpy(p) for p in _parts(r)] for r in range(3)]
+    blocks = [torch_ops.pack_ragged(parts) for parts in ranks]
+    assert [b.dtype for b in blocks] == [torch.uint8] * 3
+    assert blocks[0].numel() == 4 * len(DTYPES) + sum(p.numel() * p.element_size()
+                                                      for p in ranks[0])
+    pieces = torch_ops.unpack_ragged(torch.cat(blocks), DTYPES, 3)
+    for i in range(len(DTYPES)):
+        for r in range(3):
+            assert pieces[i][r].dtype == ranks[r][i].dtype
+            assert torch.equal(pieces[i][r], ranks[r][i]), (i, r)
+
+
+def test_torch_refuses_a_gather_its_counts_do_not_add_up_to():
+    import torch
+
+    block = torch_ops.pack_ragged([torch.arange(3, dtype=torch.float32)])
+    with pytest.raises(ValueError, match=r"2 ragged blocks of 1 parts \(\['float32'\]\) holds "
+                                         r"28 bytes; its blocks' counts say 32"):
+        torch_ops.unpack_ragged(torch.cat([block, block[:-4]]), ["float32"], 2)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_tf_blocks_cut_back_into_every_ranks_parts(traced):
+    import tensorflow as tf
+
+    ranks = [_parts(r) for r in range(3)]
+
+    def joined_and_cut(*flat):
+        parts = [list(flat[r * len(DTYPES):(r + 1) * len(DTYPES)]) for r in range(3)]
+        gathered = tf.concat([tf_ops.pack_ragged(p) for p in parts], axis=0)
+        return tf_ops.unpack_ragged(gathered, DTYPES, 3)
+
+    run = joined_and_cut
+    if traced:  # every part's length unknown while tracing, as a gather's are
+        run = tf.function(joined_and_cut, input_signature=[
+            tf.TensorSpec([None], tf.as_dtype(p.dtype)) for parts in ranks for p in parts])
+    pieces = run(*[tf.constant(p) for parts in ranks for p in parts])
+    for i in range(len(DTYPES)):
+        for r in range(3):
+            got = pieces[i][r].numpy()
+            assert got.dtype == ranks[r][i].dtype and np.array_equal(got, ranks[r][i]), (i, r)
