@@ -65,7 +65,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     **{f"{k}-fused": (k, {"groups": 1})
        for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase")},
     **{f"{k}-twins": (k, {"kernels": False})
-       for k in ("topk", "qsgd-2phase", "signsgd-2phase")},
+       for k in ("topk", "randomk", "qsgd-2phase", "signsgd-2phase")},
 }
 
 

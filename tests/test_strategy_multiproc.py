@@ -76,7 +76,9 @@ def test_mixed_strategy_routes_fuses_and_reduces_exactly():
         # PS to rank 0 with topk 0.25 of 24 (6 values + 6 indices = 48 bytes)
         assert per["g.weight"] == ((dense, 48) if rank == 0 else (48, dense))
         assert per["j.weight"] == (48, 48)                   # twophase: 2 (N-1)/N of 12 floats
-        assert per["g3"] == (24, 24)  # fused threshold allgathers: per-member element counts
+        # fused threshold allgathers: per-member element counts, a member a tensor (each
+        # tensor's ragged payload is one block of its lengths and parts: 2 members x 4 bytes)
+        assert per["g3"] == (8, 8)
         assert per["h.weight"][0] < 30 * 4  # threshold sends fewer bytes than the dense tensor
     # threshold sizes differ across ranks: what one sends, the other receives
     p0, p1 = r0["steps"][0]["bytes"]["per_tensor"], r1["steps"][0]["bytes"]["per_tensor"]
