@@ -25,11 +25,13 @@ from typing import Any
 
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
-from grace_dl.communicators.base import Encoded, Handle, PackingCommunicator, Phase
+from grace_dl.communicators.base import Encoded, Handle, InFlight, PackingCommunicator
 from grace_dl.registry import register_communicator
 
 
 def gather_rounds_refusal(compressor) -> str | None:
+    """Why a communicator that gathers payloads (allgather, broadcast, PS) cannot carry
+    ``compressor`` (None when it can): its ``refusal``."""
     if compressor.caps.rounds > 1:
         return (f"it needs {compressor.caps.rounds} rounds whose later payloads depend on the "
                 f"reduced earlier ones (rounds > 1)")
@@ -37,30 +39,23 @@ def gather_rounds_refusal(compressor) -> str | None:
 
 
 @dataclass
-class Gathering(Phase):
-    """The payload parts' allgathers in flight (for a ragged payload, the one
+class Gathering(InFlight):
+    """The payload parts' allgathers in flight (``handles``; for a ragged payload, the one
     ``Collectives.allgather_parts_async``)."""
 
-    parts: list
-    #: the parts' dtypes where their sizes differ across ranks (``parts`` holds the one
+    #: the parts' dtypes where their sizes differ across ranks (``handles`` holds the one
     #: ``allgather_parts_async`` handle), else None
     ragged_dtypes: list | None
     shapes: list
     numels: list | None     # the parts' element counts (None: they travel packed)
     sent: Any
-    #: the parts' ``wire.layout`` when they travel packed in ``parts[0]``, else None
+    #: the parts' ``wire.layout`` when they travel packed in ``handles[0]``, else None
     packed: Any = None
-
-    def waits_on(self) -> list:
-        return self.parts
 
 
 @register_communicator("allgather")
 class Allgather(PackingCommunicator):
-    @classmethod
-    def refusal(cls, compressor) -> str | None:
-        """Why this communicator cannot carry ``compressor`` (None when it can)."""
-        return gather_rounds_refusal(compressor)
+    refusal = staticmethod(gather_rounds_refusal)
 
     def issue(self, encoded: Encoded, handle: Handle) -> Gathering:
         coll = handle.coll
@@ -97,17 +92,17 @@ class Allgather(PackingCommunicator):
         coll = handle.coll
         size = handle.encoded.call.size
         if phase.packed is not None:
-            gathered = coll.synchronize(phase.parts[0])
+            gathered = coll.synchronize(phase.handles[0])
             ops = ops_for(gathered)
             pieces = ops.unpack_parts(gathered, [phase.packed] * size)   # (``wire.unpack_all``)
             received = phase.sent * (size - 1)
         elif phase.ragged_dtypes is None:
-            gathered = [coll.synchronize(h) for h in phase.parts]
+            gathered = [coll.synchronize(h) for h in phase.handles]
             ops = ops_for(gathered[0])
             pieces = [ops.split(g, [n] * size) for g, n in zip(gathered, phase.numels)]
             received = phase.sent * (size - 1)
         else:
-            pieces = coll.synchronize_parts(phase.parts[0], phase.ragged_dtypes)
+            pieces = coll.synchronize_parts(phase.handles[0], phase.ragged_dtypes)
             ops = ops_for(pieces[0][0])
             received = wire.nbytes([p for part in pieces for p in part]) - phase.sent \
                 + wire.LENGTH_NBYTES * len(pieces) * size

@@ -33,26 +33,22 @@ from grace_dl.communicators.base import (
     Communicator,
     Encoded,
     Handle,
-    Phase,
+    InFlight,
     divided_payloads,
 )
 from grace_dl.registry import register_communicator
 
 
 @dataclass
-class Reducing(Phase):
-    """Round ``round``'s allreduces in flight, with the ctx that decompresses their sum;
-    ``in_place``: the one allreduce sums (and averages) in the handle's ``into``; ``sent``:
-    this rank's payload of a later round (what its memory update is given)."""
+class Reducing(InFlight):
+    """Round ``round``'s allreduces in flight (``handles``), with the ctx that decompresses
+    their sum; ``in_place``: the one allreduce sums (and averages) in the handle's ``into``;
+    ``sent``: this rank's payload of a later round (what its memory update is given)."""
 
-    parts: list
     ctx: Any
     round: int = 1
     in_place: bool = False
     sent: list | None = None
-
-    def waits_on(self) -> list:
-        return self.parts
 
 
 @register_communicator("allreduce")
@@ -119,7 +115,7 @@ class Allreduce(Communicator):
         if own_share_first:
             self.feedback.update(handle.encoded.compensated, handle.name, self.compressor,
                                phase.sent, phase.ctx)
-        reduced = list(map(coll.synchronize, phase.parts))
+        reduced = list(map(coll.synchronize, phase.handles))
         if phase.in_place:
             handle.finished_in_place = True
             return handle.into

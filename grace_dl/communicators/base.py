@@ -82,6 +82,16 @@ class Phase:
 
 
 @dataclass
+class InFlight(Phase):
+    """A phase whose ``complete`` synchronizes exactly the collective handles ``handles``."""
+
+    handles: list
+
+    def waits_on(self) -> list:
+        return self.handles
+
+
+@dataclass
 class Ready(Phase):
     """Nothing left to wait for: ``value`` is the aggregated (summed) tensor."""
 

@@ -54,10 +54,7 @@ class Broadcasting(Phase):
 
 @register_communicator("broadcast")
 class Broadcast(PackingCommunicator):
-    @classmethod
-    def refusal(cls, compressor) -> str | None:
-        """Why this communicator cannot carry ``compressor`` (None when it can)."""
-        return gather_rounds_refusal(compressor)
+    refusal = staticmethod(gather_rounds_refusal)
 
     def _broadcasts(self, coll, name, flats, buffer, packed=False):
         """Start every root's broadcast of every part (``packed``: of its one packed buffer,

@@ -51,10 +51,7 @@ class PSCommunicator(Communicator):
         super().__init__(compressor, memory, process_set)
         self.root = in_range("root", root, 0, None, kind=int)
 
-    @classmethod
-    def refusal(cls, compressor) -> str | None:
-        """Why this communicator cannot carry ``compressor`` (None when it can)."""
-        return gather_rounds_refusal(compressor)
+    refusal = staticmethod(gather_rounds_refusal)
 
     def issue(self, encoded: Encoded, handle: Handle) -> Gathering:
         coll = handle.coll

@@ -47,6 +47,7 @@ from grace_dl.communicators import wire
 from grace_dl.communicators.base import (
     Encoded,
     Handle,
+    InFlight,
     PackingCommunicator,
     Phase,
     Ready,
@@ -59,26 +60,21 @@ from grace_dl.state import State
 
 
 @dataclass
-class Scattering(Phase):
-    """Phase 1: the all-to-alls of every chunk's payload parts in flight. ``flat[j]`` is
-    chunk j's payload as (1-D parts, their shapes)."""
+class Scattering(InFlight):
+    """Phase 1: the all-to-alls of every chunk's payload parts in flight (``handles``).
+    ``flat[j]`` is chunk j's payload as (1-D parts, their shapes)."""
 
-    exchanges: list
     flat: list
     #: whether the payload parts travel packed (``wire.pack``): one collective, not one per part
     packed: bool = False
     #: whether payload sizes differ across ranks: each part's all-to-all says how long it is
     ragged: bool = False
 
-    def waits_on(self) -> list:
-        return self.exchanges
-
 
 @dataclass
-class Gathering(Phase):
-    """Phase 2: the allgathers of every rank's re-compressed chunk in flight."""
+class Gathering(InFlight):
+    """Phase 2: the allgathers of every rank's re-compressed chunk in flight (``handles``)."""
 
-    gathers: list
     flat: list
     #: this rank's chunk as the gather will deliver it (decoded for the server's error
     #: feedback already), or None
@@ -86,12 +82,9 @@ class Gathering(Phase):
     packed: bool = False
     #: ``own`` is already written in the handle's ``into`` (``_server_step`` fused)
     own_in_place: bool = False
-    #: for payload sizes that differ across ranks: the parts' dtypes (``gathers`` holds the
+    #: for payload sizes that differ across ranks: the parts' dtypes (``handles`` holds the
     #: one ``Collectives.allgather_parts_async`` handle)
     ragged_dtypes: list | None = None
-
-    def waits_on(self) -> list:
-        return self.gathers
 
 
 @register_communicator("twophase")
@@ -218,7 +211,7 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(flat[0][0][0])
         mine = own = None
         own_in_place = False
-        results = [coll.synchronize(h) for h in phase.exchanges]
+        results = [coll.synchronize(h) for h in phase.handles]
         got = [r[0] for r in results]
         if me < m:
             # from each rank, part i of its payload for my chunk: the length of my own, or as
@@ -287,20 +280,20 @@ class TwoPhase(PackingCommunicator):
         flat, ctxs = phase.flat, handle.encoded.ctx
         m, n_parts = len(flat), len(flat[0][0])
         if phase.ragged_dtypes is not None:
-            pieces = coll.synchronize_parts(phase.gathers[0], phase.ragged_dtypes)
+            pieces = coll.synchronize_parts(phase.handles[0], phase.ragged_dtypes)
             ops = ops_for(pieces[0][0])
             others = [p for i in range(n_parts) for r, p in enumerate(pieces[i]) if r != me]
             wire.count(self, ops, handle.name, received=wire.nbytes(others)
                        + wire.LENGTH_NBYTES * n_parts * (size - 1))
         elif phase.packed:
-            gathered = [coll.synchronize(h) for h in phase.gathers]
+            gathered = [coll.synchronize(h) for h in phase.handles]
             ops = ops_for(gathered[0])
             layouts = []
             for j in range(m):
                 layouts.append(ops.part_layout(flat[j][0]))
             pieces = ops.unpack_parts(gathered[0], layouts + [[]] * (size - m))
         else:
-            gathered = [coll.synchronize(h) for h in phase.gathers]
+            gathered = [coll.synchronize(h) for h in phase.handles]
             ops = ops_for(gathered[0])
             lengths = [[ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                        for i in range(n_parts)]
