@@ -31,7 +31,7 @@ from grace_dl.compressors.qsgd import QSGDCompressor
 from grace_dl.compressors.signsgd import SignSGDCompressor
 from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
-from grace_dl.native.paths import _top_positions
+from grace_dl.native.paths import COMPILED
 from grace_dl.torch import ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,16 +76,15 @@ def cases(n: int) -> dict:
             sign.compress_with_error(slot, "s/server", LOCAL, slot, reduced)
 
     return {
-        "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: native.positions_at_least(a, thr),
+        "sparsifier scan, abs(x) >= t (~1.4% kept)": lambda: COMPILED.at_least(ops, x, thr),
         "topk 1% compress": lambda: topk.compress(x, "t", LOCAL),
         "threshold 2.576 compress": lambda: threshold.compress(x, "h", LOCAL),
         "topk combine into the gradient, 2 ranks (sparse sum)":
             lambda: topk.combine([t_payload, t_other], t_ctx, out),
         "exact top 1% of 20K (topk below its sampling size)":
-            lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100),
-                                     fast_top=_top_positions),
+            lambda: sparse.exact_top(ops, small, max(1, small.numel() // 100), select=COMPILED),
         "top 1% of x among the scan's candidates (topk's last step)":
-            lambda: sparse.top_among(ops, x, cand, max(1, n // 100), fast_top=_top_positions),
+            lambda: sparse.top_among(ops, x, cand, max(1, n // 100), select=COMPILED),
         "signsgd compress with error": lambda: sign.compress_with_error(x, "s", LOCAL, err),
         "signsgd decompress into": lambda: sign.decompress_into(s_payload, s_ctx, out),
         "signsgd two-phase server step, 2 ranks": server_step,

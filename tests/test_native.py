@@ -7,6 +7,8 @@ import torch
 
 from grace_dl import native
 from grace_dl.compressors.paths import Paths, own
+from grace_dl.native.paths import COMPILED
+from grace_dl.torch import ops
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def test_positions_equal_the_numpy_twin_on_every_path(every_path, n, sign, thr):
         got = native.positions_at_least(a, thr, sign)
         assert got.dtype == np.int64
         np.testing.assert_array_equal(got, expected, err_msg=f"path {bits}")
-    np.testing.assert_array_equal(native._positions_numpy(a, thr, sign), expected)
+    np.testing.assert_array_equal(ops._positions_numpy(a, thr, sign), expected)
 
 
 def test_more_positions_than_the_first_buffer_holds(every_path):
@@ -65,20 +67,31 @@ def test_more_positions_than_the_first_buffer_holds(every_path):
 
 
 def test_other_dtypes_and_strided_arrays_take_the_twin():
+    """The kernel declines them; the CPU path's selection gives them to the framework's ops
+    (NumPy chunk by chunk for float64), with the same positions."""
     a = _mixed(5000, 4)
     for x in (a.astype(np.float64), a[::2], a.astype(np.float16)):
-        np.testing.assert_array_equal(native.positions_at_least(x, 1.5),
-                                      np.flatnonzero(np.abs(x) >= x.dtype.type(1.5)))
+        want = np.flatnonzero(np.abs(x) >= x.dtype.type(1.5))
+        assert native.positions_at_least(x, 1.5) is None
+        np.testing.assert_array_equal(ops._positions_numpy(x, 1.5), want)
+        got = COMPILED.at_least(ops, torch.from_numpy(np.ascontiguousarray(x)), 1.5)
+        np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_torch_positions_use_the_kernel_on_a_tensor_view():
-    """grace_dl.torch.ops passes the tensor's own buffer (a slice of a larger one here)."""
-    from grace_dl.torch import ops
-
+def test_cpu_selection_scans_a_tensor_view_with_the_kernel(monkeypatch):
+    """The CPU path's scan passes the tensor's own buffer (a slice of a larger one here) to
+    the kernel, and gives the framework's positions."""
     base = torch.from_numpy(_mixed(10_000, 5))
     view = base[1000:9000]
-    got = ops.positions_at_least(view, torch.tensor(1.5), -1)
+    scans = []
+    kernel = native.positions_at_least
+    monkeypatch.setattr(native, "positions_at_least",
+                        lambda a, *args: scans.append(a) or kernel(a, *args))
+    got = COMPILED.at_least(ops, view, torch.tensor(1.5), -1)
+    assert len(scans) == 1 and scans[0].ctypes.data == view.data_ptr()
     np.testing.assert_array_equal(got.numpy(), np.flatnonzero((view <= -1.5).numpy()))
+    np.testing.assert_array_equal(ops.positions_at_least(view, torch.tensor(1.5), -1).numpy(),
+                                  got.numpy())
 
 
 def _planes(a):
@@ -254,7 +267,8 @@ def test_use_false_gives_every_kernel_to_its_twin():
         assert native.sign_planes(a) is None
         assert native.ternary(np.zeros(125, np.uint8), np.zeros(125, np.uint8), 1000,
                               np.empty(1000, np.float32)) is None
-        np.testing.assert_array_equal(native.positions_at_least(a, 1.5), want)
+        assert native.positions_at_least(a, 1.5) is None
+        np.testing.assert_array_equal(COMPILED.at_least(ops, torch.from_numpy(a), 1.5), want)
         assert native.sfc64_seed([1, 2, 3, 4]) is None
         assert native.choice_sorted(np.zeros(4, np.uint64), 100, 3, False) is None
         assert native.top_positions(a, 3) is None
@@ -619,16 +633,14 @@ def test_cpu_sparse_sum_falls_back_for_what_numpy_cannot_view():
 
 def test_a_cpu_without_simd_leaves_the_scan_sign_code_and_vote_to_the_framework(monkeypatch):
     """Their scalar loops are slower than the framework ops (``native._vectorized``): on a CPU
-    with no SIMD path the scan gives NumPy's positions and the sign code and the server step
-    decline, while the kernels whose scalar loops win (the ternary decode here) still run."""
+    with no SIMD path the scan, the sign code and the server step decline (the CPU path's
+    scan then gives NumPy's positions), while the kernels whose scalar loops win (the ternary
+    decode here) still run."""
     monkeypatch.setattr(native, "_CPU_BITS", 0)
     a = _mixed(1000, 3)
-    calls = []
-    monkeypatch.setattr(native, "_positions_numpy",
-                        lambda *args: calls.append(args) or np.flatnonzero(np.abs(a) >= 1.5))
-    np.testing.assert_array_equal(native.positions_at_least(a, 1.5),
+    assert native.positions_at_least(a, 1.5) is None
+    np.testing.assert_array_equal(COMPILED.at_least(ops, torch.from_numpy(a), 1.5),
                                   np.flatnonzero(np.abs(a) >= np.float32(1.5)))
-    assert len(calls) == 1
     assert native.sign_planes(a) is None
     planes = np.zeros(2 * 125, np.uint8)
     assert native.sign_vote_feedback([planes, planes], 1000, np.zeros(1000, np.float32),
@@ -668,11 +680,16 @@ def test_kth_largest_is_numpys_partition(case):
     assert native.kth_largest(a.astype(np.float64), 1) is None
 
 
-def test_torch_kth_largest_takes_the_radix_select_and_matches_topk():
-    from grace_dl.torch import ops as tops
-
+def test_cpu_selection_takes_the_radix_select_and_matches_topk(monkeypatch):
+    """The CPU path's k-th largest is the radix select's for float32 (NumPy's partition, the
+    framework ops', for float64), the value ``torch.topk`` gives."""
     x = torch.from_numpy(_kth_cases()["magnitudes"])
+    selects = []
+    kernel = native.kth_largest
+    monkeypatch.setattr(native, "kth_largest", lambda a, k: selects.append(k) or kernel(a, k))
     for k in (1, 590, 42_000, x.numel()):
         want = torch.topk(x, k).values.min()
-        assert tops.kth_largest(x, k) == want
-        assert tops.kth_largest(x.double(), k) == want.double()     # NumPy's partition
+        assert COMPILED.kth_largest(ops, x, k) == want and selects[-1] == k
+        assert ops.kth_largest(x, k) == want
+        assert COMPILED.kth_largest(ops, x.double(), k) == want.double()
+    assert len(selects) == 4

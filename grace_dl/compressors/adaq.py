@@ -36,15 +36,15 @@ class AdaqCompressor(Compressor):
         super().__init__(seed)
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
 
-    def _side(self, ops, flat, sign, name, step, fast_top=None):
+    def _side(self, ops, flat, sign, name, step, select=sparse.REFERENCE):
         """Kept positions of the largest entries of sign ``sign`` and their mean."""
         n = ops.numel(flat)
         count = ops.cast(ops.sum(ops.cast(flat > 0 if sign > 0 else flat < 0, "int64")), "float64")
         k = sparse.ceil_count(ops, count * self.compress_ratio, n)
         if step is None:
-            top = sparse.top_of(ops, sparse.magnitudes(ops, flat, sign), k)
+            top = sparse.top_of(ops, sparse.magnitudes(ops, flat, sign), k, select)
         else:
-            top = sparse.approx_top(ops, flat, k, self.seed, name, step, sign, fast_top)
+            top = sparse.approx_top(ops, flat, k, self.seed, name, step, sign, select)
         kept = ops.gather(flat, top)
         top = ops.gather(top, ops.nonzero(kept > 0 if sign > 0 else kept < 0))
         values = ops.cast(ops.gather(flat, top), "float64")
@@ -54,9 +54,8 @@ class AdaqCompressor(Compressor):
     def compress(self, tensor, name, call=LOCAL):
         return self._compress(tensor, name)
 
-    def _compress(self, tensor, name, fast_top=None):
-        """``compress``, with ``sparse.approx_top``'s ``fast_top`` (a speed path's
-        selection)."""
+    def _compress(self, tensor, name, select=sparse.REFERENCE):
+        """``compress``, its positions found by ``select`` (``sparse.Selection``)."""
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "adaq")
@@ -65,8 +64,8 @@ class AdaqCompressor(Compressor):
         if n == 0:
             return [ops.zeros(2, ops.dtype(flat), like=flat), ops.cast(flat, "int32")], ctx
         step = self.next_step(name, tensor) if n >= sparse.APPROX_MIN_NUMEL else None
-        plus, mu_plus = self._side(ops, flat, 1, name, step, fast_top)
-        minus, mu_minus = self._side(ops, flat, -1, name, step, fast_top)
+        plus, mu_plus = self._side(ops, flat, 1, name, step, select)
+        minus, mu_minus = self._side(ops, flat, -1, name, step, select)
         codes = ops.cat([plus, -1 - minus])
         return [ops.stack([mu_plus, mu_minus]), ops.cast(codes, "int32")], ctx
 

@@ -51,8 +51,8 @@ class DgcCompressor(SparseCompressor):
     def compress(self, tensor, name, call=LOCAL):
         return self._compress(tensor, name)
 
-    def _compress(self, tensor, name, fast_top=None):
-        """``compress``, with ``sparse.exact_top``'s ``fast_top`` (a speed path's selection)."""
+    def _compress(self, tensor, name, select=sparse.REFERENCE):
+        """``compress``, its positions found by ``select`` (``sparse.Selection``)."""
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "dgc")
@@ -63,14 +63,14 @@ class DgcCompressor(SparseCompressor):
         ratio = self.ratio_at(ops, step)
         k = sparse.ceil_count(ops, ratio * n, n)
         if n < sparse.APPROX_MIN_NUMEL:
-            return self.pack(ops, tensor, sparse.exact_top(ops, flat, k, fast_top=fast_top))
+            return self.pack(ops, tensor, sparse.exact_top(ops, flat, k, select=select))
         s = sparse.sample_size(n)
         thr = sparse.sampled_threshold(ops, flat, self.seed, name, step,
-                                       sparse.ceil_count(ops, ratio * s, s))
-        cand = ops.positions_at_least(flat, thr)
+                                       sparse.ceil_count(ops, ratio * s, s), select=select)
+        cand = select.at_least(ops, flat, thr)
         positions = ops.cond(
             ops.numel(cand) > k,
-            lambda: sparse.keep_top(ops, cand, ops.abs(ops.gather(flat, cand)), k),
+            lambda: sparse.keep_top(ops, cand, ops.abs(ops.gather(flat, cand)), k, select),
             lambda: cand)
         return self.pack(ops, tensor, positions)
 

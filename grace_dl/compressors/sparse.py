@@ -65,12 +65,35 @@ def magnitudes(ops, flat, sign=None):
     return ops.where(keep, mag, ops.zeros_like(mag) - 1)
 
 
-def keep_top(ops, cand, cmag, k):
+class Selection:
+    """How the sparsifiers find their positions: by the framework's ops (this class, the
+    reference), or by a speed path's kernels (a subclass: ``grace_dl.native.paths``), each
+    giving the same positions and values."""
+
+    def top(self, flat, k, sign=None):
+        """The positions ``top_of(magnitudes(flat, sign), k)`` picks, or None: ``top_of``
+        finds them."""
+        return None
+
+    def at_least(self, ops, flat, thr, sign=None):
+        """``ops.positions_at_least``: the positions whose magnitude reaches ``thr``."""
+        return ops.positions_at_least(flat, thr, sign)
+
+    def kth_largest(self, ops, x, k):
+        """``ops.kth_largest``: the ``k``-th largest entry of ``x`` (no NaN)."""
+        return ops.kth_largest(x, k)
+
+
+#: the framework's ops
+REFERENCE = Selection()
+
+
+def keep_top(ops, cand, cmag, k, select=REFERENCE):
     """Exactly ``k`` of the candidate positions ``cand`` (with magnitudes ``cmag``, at least
     ``k`` of them): the largest magnitudes, ties at the k-th going to the lowest positions
     (``cand`` is ascending). Returns int64 positions, ascending (every sparsifier's are, so
     a sum of payloads is written in one pass: ``ops.assign_sparse_sum``)."""
-    kth = ops.kth_largest(cmag, k)
+    kth = select.kth_largest(ops, cmag, k)
     above, tied = cmag > kth, cmag == kth
     # the k-th itself is tied, so at least one tie is kept; the last one kept bounds the rest
     need = k - ops.numel(ops.nonzero(above))
@@ -79,32 +102,31 @@ def keep_top(ops, cand, cmag, k):
     return ops.reshape(chosen, [k]) if isinstance(k, int) else chosen
 
 
-def top_of(ops, mag, k):
+def top_of(ops, mag, k, select=REFERENCE):
     """Positions of the ``k`` largest entries of ``mag`` (no NaN; ``0 < k <= numel``)."""
-    kth = ops.kth_largest(mag, k)
+    kth = select.kth_largest(ops, mag, k)
     cand = ops.nonzero(mag >= kth)
-    return keep_top(ops, cand, ops.gather(mag, cand), k)
+    return keep_top(ops, cand, ops.gather(mag, cand), k, select)
 
 
-def exact_top(ops, flat, k, sign=None, fast_top=None):
+def exact_top(ops, flat, k, sign=None, select=REFERENCE):
     """Positions of the ``k`` largest ``magnitudes(flat, sign)`` (``0 < k <= numel``):
-    ``top_of``, or ``fast_top(flat, k, sign)`` where a speed path gives one (a selection with
-    the same result, None where it does not apply)."""
-    fast = None if fast_top is None else fast_top(flat, k, sign)
-    return top_of(ops, magnitudes(ops, flat, sign), k) if fast is None else fast
+    ``select.top``, or ``top_of`` where it gives none."""
+    fast = select.top(flat, k, sign)
+    return top_of(ops, magnitudes(ops, flat, sign), k, select) if fast is None else fast
 
 
-def top_among(ops, flat, cand, k, sign=None, fast_top=None):
+def top_among(ops, flat, cand, k, sign=None, select=REFERENCE):
     """``keep_top`` of the candidate positions ``cand`` (ascending) of ``flat``: the ``k``
     largest magnitudes among them, ascending."""
     values = ops.gather(flat, cand)
-    fast = None if fast_top is None else fast_top(values, k, sign)
+    fast = select.top(values, k, sign)
     if fast is None:
-        return keep_top(ops, cand, magnitudes(ops, values, sign), k)
+        return keep_top(ops, cand, magnitudes(ops, values, sign), k, select)
     return ops.gather(cand, fast)
 
 
-def sampled_threshold(ops, flat, seed, name, step, above, sign=None):
+def sampled_threshold(ops, flat, seed, name, step, above, sign=None, select=REFERENCE):
     """A magnitude threshold from a seeded sample of ``flat`` (Lin et al. 2018, DGC): the
     ``above``-th largest sampled magnitude, so about ``above / sample_size`` of the tensor lies
     at or over it. The sample is ``sample_size(n)`` distinct positions keyed by
@@ -112,10 +134,10 @@ def sampled_threshold(ops, flat, seed, name, step, above, sign=None):
     n = ops.numel(flat)
     picks = ops.choice(seed, name, step, n, sample_size(n), like=flat)
     smag = magnitudes(ops, ops.gather(flat, picks), sign)
-    return ops.kth_largest(smag, above)
+    return select.kth_largest(ops, smag, above)
 
 
-def approx_top(ops, flat, k, seed, name, step, sign=None, fast_top=None):
+def approx_top(ops, flat, k, seed, name, step, sign=None, select=REFERENCE):
     """The same positions as ``exact_top`` (same set, same tie rule), found faster; with
     ``sign`` the ``k`` largest ``magnitudes(flat, sign)`` (``k`` may be an int tensor).
 
@@ -132,10 +154,10 @@ def approx_top(ops, flat, k, seed, name, step, sign=None, fast_top=None):
     else:
         mean_above = s * k / n
         above = min(s, math.ceil(mean_above + 4 * math.sqrt(mean_above) + 2))
-    thr = sampled_threshold(ops, flat, seed, name, step, above, sign)
-    cand = ops.positions_at_least(flat, thr, sign)
-    return ops.cond(ops.numel(cand) >= k, lambda: top_among(ops, flat, cand, k, sign, fast_top),
-                    lambda: exact_top(ops, flat, k, sign, fast_top))
+    thr = sampled_threshold(ops, flat, seed, name, step, above, sign, select)
+    cand = select.at_least(ops, flat, thr, sign)
+    return ops.cond(ops.numel(cand) >= k, lambda: top_among(ops, flat, cand, k, sign, select),
+                    lambda: exact_top(ops, flat, k, sign, select))
 
 
 class SparseCompressor(Compressor):

@@ -38,6 +38,10 @@ class ThresholdCompressor(SparseCompressor):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
 
     def compress(self, tensor, name, call=LOCAL):
+        return self._compress(tensor, name)
+
+    def _compress(self, tensor, name, select=sparse.REFERENCE):
+        """``compress``, its scan done by ``select`` (``sparse.Selection``)."""
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "threshold")
@@ -49,7 +53,7 @@ class ThresholdCompressor(SparseCompressor):
             # |x| > t is |x| >= the next float32 above t: the sparsifiers' one-pass scan (not
             # for subnormal t, which a CPU flushing subnormals to zero would compare as 0)
             above = float(np.nextafter(np.float32(thr), np.float32(np.inf)))
-            return self.pack(ops, tensor, ops.positions_at_least(flat, above))
+            return self.pack(ops, tensor, select.at_least(ops, flat, above))
         return self.pack(ops, tensor, ops.nonzero((flat > thr) | (flat < -thr)))
 
 

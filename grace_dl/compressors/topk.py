@@ -40,8 +40,8 @@ class TopKCompressor(SparseCompressor):
     def compress(self, tensor, name, call=LOCAL):
         return self._compress(tensor, name)
 
-    def _compress(self, tensor, name, fast_top=None):
-        """``compress``, with ``sparse.exact_top``'s ``fast_top`` (a speed path's selection)."""
+    def _compress(self, tensor, name, select=sparse.REFERENCE):
+        """``compress``, its positions found by ``select`` (``sparse.Selection``)."""
         ops = ops_for(tensor)
         n = ops.numel(tensor)
         sparse.check_numel(n, "topk")
@@ -52,9 +52,9 @@ class TopKCompressor(SparseCompressor):
         if self.approximate and n >= sparse.APPROX_MIN_NUMEL and k < n:
             step = self.next_step(name, tensor)
             positions = sparse.approx_top(ops, flat, k, self.seed, name, step,
-                                          fast_top=fast_top)
+                                          select=select)
         else:
-            positions = sparse.exact_top(ops, flat, k, fast_top=fast_top)
+            positions = sparse.exact_top(ops, flat, k, select=select)
         return self.pack(ops, tensor, positions)
 
     def payload_nbytes(self, numel, dtype="float32"):

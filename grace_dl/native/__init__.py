@@ -1,11 +1,12 @@
 """Compiled kernels (``kernels.c``), loaded with ctypes. Where the library is missing, or
-``GRACE_DL_NATIVE=0``, or an array is of a dtype or layout a kernel does not take, the same
-result comes from elsewhere: ``positions_at_least`` from its NumPy twin here; every other
-kernel returns None and its caller runs the code it replaces (``signbits``' and signsgd's
-framework ops, qsgd's blockwise ops, NumPy's ``random_raw`` and ``SeedSequence``, and
-``seeding.choice``'s NumPy path); the tests hold each kernel equal
-to its twin on every SIMD path, ``native.use(False)`` switches them off at run time. On a CPU
-with no SIMD path the scan, the sign code and the server step do the same (``_vectorized``).
+``GRACE_DL_NATIVE=0``, or an array is of a dtype or layout a kernel does not take, the kernel
+returns None and its caller runs the code it replaces (``signbits``' and signsgd's framework
+ops, qsgd's blockwise ops, the sparsifiers' selection by the framework's ops, NumPy's
+``random_raw`` and ``SeedSequence``, and ``seeding.choice``'s NumPy path); the tests hold each
+kernel equal to its twin on every SIMD path, ``native.use(False)`` switches them off at run
+time. On a CPU with no SIMD path the scan, the sign code and the server step do the same
+(``_vectorized``). Only the CPU path calls them (``grace_dl.native.paths``) and the seeding
+they share with TF (``grace_dl.seeding``).
 
 The library is built by ``pip install`` (``setup.py``, an optional extension: a machine without
 a C compiler still installs, and runs the NumPy paths). It uses no Python API, so the ctypes
@@ -131,15 +132,15 @@ def _vectorized() -> bool:
     return _CPU_BITS > 0
 
 
-def positions_at_least(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
+def positions_at_least(a: np.ndarray, thr: float, sign=None):
     """int64 positions of the 1-D array ``a``'s entries that reach ``thr``: ``|x| >= thr``
     (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never. One pass over ``a``
-    when compiled (float32, C-contiguous, under 2**31 elements, a CPU with a SIMD path), else
-    NumPy chunk by chunk."""
+    (float32, C-contiguous, under 2**31 elements, a CPU with a SIMD path); None where the
+    kernel does not apply (its twin: ``grace_dl.torch.ops._positions_numpy``)."""
     mode = _MODE[sign]
     if not _enabled or a.dtype != np.float32 or not a.flags.c_contiguous or a.size >= 2**31 \
             or not _vectorized():
-        return _positions_numpy(a, thr, sign)
+        return None
     n = a.size
     t = float(thr)
     cap = max(1024, n >> 6)      # sparsifiers' candidates are a few percent at most
@@ -360,18 +361,3 @@ def choice_sorted(state: np.ndarray, n: int, j: int, complement: bool):
     if wrote != size:
         raise RuntimeError(f"gd_choice_sorted wrote {wrote} positions, expected {size}")
     return out[:size]
-
-
-_CHUNK = 1 << 16   # elements NumPy compares at a time: the mask stays in cache
-
-
-def _positions_numpy(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
-    t = a.dtype.type(thr)
-    found = []
-    for start in range(0, a.size, _CHUNK):
-        c = a[start:start + _CHUNK]
-        mask = np.abs(c) >= t if sign is None else (c >= t if sign > 0 else c <= -t)
-        idx = np.flatnonzero(mask)
-        if idx.size:
-            found.append(idx + start if start else idx)
-    return np.concatenate(found) if found else np.empty(0, np.int64)

@@ -3,12 +3,12 @@
 
 Kept where a committed measurement shows that they change a training step by more than the
 host's noise (the MLP's step with the kernels against their NumPy twins, in
-``docs/DECISIONS.md``): signsgd and signum (planes, decoding, two-phase's
-server step), qsgd (levels and values) and the sparsifiers (the exact top-k selection and
-the ranks' values summed into one buffer). Each path gives the reference's own bits (the
-kernels do the same float operations in the same order; ``tests/test_native.py`` holds each
-kernel to its twin) and falls back to the reference wherever a kernel does not apply (not
-float32, not contiguous, no compiled library).
+``docs/DECISIONS.md``): signsgd and signum (planes, decoding, two-phase's server step), qsgd
+(levels and values) and the sparsifiers (their selection: the exact top-k, the scan and the
+radix select, ``COMPILED``; the ranks' values summed into one buffer). Each path gives the
+reference's own bits (the kernels do the same float operations in the same order;
+``tests/test_native.py`` holds each kernel to its twin) and falls back to the reference
+wherever a kernel does not apply (not float32, not contiguous, no compiled library).
 """
 
 from __future__ import annotations
@@ -236,6 +236,33 @@ def _sparse_sum(out, positions, values):
     return None if got is None else out
 
 
+class _Compiled(sparse.Selection):
+    """The sparsifiers' selection by compiled passes where they apply (host float32): the
+    exact top-k (``native.top_positions``), the scan (``native.positions_at_least``) and the
+    radix select (``native.kth_largest``); elsewhere the framework's ops."""
+
+    def top(self, flat, k, sign=None):
+        return _top_positions(flat, k, sign)
+
+    def at_least(self, ops, flat, thr, sign=None):
+        if flat.device.type == "cpu" and flat.dtype == torch.float32:
+            got = native.positions_at_least(flat.detach().numpy(),
+                                            thr.item() if torch.is_tensor(thr) else thr, sign)
+            if got is not None:
+                return torch.from_numpy(got)
+        return ops.positions_at_least(flat, thr, sign)
+
+    def kth_largest(self, ops, x, k):
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            got = native.kth_largest(x.detach().numpy(), int(k))
+            if got is not None:
+                return torch.tensor(got, dtype=x.dtype)
+        return ops.kth_largest(x, k)
+
+
+COMPILED = _Compiled()
+
+
 class SparseOnCpu(sparse.SparsePath):
     """The ranks' values summed into the output buffer in one compiled pass."""
 
@@ -244,25 +271,20 @@ class SparseOnCpu(sparse.SparsePath):
 
 @register(TopKCompressor, KIND)
 @register(DgcCompressor, KIND)
+@register(ThresholdCompressor, KIND)
 class SelectionOnCpu(SparseOnCpu):
-    """topk, and dgc's small tensors: the exact selection by compiled passes
-    (``native.top_positions``)."""
+    """topk, dgc and threshold: their positions found by compiled passes (``COMPILED``)."""
 
     def compress(self, tensor, name, call):
-        return self.compressor._compress(tensor, name, fast_top=_top_positions)
+        return self.compressor._compress(tensor, name, select=COMPILED)
 
 
 @register(AdaqCompressor, KIND)
 class AdaqOnCpu(Reference):
-    """adaq: each side's selection by compiled passes."""
+    """adaq: each side's selection by compiled passes (``COMPILED``)."""
 
     def compress(self, tensor, name, call):
-        return self.compressor._compress(tensor, name, fast_top=_top_positions)
-
-
-@register(ThresholdCompressor, KIND)
-class ThresholdOnCpu(SparseOnCpu):
-    pass
+        return self.compressor._compress(tensor, name, select=COMPILED)
 
 
 @register(RandomKCompressor, KIND)

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import torch
 
-from grace_dl import native, seeding
+from grace_dl import seeding
 from grace_dl.torch.kernels import _EMULATED, philox
 from grace_dl.torch.kernels import on_device as _on_device_path
 
@@ -331,16 +331,14 @@ def topk(x, k: int):
 
 def kth_largest(x, k):
     """The ``k``-th largest entry of a 1-D tensor with no NaN (``0 < k <= numel``): the value
-    ``min(topk(x, k)[0])`` is, by a selection instead of a partial sort (on CPU a compiled
-    radix select for float32, ``grace_dl.native.kth_largest``, else NumPy's introselect, both
-    far cheaper than ``torch.topk``'s partial sort there)."""
+    ``min(topk(x, k)[0])`` is, by a selection instead of a partial sort (on CPU NumPy's
+    introselect, far cheaper than ``torch.topk``'s partial sort there; the CPU path's radix
+    select is ``grace_dl.native.paths``')."""
     k = int(k)
     n = x.numel()
     if _host(x) and x.dtype in (torch.float32, torch.float64):
         a = x.detach().numpy()
-        got = native.kth_largest(a, k)     # None unless 1-D contiguous float32
-        return torch.tensor(np.partition(a, n - k)[n - k] if got is None else got,
-                            dtype=x.dtype)
+        return torch.tensor(np.partition(a, n - k)[n - k], dtype=x.dtype)
     return torch.kthvalue(x, n - k + 1).values
 
 
@@ -380,14 +378,31 @@ def nonzero(mask):
 def positions_at_least(flat, thr, sign=None):
     """int64 positions of the 1-D ``flat``'s entries whose magnitude reaches the scalar
     ``thr``: ``|x| >= thr`` (``sign`` None), ``x >= thr`` (1) or ``x <= -thr`` (-1); NaN never.
-    On CPU, fp32/fp64 run through ``grace_dl.native`` (one compiled pass for fp32; NumPy chunk
-    by chunk otherwise, cheaper than torch's compare, or and nonzero over the whole tensor)."""
+    On CPU, fp32/fp64 through NumPy chunk by chunk (cheaper than torch's compare, or and
+    nonzero over the whole tensor; the CPU path's one compiled pass is
+    ``grace_dl.native.paths``')."""
     if not _host(flat) or flat.dtype not in (torch.float32, torch.float64):
         if sign is None:
             return nonzero(flat.abs() >= thr)
         return nonzero(flat >= thr if sign > 0 else flat <= -thr)
     t = thr.item() if torch.is_tensor(thr) else thr
-    return torch.from_numpy(native.positions_at_least(flat.detach().numpy(), t, sign))
+    return torch.from_numpy(_positions_numpy(flat.detach().numpy(), t, sign))
+
+
+_CHUNK = 1 << 16   # elements NumPy compares at a time: the mask stays in cache
+
+
+def _positions_numpy(a: np.ndarray, thr: float, sign=None) -> np.ndarray:
+    """``positions_at_least`` of a NumPy array, chunk by chunk (the compiled scan's twin)."""
+    t = a.dtype.type(thr)
+    found = []
+    for start in range(0, a.size, _CHUNK):
+        c = a[start:start + _CHUNK]
+        mask = np.abs(c) >= t if sign is None else (c >= t if sign > 0 else c <= -t)
+        idx = np.flatnonzero(mask)
+        if idx.size:
+            found.append(idx + start if start else idx)
+    return np.concatenate(found) if found else np.empty(0, np.int64)
 
 
 def sort(x):
