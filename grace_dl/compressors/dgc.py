@@ -21,9 +21,8 @@ go to the lowest positions; ``+-inf`` is the largest magnitude; NaN ranks below 
 
 from __future__ import annotations
 
-from grace_dl.backend import ops_for
 from grace_dl.compressors import paths, sparse
-from grace_dl.compressors.base import LOCAL, Capabilities
+from grace_dl.compressors.base import Capabilities
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -48,31 +47,20 @@ class DgcCompressor(SparseCompressor):
             return self.compress_ratio ** (t / span)
         return self.compress_ratio ** (min(step, span) / span)
 
-    def compress(self, tensor, name, call=LOCAL):
-        return self._compress(tensor, name)
-
-    def _compress(self, tensor, name, select=sparse.REFERENCE):
-        """``compress``, its positions found by ``select`` (``sparse.Selection``)."""
-        ops = ops_for(tensor)
-        n = ops.numel(tensor)
-        sparse.check_numel(n, "dgc")
-        if n == 0:
-            return self.empty(ops, tensor)
-        flat = ops.flatten(tensor)
+    def _positions(self, ops, tensor, flat, n, name, select):
         step = self.next_step(name, tensor)
         ratio = self.ratio_at(ops, step)
         k = sparse.ceil_count(ops, ratio * n, n)
         if n < sparse.APPROX_MIN_NUMEL:
-            return self.pack(ops, tensor, sparse.exact_top(ops, flat, k, select=select))
+            return sparse.exact_top(ops, flat, k, select=select)
         s = sparse.sample_size(n)
         thr = sparse.sampled_threshold(ops, flat, self.seed, name, step,
                                        sparse.ceil_count(ops, ratio * s, s), select=select)
         cand = select.at_least(ops, flat, thr)
-        positions = ops.cond(
+        return ops.cond(
             ops.numel(cand) > k,
             lambda: sparse.keep_top(ops, cand, ops.abs(ops.gather(flat, cand)), k, select),
             lambda: cand)
-        return self.pack(ops, tensor, positions)
 
 
 paths.register(DgcCompressor)(sparse.SparsePath)

@@ -17,7 +17,7 @@ import math
 import operator
 
 from grace_dl.backend import ops_for
-from grace_dl.compressors.base import Capabilities, Compressor, error_views
+from grace_dl.compressors.base import LOCAL, Capabilities, Compressor, error_views
 from grace_dl.compressors.paths import Reference
 from grace_dl.dtypes import itemsize  # noqa: F401  (re-exported for the sparsifiers)
 
@@ -162,9 +162,30 @@ def approx_top(ops, flat, k, seed, name, step, sign=None, select=REFERENCE):
 
 class SparseCompressor(Compressor):
     """Base of the sparsifiers whose payload is ``[values, int32 positions]`` (topk, threshold,
-    dgc). The ctx is ``(shape, numel)``. Subclasses choose the positions."""
+    dgc). The ctx is ``(shape, numel)``. Subclasses choose the positions (``_positions``)."""
 
     caps = Capabilities(sparse=True)
+    #: the name errors give (a registered subclass's own)
+    registry_name = "sparsifier"
+
+    def compress(self, tensor, name, call=LOCAL):
+        return self._compress(tensor, name)
+
+    def _compress(self, tensor, name, select=REFERENCE):
+        """``compress``, the positions found by ``select`` (a speed path's ``Selection``)."""
+        ops = ops_for(tensor)
+        n = ops.numel(tensor)
+        check_numel(n, self.registry_name)
+        if n == 0:
+            return self.empty(ops, tensor)
+        flat = ops.flatten(tensor)
+        return self.pack(ops, tensor, self._positions(ops, tensor, flat, n, name, select))
+
+    def _positions(self, ops, tensor, flat, n, name, select):
+        """The positions (ascending, int) of the flat ``tensor`` (``flat``, ``n > 0``
+        elements) to send, found with ``select``."""
+        raise NotImplementedError(f"{type(self).__name__} must choose its positions "
+                                  f"(_positions) or override compress")
 
     def pack(self, ops, tensor, positions):
         """Payload and ctx for sending ``tensor``'s flat entries at ``positions``."""

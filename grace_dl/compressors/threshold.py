@@ -17,9 +17,8 @@ import math
 
 import numpy as np
 
-from grace_dl.backend import ops_for
 from grace_dl.compressors import paths, sparse
-from grace_dl.compressors.base import LOCAL, Capabilities
+from grace_dl.compressors.base import Capabilities
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range
@@ -37,24 +36,14 @@ class ThresholdCompressor(SparseCompressor):
         if math.isinf(self.threshold):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
 
-    def compress(self, tensor, name, call=LOCAL):
-        return self._compress(tensor, name)
-
-    def _compress(self, tensor, name, select=sparse.REFERENCE):
-        """``compress``, its scan done by ``select`` (``sparse.Selection``)."""
-        ops = ops_for(tensor)
-        n = ops.numel(tensor)
-        sparse.check_numel(n, "threshold")
-        if n == 0:
-            return self.empty(ops, tensor)
-        flat = ops.flatten(tensor)
+    def _positions(self, ops, tensor, flat, n, name, select):
         thr = self.threshold
         if ops.dtype(flat) == "float32" and thr >= _F32_TINY:
             # |x| > t is |x| >= the next float32 above t: the sparsifiers' one-pass scan (not
             # for subnormal t, which a CPU flushing subnormals to zero would compare as 0)
             above = float(np.nextafter(np.float32(thr), np.float32(np.inf)))
-            return self.pack(ops, tensor, select.at_least(ops, flat, above))
-        return self.pack(ops, tensor, ops.nonzero((flat > thr) | (flat < -thr)))
+            return select.at_least(ops, flat, above)
+        return ops.nonzero((flat > thr) | (flat < -thr))
 
 
 paths.register(ThresholdCompressor)(sparse.SparsePath)

@@ -20,9 +20,8 @@ path runs, so the draw never changes the result, only the time. Tensors under
 
 from __future__ import annotations
 
-from grace_dl.backend import ops_for
 from grace_dl.compressors import paths, sparse
-from grace_dl.compressors.base import LOCAL, Capabilities
+from grace_dl.compressors.base import Capabilities
 from grace_dl.compressors.sparse import SparseCompressor
 from grace_dl.registry import register_compressor
 from grace_dl.validate import in_range, one_of
@@ -37,25 +36,12 @@ class TopKCompressor(SparseCompressor):
         self.compress_ratio = in_range("compress_ratio", compress_ratio, 0.0, 1.0, lo_open=True)
         self.approximate = one_of("approximate", approximate, (False, True))
 
-    def compress(self, tensor, name, call=LOCAL):
-        return self._compress(tensor, name)
-
-    def _compress(self, tensor, name, select=sparse.REFERENCE):
-        """``compress``, its positions found by ``select`` (``sparse.Selection``)."""
-        ops = ops_for(tensor)
-        n = ops.numel(tensor)
-        sparse.check_numel(n, "topk")
-        if n == 0:
-            return self.empty(ops, tensor)
+    def _positions(self, ops, tensor, flat, n, name, select):
         k = sparse.count_for(self.compress_ratio, n)
-        flat = ops.flatten(tensor)
         if self.approximate and n >= sparse.APPROX_MIN_NUMEL and k < n:
             step = self.next_step(name, tensor)
-            positions = sparse.approx_top(ops, flat, k, self.seed, name, step,
-                                          select=select)
-        else:
-            positions = sparse.exact_top(ops, flat, k, select=select)
-        return self.pack(ops, tensor, positions)
+            return sparse.approx_top(ops, flat, k, self.seed, name, step, select=select)
+        return sparse.exact_top(ops, flat, k, select=select)
 
     def payload_nbytes(self, numel, dtype="float32"):
         return sparse.count_for(self.compress_ratio, numel) * (sparse.itemsize(dtype) + 4)
