@@ -104,7 +104,6 @@ class Allgather(PackingCommunicator):
         else:
             pieces = coll.synchronize_parts(phase.handles[0], phase.ragged_dtypes)
             ops = ops_for(pieces[0][0])
-            received = wire.nbytes([p for part in pieces for p in part]) - phase.sent \
-                + wire.LENGTH_NBYTES * len(pieces) * size
+            received = wire.ragged_received(pieces, handle.encoded.call.rank)
         wire.count(self, ops, handle.name, received=received)
         return wire.combine(self, pieces, phase.shapes, handle, size, average=True, ops=ops)

@@ -282,9 +282,7 @@ class TwoPhase(PackingCommunicator):
         if phase.ragged_dtypes is not None:
             pieces = coll.synchronize_parts(phase.handles[0], phase.ragged_dtypes)
             ops = ops_for(pieces[0][0])
-            others = [p for i in range(n_parts) for r, p in enumerate(pieces[i]) if r != me]
-            wire.count(self, ops, handle.name, received=wire.nbytes(others)
-                       + wire.LENGTH_NBYTES * n_parts * (size - 1))
+            wire.count(self, ops, handle.name, received=wire.ragged_received(pieces, me))
         elif phase.packed:
             gathered = [coll.synchronize(h) for h in phase.handles]
             ops = ops_for(gathered[0])

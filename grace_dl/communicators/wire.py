@@ -89,6 +89,13 @@ def nbytes(tensors):
     return ops_for(tensors[0]).total_nbytes(tensors) if tensors else 0
 
 
+def ragged_received(pieces, me: int):
+    """Bytes rank ``me`` received of a ragged gather (``Collectives.synchronize_parts``'s
+    ``pieces[i][r]``): every other rank's parts and its lengths vector."""
+    others = [p for part in pieces for r, p in enumerate(part) if r != me]
+    return nbytes(others) + LENGTH_NBYTES * len(pieces) * (len(pieces[0]) - 1)
+
+
 def count(comm, ops, name: str, sent=0, received=0) -> None:
     """Add to ``comm.bytes`` for tensor ``name`` each time this runs (also under
     ``tf.function``, where the values may be run-time scalars)."""

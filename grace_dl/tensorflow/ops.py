@@ -387,9 +387,8 @@ def pack_ragged(flats):
     """One rank's block for a gather of parts whose lengths differ across ranks: the parts'
     element counts (int32), then their bytes (a ``bool`` part's as uint8), as one 1-D uint8
     tensor (``unpack_ragged``)."""
-    counts = tf.stack([tf.size(f, out_type=tf.int32) for f in flats])
-    return tf.concat([to_bytes(counts), *(to_bytes(tf.cast(f, tf.uint8) if f.dtype == tf.bool
-                                                   else f) for f in flats)], axis=0)
+    raw = [to_bytes(tf.cast(f, tf.uint8) if f.dtype == tf.bool else f) for f in flats]
+    return tf.concat([to_bytes(numels(flats)), *raw], axis=0)
 
 
 def unpack_ragged(buffer, dtypes: list, size: int) -> list:
