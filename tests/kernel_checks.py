@@ -20,19 +20,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from grace_dl.compressors import sparse  # noqa: E402
 from grace_dl.compressors.u8bit import _CELL_INDEX, _CELL_SPLIT  # noqa: E402
-from grace_dl.torch.kernels import codes, philox, triton_for  # noqa: E402
+from grace_dl.torch import ops  # noqa: E402
+from grace_dl.torch.kernels import codes, philox, select, triton_for  # noqa: E402
 
 SIZES = {"cpu": (1, 33, 4100), "cuda": (1, 33, 4096, 5000, 70001, 1 << 22)}
 
 
 def twin(fn, *args, **kwargs):
     """``fn`` with the Triton kernels switched off: its torch twin."""
-    codes.triton_for = philox.triton_for = lambda t: False
+    codes.triton_for = philox.triton_for = select.triton_for = lambda t: False
     try:
         return fn(*args, **kwargs)
     finally:
-        codes.triton_for = philox.triton_for = triton_for
+        codes.triton_for = philox.triton_for = select.triton_for = triton_for
 
 
 def equal(a, b, what):
@@ -47,6 +49,37 @@ def equal(a, b, what):
     if not torch.equal(a, b):
         diff = (a != b).nonzero()[:5].reshape(-1).tolist()
         raise AssertionError(f"{what}: kernel and twin differ at {diff}")
+
+
+def check_selection(x) -> None:
+    """``select.top_positions``: kernel, twin and the reference sparsifiers' ``exact_top`` give
+    the same positions, with NaN, infinities, zeros and ties at the cut, for each sign (and
+    each dtype of magnitudes); and with several blocks a histogram program."""
+    n = x.numel()
+    y = x.clone()
+    if n > 40:
+        y[3], y[5], y[7], y[9] = float("nan"), float("inf"), -float("inf"), 0.0
+        y[10:20], y[20:30], y[30:40] = 1.5, -1.5, 0.0
+    for dt, signs in ((torch.float32, (0, 1, -1)), (torch.float16, (0,)), (torch.bfloat16, (0,))):
+        v = y.to(dt)
+        for sign in signs:
+            have = n if sign == 0 else int((v > 0).sum() if sign > 0 else (v < 0).sum())
+            for k in sorted({1, max(1, n // 100), max(1, n // 3), have} - {0}):
+                if k > have:
+                    continue
+                want = sparse.exact_top(ops, v.cpu(), k, sign or None).long()
+                got = select.top_positions(v, k, sign)
+                equal(got.cpu(), want, f"top {k} of {n} {dt} sign={sign}")
+                equal(twin(select.top_positions, v, k, sign).cpu(), want,
+                      f"top twin {k} of {n} {dt} sign={sign}")
+    programs = select.HISTOGRAM_PROGRAMS
+    select.HISTOGRAM_PROGRAMS = 1       # (each program then takes every block)
+    try:
+        k = max(1, n // 7)
+        equal(select.top_positions(y, k).cpu(), sparse.exact_top(ops, y.cpu(), k).long(),
+              f"top {k} of {n}, one histogram program")
+    finally:
+        select.HISTOGRAM_PROGRAMS = programs
 
 
 def check(device, n: int) -> None:
@@ -136,6 +169,7 @@ def check(device, n: int) -> None:
         equal(packed, twin(codes.pack, c, bits), f"pack {bits} bits")
         equal(codes.unpack(packed, bits, n), c, f"unpack {bits} bits")
         equal(twin(codes.unpack, packed, bits, n), c, f"unpack twin {bits} bits")
+    check_selection(x)
     y = x.clone()
     y[n // 2] = float("nan")
     equal(codes.magnitudes(y), twin(codes.magnitudes, y), "magnitudes")
@@ -256,6 +290,21 @@ SIGNATURES = [
      {"BITS": 6, "BLOCK": 4096}),
     ("jit_codes", "magnitudes", {"x_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32"},
      {"BLOCK": 4096}),
+    *[("jit_select", "histogram", {"x_ptr": x, "state_ptr": "*i32", "prev_ptr": "*i32",
+                                   "out_state_ptr": "*i32", "hist_ptr": "*i32", "n": "i32",
+                                   "k": "i32", "tiles": "i32"},
+       {"SIGN": sign, "PREV": prev, "FROM_STATE": state, "PREV_BINS": 64,
+        "PREV_BITS": 6, "SHIFT": shift, "BITS": bits, "BINS": 1 << bits, "BLOCK": 4096})
+      for x, sign, prev, state, shift, bits in (("*fp32", 0, False, False, 25, 6),
+                                                ("*fp16", 1, True, False, 19, 6),
+                                                ("*bf16", -1, True, True, 0, 7))],
+    ("jit_select", "tally", {"x_ptr": "*fp32", "state_ptr": "*i32", "hist_ptr": "*i32",
+                             "out_state_ptr": "*i32", "counts_ptr": "*i64", "n": "i32",
+                             "programs": "i32"}, {"SIGN": 0, "BINS": 128, "BITS": 7,
+                                                  "BLOCK": 4096}),
+    ("jit_select", "place", {"x_ptr": "*fp16", "state_ptr": "*i32", "offsets_ptr": "*i64",
+                             "out_ptr": "*i64", "n": "i32", "programs": "i32"},
+     {"SIGN": -1, "BLOCK": 4096}),
     ("jit_codes", "inceptionn_classify", {"x_ptr": "*fp32", "tags_ptr": "*u8",
                                           "counts_ptr": "*i64", "n": "i32", "inv_d": "fp32"},
      {"BLOCK": 4096}),

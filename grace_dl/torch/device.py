@@ -5,8 +5,9 @@
   kernels, positions and samples from ``ops.choice`` on the device
   (``grace_dl.torch.kernels.philox``); nothing is drawn on the host.
 - **No host synchronisation**: scalars (norms, scales, the status byte) stay device tensors
-  that the kernels read; selections have static shapes (``torch.topk``). Only payloads whose
-  size depends on the data by definition (threshold, dgc, adaq, inceptionn) read one count.
+  that the kernels read; selections have static shapes (``select.top_positions``). Only
+  payloads whose size depends on the data by definition (threshold, dgc, adaq, inceptionn)
+  read one count.
 - **One pass where the method allows**: a quantizer's codes (with its error and decoding,
   for error feedback) come from one kernel, and one table decoder (``codes.decode``)
   decompresses every table-coded method, adding into an output for ``combine``.
@@ -45,7 +46,7 @@ from grace_dl.compressors.threshold import ThresholdCompressor
 from grace_dl.compressors.topk import TopKCompressor
 from grace_dl.compressors.u8bit import _CELL_INDEX, _CELL_SPLIT, _TABLE, U8bitCompressor
 from grace_dl.torch import ops
-from grace_dl.torch.kernels import codes, philox
+from grace_dl.torch.kernels import codes, philox, select
 
 KIND = "cuda"
 
@@ -336,9 +337,8 @@ class SignumOnDevice(SignSGDOnDevice):
 # ------------------------------------------------------------------ sparsifiers
 @register(TopKCompressor, KIND)
 class TopKOnDevice(sparse.SparsePath):
-    """topk: ``torch.topk`` of the magnitudes, a selection of static shape. The same entries
-    as the reference's, except that ties at the k-th magnitude may go to other positions
-    (the reference gives them to the lowest) and the positions are not sorted."""
+    """topk: the k largest magnitudes by a radix select of static shape
+    (``select.top_positions``): the reference's positions (ties to the lowest, ascending)."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -347,16 +347,14 @@ class TopKOnDevice(sparse.SparsePath):
         if n == 0:
             return c.empty(ops, tensor)
         k = sparse.count_for(c.compress_ratio, n)
-        flat = tensor.reshape(-1)
-        positions = torch.topk(codes.magnitudes(flat), k, sorted=False).indices
-        return c.pack(ops, tensor, positions)
+        return c.pack(ops, tensor, select.top_positions(tensor.reshape(-1), k))
 
 
 @register(DgcCompressor, KIND)
 class DgcOnDevice(sparse.SparsePath):
     """dgc: the sample and its threshold on the device; the candidates' count (the payload's
-    size, data-dependent by definition) is the one value read back; ``torch.topk`` keeps the
-    k largest of them when there are more."""
+    size, data-dependent by definition) is the one value read back; ``select.top_positions``
+    keeps the k largest of them when there are more."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -369,8 +367,7 @@ class DgcOnDevice(sparse.SparsePath):
         ratio = c.ratio_at(ops, step)
         k = sparse.ceil_count(ops, ratio * n, n)
         if n < sparse.APPROX_MIN_NUMEL:
-            return c.pack(ops, tensor, torch.topk(codes.magnitudes(flat), k,
-                                                  sorted=False).indices)
+            return c.pack(ops, tensor, select.top_positions(flat, k))
         s = sparse.sample_size(n)
         picks = ops.choice(c.seed, name, step, n, s, like=flat)
         sampled = codes.magnitudes(flat.index_select(0, picks))
@@ -382,8 +379,7 @@ class DgcOnDevice(sparse.SparsePath):
         flat = flat.contiguous()
         cand = torch.nonzero(codes.above(flat, thr, strict=False)).reshape(-1)  # one read-back
         if cand.numel() > k:
-            cand = cand.index_select(0, torch.topk(codes.magnitudes(flat.index_select(0, cand)),
-                                                   k, sorted=False).indices)
+            cand = cand.index_select(0, select.top_positions(flat.index_select(0, cand), k))
         return c.pack(ops, tensor, cand)
 
 
@@ -406,8 +402,8 @@ class ThresholdOnDevice(sparse.SparsePath):
 @register(AdaqCompressor, KIND)
 class AdaqOnDevice(Reference):
     """adaq: the counts of positive and negative entries (which set the payload's size) are
-    the one read-back; ``torch.topk`` of the whole tensor takes each side's largest (of the
-    side's own entries where a NaN is there, which topk ranks above every number)."""
+    the one read-back; ``select.top_positions`` of each sign takes each side's largest (the
+    reference's positions: ties to the lowest, ascending)."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -419,9 +415,8 @@ class AdaqOnDevice(Reference):
             return [flat.new_zeros(2), flat.to(torch.int32)], ctx
         if n >= sparse.APPROX_MIN_NUMEL:
             c.next_step(name, tensor)    # the reference's step counter, kept in step
-        # the one read-back: the sides' sizes (and whether a NaN is there)
-        *counts, nans = torch.stack([(flat > 0).sum(), (flat < 0).sum(),
-                                     (flat != flat).sum()]).tolist()
+        # the one read-back: the sides' sizes
+        counts = torch.stack([(flat > 0).sum(), (flat < 0).sum()]).tolist()
         sides, means = [], []
         for sign, count in zip((1, -1), counts):
             if count == 0:
@@ -429,15 +424,9 @@ class AdaqOnDevice(Reference):
                 means.append(flat.new_zeros(()))
                 continue
             k = sparse.ceil_count(ops, count * c.compress_ratio, n)
-            if nans:    # (topk ranks NaN above everything: select among the side's entries)
-                where = codes.positions(flat > 0 if sign > 0 else flat < 0, count)
-                values = flat.index_select(0, where)
-                top = torch.topk(values if sign > 0 else -values, k, sorted=False).indices
-                values, top = values.index_select(0, top), where.index_select(0, top)
-            else:       # k <= count: the k largest (smallest) entries all have the side's sign
-                values, top = torch.topk(flat, k, largest=sign > 0, sorted=False)
+            top = select.top_positions(flat, k, sign)     # k <= count: all of the side's sign
             sides.append(top)
-            means.append((values.to(torch.float64).sum() / k).to(flat.dtype))
+            means.append((flat.index_select(0, top).to(torch.float64).sum() / k).to(flat.dtype))
         codes_ = torch.cat([sides[0], -1 - sides[1]]).to(torch.int32)
         return [torch.stack(means), codes_], ctx
 

@@ -1,0 +1,80 @@
+"""The positions of a tensor's ``k`` largest magnitudes on the device: what the reference
+sparsifiers select (``sparse.exact_top``: NaN below every number, ties at the k-th magnitude
+to the lowest positions, positions ascending), with a static shape and no host read.
+
+Where ``triton_for`` allows, a radix select (``jit_select``): one pass over the tensor per
+digit of the magnitudes' float32 bits (``DIGITS``), then one that counts each block's keys
+above and at the k-th, and one that writes the kept positions in order: seven reads of the
+tensor and a few small launches, whatever k. Elsewhere the twin here, in torch ops: the k-th
+magnitude's value from ``torch.topk`` (whose indices' order and tie-breaking are not the
+reference's), then the same rule. Both give the reference's positions bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grace_dl.torch.kernels import BLOCK, triton_for
+from grace_dl.torch.kernels.codes import positions
+
+#: the digits of a 31-bit key, highest first: (shift, bits)
+DIGITS = ((25, 6), (19, 6), (13, 6), (7, 6), (0, 7))
+#: programs of a histogram pass at most (each takes consecutive blocks)
+HISTOGRAM_PROGRAMS = 512
+#: the dtypes whose magnitudes the kernels rank (as float32, which keeps their order)
+RANKED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _jit():
+    from grace_dl.torch.kernels import jit_select
+    return jit_select
+
+
+def magnitudes_twin(flat, sign: int = 0):
+    """``sparse.magnitudes`` in torch ops: ``|x|`` (``sign`` 0), ``x`` where ``x > 0`` (1),
+    ``-x`` where ``x < 0`` (-1), and -1 for NaN and every other entry."""
+    mag = flat.abs() if sign == 0 else (flat if sign > 0 else -flat)
+    keep = mag == mag if sign == 0 else mag > 0
+    return torch.where(keep, mag, torch.full_like(mag, -1.0))
+
+
+def top_positions_twin(flat, k: int, sign: int = 0):
+    """``top_positions`` in torch ops (any floating dtype)."""
+    mag = magnitudes_twin(flat.reshape(-1), sign)
+    kth = torch.topk(mag, k, sorted=False).values.amin()
+    over, tie = mag > kth, mag == kth
+    need = k - over.sum()
+    keep = over | (tie & (torch.cumsum(tie, 0) <= need))
+    return positions(keep, k)
+
+
+def top_positions(flat, k: int, sign: int = 0):
+    """int64 positions (ascending) of the ``k`` largest magnitudes of the 1-D ``flat``
+    (``sparse.magnitudes(flat, sign)``; ``0 < k <= numel``), ties at the k-th going to the
+    lowest positions. Needs at least ``k`` entries of magnitude >= 0 for a ``sign``."""
+    n = flat.numel()
+    if not triton_for(flat) or flat.dtype not in RANKED:
+        return top_positions_twin(flat, k, sign)
+    x = flat.contiguous()
+    jit = _jit()
+    bins = [1 << bits for _, bits in DIGITS]
+    # every digit's histogram, then each pass's (prefix, need): one buffer, zeroed once
+    scratch = torch.zeros(sum(bins) + 2 * len(DIGITS), dtype=torch.int32, device=x.device)
+    hists = torch.split(scratch[:sum(bins)], bins)
+    states = torch.split(scratch[sum(bins):], 2)
+    blocks = max(1, -(-n // BLOCK))
+    tiles = -(-blocks // HISTOGRAM_PROGRAMS)
+    for p, (shift, bits) in enumerate(DIGITS):
+        prev = max(p - 1, 0)
+        jit.histogram[(-(-blocks // tiles),)](
+            x, states[max(p - 2, 0)], hists[prev], states[prev], hists[p], n, k, tiles,
+            SIGN=sign, PREV=p > 0, FROM_STATE=p > 1, PREV_BINS=bins[prev],
+            PREV_BITS=DIGITS[prev][1], SHIFT=shift, BITS=bits, BINS=bins[p], BLOCK=BLOCK)
+    counts = torch.empty(2, blocks, dtype=torch.int64, device=x.device)
+    last = len(DIGITS) - 1
+    jit.tally[(blocks,)](x, states[last - 1], hists[last], states[last], counts, n, blocks,
+                         SIGN=sign, BINS=bins[last], BITS=DIGITS[last][1], BLOCK=BLOCK)
+    offsets = torch.cumsum(counts, 1) - counts
+    out = torch.empty(k, dtype=torch.int64, device=x.device)
+    jit.place[(blocks,)](x, states[last], offsets, out, n, blocks, SIGN=sign, BLOCK=BLOCK)
+    return out
