@@ -52,8 +52,8 @@ def equal(a, b, what):
 
 
 def check_selection(x) -> None:
-    """``select.top_positions``: kernel, twin and the reference sparsifiers' ``exact_top`` give
-    the same positions, with NaN, infinities, zeros and ties at the cut, for each sign (and
+    """``select.radix_positions``: kernel, twin and the reference sparsifiers' ``exact_top``
+    give the same positions, with NaN, infinities, zeros and ties at the cut, for each sign (and
     each dtype of magnitudes); and with several blocks a histogram program."""
     n = x.numel()
     y = x.clone()
@@ -68,18 +68,36 @@ def check_selection(x) -> None:
                 if k > have:
                     continue
                 want = sparse.exact_top(ops, v.cpu(), k, sign or None).long()
-                got = select.top_positions(v, k, sign)
+                got = select.radix_positions(v, k, sign)
                 equal(got.cpu(), want, f"top {k} of {n} {dt} sign={sign}")
-                equal(twin(select.top_positions, v, k, sign).cpu(), want,
+                equal(twin(select.radix_positions, v, k, sign).cpu(), want,
                       f"top twin {k} of {n} {dt} sign={sign}")
     programs = select.HISTOGRAM_PROGRAMS
     select.HISTOGRAM_PROGRAMS = 1       # (each program then takes every block)
     try:
         k = max(1, n // 7)
-        equal(select.top_positions(y, k).cpu(), sparse.exact_top(ops, y.cpu(), k).long(),
+        equal(select.radix_positions(y, k).cpu(), sparse.exact_top(ops, y.cpu(), k).long(),
               f"top {k} of {n}, one histogram program")
     finally:
         select.HISTOGRAM_PROGRAMS = programs
+    # ``top_positions``: below RADIX_MIN torch.topk's (the reference's entries where no tie
+    # meets the cut, in any order), from it the radix select's
+    z = x.clone()
+    z[n // 2] = float("nan")
+    for sign in (0, 1, -1):
+        have = n if sign == 0 else int((z > 0).sum() if sign > 0 else (z < 0).sum())
+        for k in sorted({1, max(1, n // 100), have} - {0}):
+            want = sparse.exact_top(ops, z.cpu(), k, sign or None).long()
+            got = torch.sort(select.top_positions(z, k, sign)).values
+            equal(got.cpu(), want, f"top_positions {k} of {n} sign={sign}")
+    least = select.RADIX_MIN
+    select.RADIX_MIN = n
+    try:
+        k = max(1, n // 3)
+        equal(select.top_positions(y, k).cpu(), sparse.exact_top(ops, y.cpu(), k).long(),
+              f"top_positions {k} of {n} from RADIX_MIN")
+    finally:
+        select.RADIX_MIN = least
 
 
 def check(device, n: int) -> None:

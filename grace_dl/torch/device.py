@@ -337,8 +337,9 @@ class SignumOnDevice(SignSGDOnDevice):
 # ------------------------------------------------------------------ sparsifiers
 @register(TopKCompressor, KIND)
 class TopKOnDevice(sparse.SparsePath):
-    """topk: the k largest magnitudes by a radix select of static shape
-    (``select.top_positions``): the reference's positions (ties to the lowest, ascending)."""
+    """topk: the k largest magnitudes by a selection of static shape
+    (``select.top_positions``): from ``select.RADIX_MIN`` elements the reference's positions
+    (ties to the lowest, ascending), below it ``torch.topk``'s (ties its own way)."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -402,8 +403,7 @@ class ThresholdOnDevice(sparse.SparsePath):
 @register(AdaqCompressor, KIND)
 class AdaqOnDevice(Reference):
     """adaq: the counts of positive and negative entries (which set the payload's size) are
-    the one read-back; ``select.top_positions`` of each sign takes each side's largest (the
-    reference's positions: ties to the lowest, ascending)."""
+    the one read-back; ``select.top_positions`` of each sign takes each side's largest."""
 
     def compress(self, tensor, name, call):
         c = self.compressor

@@ -168,7 +168,7 @@ def magnitudes(flat):
         mag = flat.abs().to(torch.float32)
         return torch.where(mag == mag, mag, torch.full_like(mag, -1.0))
     out = torch.empty(n, dtype=torch.float32, device=flat.device)
-    _launch(_jit().magnitudes, grid(n)[0], flat.contiguous(), out, n, BLOCK=BLOCK)
+    _launch(_jit().magnitudes, -(-n // BLOCK), flat.contiguous(), out, n, BLOCK=BLOCK)
     return out
 
 

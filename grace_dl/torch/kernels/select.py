@@ -1,13 +1,15 @@
-"""The positions of a tensor's ``k`` largest magnitudes on the device: what the reference
-sparsifiers select (``sparse.exact_top``: NaN below every number, ties at the k-th magnitude
-to the lowest positions, positions ascending), with a static shape and no host read.
+"""The positions of a tensor's ``k`` largest magnitudes on the device, with a static shape
+and no host read (``top_positions``).
 
-Where ``triton_for`` allows, a radix select (``jit_select``): one pass over the tensor per
-digit of the magnitudes' float32 bits (``DIGITS``), then one that counts each block's keys
-above and at the k-th, and one that writes the kept positions in order: seven reads of the
-tensor and a few small launches, whatever k. Elsewhere the twin here, in torch ops: the k-th
-magnitude's value from ``torch.topk`` (whose indices' order and tie-breaking are not the
-reference's), then the same rule. Both give the reference's positions bit for bit.
+From ``RADIX_MIN`` elements, what the reference sparsifiers select (``sparse.exact_top``: NaN
+below every number, ties at the k-th magnitude to the lowest positions, positions ascending),
+by ``radix_positions``: where ``triton_for`` allows, a radix select (``jit_select``), one pass
+over the tensor per digit of the magnitudes' float32 bits (``DIGITS``), then one that counts
+each block's keys above and at the k-th and one that writes the kept positions in order: seven
+reads of the tensor and ten launches, whatever k; elsewhere its twin in torch ops (the k-th
+magnitude's value from ``torch.topk``, then the same rule). Below ``RADIX_MIN``, where a call's
+launches cost more than its passes, ``torch.topk`` of the magnitudes: the same entries but
+for ties at the k-th (``torch.topk``'s own choice), positions in no order.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from grace_dl.torch.kernels import BLOCK, triton_for
-from grace_dl.torch.kernels.codes import positions
+from grace_dl.torch.kernels.codes import magnitudes, positions
 
 #: the digits of a 31-bit key, highest first: (shift, bits)
 DIGITS = ((25, 6), (19, 6), (13, 6), (7, 6), (0, 7))
@@ -23,6 +25,8 @@ DIGITS = ((25, 6), (19, 6), (13, 6), (7, 6), (0, 7))
 HISTOGRAM_PROGRAMS = 512
 #: the dtypes whose magnitudes the kernels rank (as float32, which keeps their order)
 RANKED = (torch.float32, torch.float16, torch.bfloat16)
+#: tensors of fewer elements take ``torch.topk`` (docs DECISIONS: an estimate, to be measured)
+RADIX_MIN = 1 << 22
 
 
 def _jit():
@@ -38,8 +42,19 @@ def magnitudes_twin(flat, sign: int = 0):
     return torch.where(keep, mag, torch.full_like(mag, -1.0))
 
 
-def top_positions_twin(flat, k: int, sign: int = 0):
-    """``top_positions`` in torch ops (any floating dtype)."""
+def top_positions(flat, k: int, sign: int = 0):
+    """int64 positions of the ``k`` largest magnitudes of the 1-D ``flat``
+    (``sparse.magnitudes(flat, sign)``; ``0 < k <= numel``; for a ``sign``, at least ``k``
+    entries of that sign): ``radix_positions`` from ``RADIX_MIN`` elements, else those of
+    ``torch.topk`` (ties its own way, in no order)."""
+    if flat.numel() >= RADIX_MIN:
+        return radix_positions(flat, k, sign)
+    ranked = magnitudes(flat) if sign == 0 else magnitudes_twin(flat, sign)
+    return torch.topk(ranked, k, sorted=False).indices
+
+
+def radix_positions_twin(flat, k: int, sign: int = 0):
+    """``radix_positions`` in torch ops (any floating dtype)."""
     mag = magnitudes_twin(flat.reshape(-1), sign)
     kth = torch.topk(mag, k, sorted=False).values.amin()
     over, tie = mag > kth, mag == kth
@@ -48,13 +63,13 @@ def top_positions_twin(flat, k: int, sign: int = 0):
     return positions(keep, k)
 
 
-def top_positions(flat, k: int, sign: int = 0):
+def radix_positions(flat, k: int, sign: int = 0):
     """int64 positions (ascending) of the ``k`` largest magnitudes of the 1-D ``flat``
     (``sparse.magnitudes(flat, sign)``; ``0 < k <= numel``), ties at the k-th going to the
     lowest positions. Needs at least ``k`` entries of magnitude >= 0 for a ``sign``."""
     n = flat.numel()
     if not triton_for(flat) or flat.dtype not in RANKED:
-        return top_positions_twin(flat, k, sign)
+        return radix_positions_twin(flat, k, sign)
     x = flat.contiguous()
     jit = _jit()
     bins = [1 << bits for _, bits in DIGITS]
