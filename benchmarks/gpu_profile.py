@@ -12,6 +12,13 @@ kernels' own time, back to back); ``event_*_us``, the compressor table's measure
 around the call on an idle device: the larger of the two, plus gaps). Then the top functions
 of a cProfile of the calls (by own time) and the top kernels of a ``torch.profiler`` run.
 Writes ``profile.json`` and ``profile.txt`` under ``--out``; nothing is committed from here.
+
+    python -m benchmarks.gpu_profile --out DIR --selection 1M 4M 16M 64M
+
+instead times the sparsifiers' two selections of the top 1% at each size, the radix select
+(``select.radix_positions``) and ``torch.topk`` of the magnitudes (what ``top_positions`` takes
+below ``select.RADIX_MIN``): host and event microseconds a call, to set ``RADIX_MIN`` where
+the radix select starts to win (``selection.json``).
 """
 
 from __future__ import annotations
@@ -137,6 +144,39 @@ def _profile(x, label, name, calls, with_cprofile):
     return row
 
 
+def _selection_row(label: str, calls: int) -> dict:
+    """One size's row of ``--selection``: the top 1% by each way, host and event times."""
+    import math
+
+    from grace_dl.torch.kernels import codes, select
+
+    n = int(float(label[:-1]) * {"K": 1 << 10, "M": 1 << 20}[label[-1]])
+    x = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    k = max(1, math.ceil(0.01 * n))
+    ways = {"radix": lambda: select.radix_positions(x, k),
+            "topk": lambda: torch.topk(codes.magnitudes(x), k, sorted=False).indices}
+    row = {"size": label, "numel": n, "k": k, "radix_min": select.RADIX_MIN}
+    for way, fn in ways.items():
+        for _ in range(3):
+            fn()
+        row[f"host_{way}_us"] = round(_host_us(fn, calls), 1)
+        row[f"event_{way}_us"] = round(_events_us(fn, calls, held=False), 1)
+        row[f"device_{way}_us"] = round(_events_us(fn, calls, held=True), 1)
+    return row
+
+
+def _selection(out: Path, sizes, calls):
+    """The radix select against ``torch.topk`` at each size (``--selection``)."""
+    rows = []
+    for label in sizes:
+        rows.append(_selection_row(label, calls))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    (out / "selection.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out / 'selection.json'}", flush=True)
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/grace_dl_profile"))
@@ -145,8 +185,13 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--cprofile", nargs="*", default=None,
                         help="methods to cProfile (default: all of --methods)")
+    parser.add_argument("--selection", nargs="+", default=None, metavar="SIZE",
+                        help="time the radix select against torch.topk at these sizes "
+                             "(e.g. 1M 4M 16M) instead")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.selection:
+        return _selection(args.out, args.selection, args.calls)
     device = torch.device("cuda")
     report = {"launch": _launch_costs(), "rows": []}
     text = [json.dumps(report["launch"])]

@@ -5,12 +5,13 @@
 # has a time limit, so the whole fits one 10-minute call; each writes into $OUT as it goes.
 #
 #   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [ddp] [steps] [profile] [calls]
-#                              [stepprofile]
+#                              [stepprofile] [selection]
 #          (default: the first five; ddp: the hook and DistCollectives on NCCL,
 #           tests/workers/ddp_cuda.py; profile: benchmarks/gpu_profile.py; calls: the DDP
 #           hook's Python calls per step on CUDA tensors, benchmarks/hook_calls.py;
 #           stepprofile: where a step's time goes, grace's hook against PyTorch's,
-#           benchmarks/gpu_step_profile.py)
+#           benchmarks/gpu_step_profile.py; selection: the radix select against torch.topk
+#           from 1M to 64M elements, to set select.RADIX_MIN)
 set -u
 OUT="${OUT:-/tmp/grace_dl_gpu}"
 mkdir -p "$OUT"
@@ -43,6 +44,8 @@ for part in "${parts[@]}"; do
              --json "$OUT/hook_calls.json" >>"$log" 2>&1 ;;
     stepprofile) timeout "${STEPPROFILE_LIMIT:-240}" python3 -m benchmarks.gpu_step_profile \
                    --out "$OUT" --steps 5 >>"$log" 2>&1 ;;
+    selection) timeout 120 python3 -m benchmarks.gpu_profile --out "$OUT" --calls 20 \
+                 --selection 1M 2M 4M 8M 16M 64M >>"$log" 2>&1 ;;
     *) echo "unknown part $part" >>"$log" ;;
   esac
   echo "== $part done rc=$? $(date -u +%T)" >>"$log"
