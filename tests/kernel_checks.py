@@ -100,6 +100,26 @@ def check_selection(x) -> None:
         select.RADIX_MIN = least
 
 
+def check_large_counts(device) -> None:
+    """Packed streams of ``n * bits >= 2**31`` bits: program 0 alone (one block, no memory of
+    that size) stores and loads its codes as at any size (the bytes' bound once wrapped in
+    int32 and masked every store)."""
+    from grace_dl.torch.kernels import jit_codes
+
+    block = 4096
+    for bits, n in ((2, (1 << 30) + block), (7, (1 << 29) + block)):
+        c = torch.full((block,), (1 << bits) - 3, dtype=torch.uint8, device=device)
+        out = torch.full((block * bits // 8,), 0xAB, dtype=torch.uint8, device=device)
+        jit_codes.pack[(1,)](c, out, n, BITS=bits, BLOCK=block)
+        equal(out, codes.pack_twin(c, bits), f"pack {bits} bits of n={n}")
+        table = torch.arange(1 << bits, dtype=torch.float32, device=device)
+        got = torch.zeros(block, device=device)
+        jit_codes.decode[(1,)](torch.cat([out, out.new_zeros(1)]), table, table, got, n, 1, 1.0,
+                               BITS=bits, SIGN=False, SCALED=False, ACCUMULATE=False,
+                               BLOCK=block)
+        equal(got, c.to(torch.float32), f"decode {bits} bits of n={n}")
+
+
 def check(device, n: int) -> None:
     gen = torch.Generator(device=device).manual_seed(n)
     x = torch.randn(n, device=device, generator=gen)
@@ -225,6 +245,7 @@ def main(argv) -> int:
     if not triton_for(torch.empty(0, device=device)):
         print("Triton does not run here (CUDA or TRITON_INTERPRET=1 needed)")
         return 2
+    check_large_counts(device)
     for n in SIZES[device.type]:
         check(device, n)
         print(f"kernels equal their twins at n={n}", flush=True)

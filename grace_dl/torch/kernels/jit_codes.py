@@ -24,6 +24,14 @@ INF_BITS = tl.constexpr(0x7F800000)
 
 # ------------------------------------------------------------------ packing
 @triton.jit
+def packed_bytes(n, BITS: tl.constexpr):
+    """``ceil(n * BITS / 8)``, the bytes of ``n`` packed codes, without the int32 product
+    (which wraps from ``n * BITS >= 2**31``): ``n = 8q + r`` packs into ``q * BITS`` bytes and
+    ``ceil(r * BITS / 8)`` more."""
+    return (n // 8) * BITS + ((n % 8) * BITS + 7) // 8
+
+
+@triton.jit
 def store_codes(out_ptr, codes, pid, n, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """Store a program's ``BLOCK`` codes (int32, zero past ``n``) packed ``BITS`` each."""
     if BITS == 8:
@@ -37,7 +45,7 @@ def store_codes(out_ptr, codes, pid, n, BLOCK: tl.constexpr, BITS: tl.constexpr)
         g = tl.arange(0, BLOCK // 8)[:, None]
         m = lanes[None, :]
         off = pid * (BLOCK // 8 * BITS) + g * BITS + m
-        tl.store(out_ptr + off, tile.to(tl.uint8), mask=(m < BITS) & (off < (n * BITS + 7) // 8))
+        tl.store(out_ptr + off, tile.to(tl.uint8), mask=(m < BITS) & (off < packed_bytes(n, BITS)))
 
 
 @triton.jit
@@ -50,7 +58,7 @@ def load_codes(packed_ptr, idx, n, BITS: tl.constexpr):
         s = idx * BITS
         byte = s >> 3
         lo = tl.load(packed_ptr + byte, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(packed_ptr + byte + 1, mask=mask & (byte + 1 < (n * BITS + 7) // 8),
+        hi = tl.load(packed_ptr + byte + 1, mask=mask & (byte + 1 < packed_bytes(n, BITS)),
                      other=0).to(tl.int32)
         code = ((lo | (hi << 8)) >> (s & 7).to(tl.int32)) & ((1 << BITS) - 1)
     return code
