@@ -4,6 +4,7 @@ Triton compiles the kernels' source). And the keyed Philox words are Philox-4x32
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -73,3 +74,37 @@ def test_device_choice_is_distinct_ascending_and_uniform():
         got = philox.choice(philox.device_key(0, "c"), 1, n, k, like)
         assert got.numel() == k and torch.equal(got, torch.unique(got))
         assert k == 0 or (int(got.min()) >= 0 and int(got.max()) < n)
+
+
+def test_a_kernel_launches_on_its_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: ``kernels.launch`` makes it the first
+    argument's (a model on ``cuda:1`` without ``torch.cuda.set_device(1)``), and leaves the
+    current device alone where it already is (no GPU needed: the device calls are recorded)."""
+    from grace_dl.torch import kernels
+
+    current, seen = [0], []
+
+    @contextlib.contextmanager
+    def device(where):
+        before, current[0] = current[0], torch.device(where).index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, current[0], kw))
+
+    class OnCuda:
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+
+    kernels.launch(Kernel(), 3, OnCuda(1), 7, BLOCK=8)
+    kernels.launch(Kernel(), 0, OnCuda(0), BLOCK=8)
+    kernels.launch(Kernel(), 2, torch.empty(1), BLOCK=8)
+    assert seen == [((3,), 1, {"BLOCK": 8}), ((1,), 0, {"BLOCK": 8}), ((2,), 0, {"BLOCK": 8})]
+    assert current[0] == 0

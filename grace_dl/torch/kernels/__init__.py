@@ -65,3 +65,19 @@ def triton_for(tensor) -> bool:
 def grid(n: int, block: int = BLOCK) -> tuple:
     """Programs for ``n`` elements, ``block`` each."""
     return (max(1, -(-n // block)),)
+
+
+def launch(kernel, programs: int, *args, **constants):
+    """``kernel`` on ``programs`` programs, on the device of its first argument (a tensor).
+    Triton launches on the current CUDA device and its stream, which need not be the
+    tensors' (a model moved to ``cuda:1`` without ``torch.cuda.set_device(1)``): there the
+    launch runs under ``torch.cuda.device`` of the tensors', as torch's own ops do."""
+    run = kernel[(max(1, programs),)]
+    where = args[0].device
+    if where.type == "cuda":
+        import torch
+
+        if where.index != torch.cuda.current_device():
+            with torch.cuda.device(where):
+                return run(*args, **constants)
+    return run(*args, **constants)

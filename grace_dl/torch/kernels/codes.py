@@ -12,10 +12,12 @@ rounding; everything else is the same bits.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
-from grace_dl.torch.kernels import BLOCK, grid, philox, triton_for
+from grace_dl.torch.kernels import BLOCK, grid, launch, philox, triton_for
 
 #: rows of at most this many elements are reduced by one program's columns at a time
 NORM_TILE = 4096
@@ -28,9 +30,8 @@ def _jit():
     return jit_codes
 
 
-def _launch(kernel, programs, *args, **constants):
-    """Launch ``kernel`` on ``programs`` programs, with no multiply-add contraction."""
-    kernel[(max(1, programs),)](*args, **constants, enable_fp_fusion=False)
+#: ``launch`` with no multiply-add contraction
+_launch = functools.partial(launch, enable_fp_fusion=False)
 
 
 def packed_size(n: int, bits: int) -> int:

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from grace_dl.torch.kernels import BLOCK, grid, triton_for
+from grace_dl.torch.kernels import BLOCK, grid, launch, triton_for
 
 MASK = 0xFFFFFFFF
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57   # Philox-4x32 multipliers
@@ -65,8 +65,8 @@ def words(key, step: int, stream: int, n: int, like):
     if n == 0 or not triton_for(like):
         return words_twin(key, step, stream, n, like)
     out = torch.empty(n, dtype=torch.int64, device=like.device)
-    _kernels().words[grid(n)](out, n, key[0], key[1], int(step) & MASK, int(stream) & MASK,
-                              BLOCK=BLOCK)
+    launch(_kernels().words, grid(n)[0], out, n, key[0], key[1], int(step) & MASK,
+           int(stream) & MASK, BLOCK=BLOCK)
     return out
 
 
@@ -131,18 +131,18 @@ def _choice_kernels(key, step: int, n: int, j: int, draws: int, device):
     and two running sums (``_choice_twin``'s steps, fused)."""
     kernels = _kernels()
     values = torch.empty(draws, dtype=torch.int32, device=device)
-    kernels.positions[grid(draws)](values, draws, n, key[0], key[1], int(step) & MASK, 0,
-                                   BLOCK=BLOCK)
+    programs = grid(draws)[0]
+    launch(kernels.positions, programs, values, draws, n, key[0], key[1], int(step) & MASK, 0,
+           BLOCK=BLOCK)
     ranked, order = torch.sort(values, stable=True)
-    programs = grid(draws)
     first = torch.empty(draws, dtype=torch.int32, device=device)
-    kernels.first_draws[programs](ranked, order, first, draws, BLOCK=BLOCK)
+    launch(kernels.first_draws, programs, ranked, order, first, draws, BLOCK=BLOCK)
     keep = torch.empty(draws, dtype=torch.int32, device=device)
-    kernels.kept[programs](ranked, order, torch.cumsum(first, 0, dtype=torch.int32), keep,
-                           draws, j, BLOCK=BLOCK)
+    launch(kernels.kept, programs, ranked, order, torch.cumsum(first, 0, dtype=torch.int32),
+           keep, draws, j, BLOCK=BLOCK)
     out = torch.zeros(j, dtype=torch.int64, device=device)
-    kernels.place[programs](ranked, keep, torch.cumsum(keep, 0, dtype=torch.int32), out, draws,
-                            BLOCK=BLOCK)
+    launch(kernels.place, programs, ranked, keep, torch.cumsum(keep, 0, dtype=torch.int32), out,
+           draws, BLOCK=BLOCK)
     return out
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from grace_dl.torch.kernels import BLOCK, triton_for
+from grace_dl.torch.kernels import BLOCK, launch, triton_for
 from grace_dl.torch.kernels.codes import magnitudes, positions
 
 #: the digits of a 31-bit key, highest first: (shift, bits)
@@ -81,15 +81,16 @@ def radix_positions(flat, k: int, sign: int = 0):
     tiles = -(-blocks // HISTOGRAM_PROGRAMS)
     for p, (shift, bits) in enumerate(DIGITS):
         prev = max(p - 1, 0)
-        jit.histogram[(-(-blocks // tiles),)](
-            x, states[max(p - 2, 0)], hists[prev], states[prev], hists[p], n, k, tiles,
+        launch(
+            jit.histogram, -(-blocks // tiles), x, states[max(p - 2, 0)], hists[prev],
+            states[prev], hists[p], n, k, tiles,
             SIGN=sign, PREV=p > 0, FROM_STATE=p > 1, PREV_BINS=bins[prev],
             PREV_BITS=DIGITS[prev][1], SHIFT=shift, BITS=bits, BINS=bins[p], BLOCK=BLOCK)
     counts = torch.empty(2, blocks, dtype=torch.int64, device=x.device)
     last = len(DIGITS) - 1
-    jit.tally[(blocks,)](x, states[last - 1], hists[last], states[last], counts, n, blocks,
-                         SIGN=sign, BINS=bins[last], BITS=DIGITS[last][1], BLOCK=BLOCK)
+    launch(jit.tally, blocks, x, states[last - 1], hists[last], states[last], counts, n, blocks,
+           SIGN=sign, BINS=bins[last], BITS=DIGITS[last][1], BLOCK=BLOCK)
     offsets = torch.cumsum(counts, 1) - counts
     out = torch.empty(k, dtype=torch.int64, device=x.device)
-    jit.place[(blocks,)](x, states[last], offsets, out, n, blocks, SIGN=sign, BLOCK=BLOCK)
+    launch(jit.place, blocks, x, states[last], offsets, out, n, blocks, SIGN=sign, BLOCK=BLOCK)
     return out
