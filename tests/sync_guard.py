@@ -17,7 +17,8 @@ from torch.overrides import TorchFunctionMode
 
 #: calls that read a device value on the host
 READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
-         "__complex__", "equal", "allclose", "is_nonzero"}
+         "__complex__", "equal", "allclose", "is_nonzero", "__array__", "__format__",
+         "__repr__", "__str__", "__contains__"}
 #: calls whose output size depends on the data (the host must read the size)
 SIZED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"}
 #: tensors made from host data (a copy to the device)
@@ -29,9 +30,19 @@ def _name(func) -> str:
 
 
 def _bool_index(args) -> bool:
+    """A mask among the indices (bool, or uint8: torch's older mask)."""
     index = args[1] if len(args) > 1 else None
     items = index if isinstance(index, tuple) else (index,)
-    return any(torch.is_tensor(i) and i.dtype == torch.bool for i in items)
+    return any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in items)
+
+
+def _sized_repeat(args, kwargs) -> bool:
+    """``repeat_interleave`` by a tensor of counts without ``output_size`` (its size is their
+    sum), or its one-argument form."""
+    repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+    if len(args) == 1 and "repeats" not in kwargs:
+        return True
+    return torch.is_tensor(repeats) and repeats.numel() > 1 and "output_size" not in kwargs
 
 
 class SyncGuard(TorchFunctionMode):
@@ -56,8 +67,10 @@ class SyncGuard(TorchFunctionMode):
             self._record(name)
         elif name in ("__getitem__", "__setitem__", "index_put_") and _bool_index(args):
             self._record(f"{name}[bool]")
-        elif name == "repeat_interleave" and len(args) > 1 and torch.is_tensor(args[1]):
+        elif name == "repeat_interleave" and _sized_repeat(args, kwargs):
             self._record("repeat_interleave(tensor)")
+        elif name == "where" and len(args) == 1 and not kwargs:
+            self._record("where(condition)")
         return func(*args, **kwargs)
 
 

@@ -156,3 +156,28 @@ def test_device_path_runs_without_host_synchronisation(comp, mem, comm):
                                            atol=1e-6, err_msg=name)
         else:
             assert _error(have, grads) <= 1.25 * _error(want, grads) + 1e-3
+
+
+def test_the_cpu_guard_records_each_kind_of_host_synchronisation():
+    """What ``sync_guard`` stands in for CUDA's sync debug mode with: each of these would make
+    the host wait for a GPU (or copy to it), and each is recorded; static-shape work is not."""
+    x = torch.randn(16)
+    cases = {
+        "item": lambda: x.sum().item(), "tolist": lambda: x.tolist(),
+        "__bool__": lambda: bool(x.sum() > 0), "__format__": lambda: f"{x.sum():.3f}",
+        "__array__": lambda: np.asarray(x), "nonzero": lambda: torch.nonzero(x > 0),
+        "where(condition)": lambda: torch.where(x > 0),
+        "__getitem__[bool]": lambda: x[x > 0],
+        "repeat_interleave(tensor)": lambda: torch.repeat_interleave(torch.tensor([1, 2])),
+        "tensor": lambda: torch.tensor([1.0, 2.0]),
+    }
+    for what, call in cases.items():
+        with guarded() as guard:
+            call()
+        assert what in [c for c, _ in guard.calls], (what, guard.calls)
+    with guarded() as guard:
+        torch.topk(x.abs(), 4).indices.sort()
+        torch.where(x > 0, x, 0.0).sum()
+        torch.nonzero_static(x > 0, size=4)
+        x.repeat_interleave(torch.full((16,), 2), output_size=32)
+    assert guard.calls == []
