@@ -429,3 +429,26 @@ def test_ranks_with_different_configurations_fail_instead_of_hanging():
     for out in res:
         assert out["error"] is not None
         assert "ranks disagree on the grace configuration" in out["error"], out["error"]
+
+
+@pytest.mark.multiproc
+def test_per_variable_strategies_run_under_the_hook_without_horovod():
+    """A strategy dispatcher (a size threshold; the top-k recipe, a ``Schedule`` whose second
+    stage is one) under the hook: its first send's check that every rank runs the same
+    strategy goes over the hook's torch.distributed collectives (it reached for Horovod's),
+    topk's weights send fewer bytes than the dense stage, both ranks end equal. Without
+    ``named_parameters`` the state refuses it at construction, naming the fix."""
+    res = torchrun("strategy", "6")
+    steps = 6
+    for case in ("size_threshold", "recipe"):
+        assert_equal_dicts(res[0][case]["params"], res[1][case]["params"])
+        sent = res[0][case]["sent_per_step"]
+        assert len(sent) == steps, sent
+    dense = res[0]["recipe"]["sent_per_step"]
+    assert dense[0] == dense[2] and dense[3] < dense[2] / 2, dense      # the switch at step 3
+    thresholded = res[0]["size_threshold"]["sent_per_step"]
+    assert thresholded[0] < dense[0] / 2, (thresholded, dense)
+    assert_dicts_differ(res[0]["size_threshold"]["params"], res[0]["recipe"]["params"])
+    for out in res:
+        assert not out["horovod"]
+        assert "named_parameters=model.named_parameters()" in out["unnamed"], out["unnamed"]

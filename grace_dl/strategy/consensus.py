@@ -45,20 +45,28 @@ def _eager(framework: str):
     return contextlib.nullcontext()
 
 
-def _allgather(ops, coll):
-    """``grace_dl.communicators.agreement``'s ``allgather(array, name)`` over ``coll``."""
+def _allgather(ops, coll, like=None):
+    """``grace_dl.communicators.agreement``'s ``allgather(array, name)`` over ``coll`` (on
+    ``like``'s device: NCCL gathers GPU tensors)."""
     def gather(array, name):
-        return ops.to_numpy(coll.synchronize(coll.allgather_async(ops.from_numpy(array), name)))
+        return ops.to_numpy(coll.synchronize(coll.allgather_async(ops.from_numpy(array, like),
+                                                                  name)))
     return gather
 
 
-def verify(dispatcher, framework: str | None = None, tensor=None) -> None:
+def verify(dispatcher, framework: str | None = None, tensor=None, collectives=None) -> None:
     """``ValueError`` on every rank unless all ranks' dispatchers have the same fingerprint (and
-    the strategy's replicas and PS ranks fit the job)."""
-    framework, ops, coll = _backend(framework, tensor, dispatcher.process_set)
+    the strategy's replicas and PS ranks fit the job). Over ``collectives`` when given (those
+    a send was given: the DDP hook's ``torch.distributed`` ones), else Horovod's of
+    ``framework``."""
+    if collectives is None:
+        framework, ops, coll = _backend(framework, tensor, dispatcher.process_set)
+    else:
+        framework, coll = framework_of(tensor), collectives
+        ops = importlib.import_module(f"grace_dl.{framework}.ops")
     with _eager(framework):
         agreement.check({"strategy": dispatcher.fingerprint(), "summary": dispatcher.summary()},
-                        _allgather(ops, coll), "grace.strategy.fingerprint", coll.rank(),
+                        _allgather(ops, coll, tensor), "grace.strategy.fingerprint", coll.rank(),
                         mismatch=lambda everyone, rank: _mismatch(
                             [e["strategy"] for e in everyone], [e["summary"] for e in everyone],
                             rank))

@@ -279,7 +279,7 @@ class StrategyDispatcher(Router, FanOut):
         if name in self._outstanding:
             raise ValueError(f"gradient {name!r} sent again before its handle was received")
         if not self._verified:
-            self.verify(tensor=tensor)
+            self.verify(tensor=tensor, collectives=collectives)
         coll = collectives_for(tensor, self._process_set) if collectives is None else collectives
         if node.spec == RING:
             coll = HostCollectives(coll)
@@ -316,12 +316,13 @@ class StrategyDispatcher(Router, FanOut):
                              "(AllReduceSynchronizer.group); pass groups=None with it")
 
     # ------------------------------------------------------------------ agreement
-    def verify(self, framework: str | None = None, tensor=None) -> None:
+    def verify(self, framework: str | None = None, tensor=None, collectives=None) -> None:
         """Check that every rank runs this same strategy (a collective: every rank calls it,
-        as the first ``send`` does). ``ValueError`` on every rank when they differ."""
+        as the first ``send`` does, over the collectives it was given: the DDP hook's
+        ``torch.distributed`` ones, say). ``ValueError`` on every rank when they differ."""
         from grace_dl.strategy.consensus import verify
 
-        verify(self, framework=framework, tensor=tensor)
+        verify(self, framework=framework, tensor=tensor, collectives=collectives)
         self._verified = True
 
     def summary(self) -> dict:

@@ -227,6 +227,14 @@ def sums_in_half(grace) -> bool:
             and grace.feedback.keeps_nothing)
 
 
+def _routes_by_name(grace) -> bool:
+    """Whether ``grace`` is (or holds, as a ``Schedule``'s stage) a strategy dispatcher, which
+    finds each gradient's pipeline by its name."""
+    from grace_dl.strategy.dispatcher import StrategyDispatcher
+
+    return isinstance(grace, StrategyDispatcher) or any(map(_routes_by_name, grace.parts()))
+
+
 @dataclass(frozen=True)
 class _BucketLayout:
     """What ``GraceState._send`` works out of one DDP bucket's parameters."""
@@ -292,6 +300,10 @@ class GraceState:
             effective_piece_bytes(grace, piece_bytes)
         self.iteration = 0          # synchronised backward passes completed
         self._given_names: dict[int, str] | None = None
+        if named_parameters is None and _routes_by_name(grace):
+            raise ValueError("a strategy routes gradients by their parameters' names: pass "
+                             "GraceState(..., named_parameters=model.named_parameters()) of "
+                             "the module DDP wraps (without it they are named param<i>)")
         if named_parameters is not None:
             pairs = list(named_parameters)
             if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):

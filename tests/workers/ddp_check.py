@@ -18,6 +18,10 @@ Modes:
 - ``join <pipeline>...``: uneven inputs under ``model.join()`` (rank 0 six batches, rank 1
   four; the joined rank's DDP runs the hook on zero buckets for the others' steps):
   parameters, the hook's steps.
+- ``strategy <steps>``: per-variable strategies under the hook, over torch.distributed: a
+  size-threshold strategy (topk on the large weights, the rest dense) and the top-k recipe
+  (a dense epoch of 3 steps, then that): parameters, bytes per step, Horovod never imported;
+  and the error of a strategy given without ``named_parameters``.
 - ``options <steps> <pipeline>...``: each pipeline under DDP's other options
   (``gradient_as_bucket_view``, ``static_graph``, both) and on a half-precision model: parameters
   after the steps, bytes per step, the hook's state keys.
@@ -527,6 +531,38 @@ def mode_disagree() -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
+def mode_strategy(steps: int) -> dict:
+    from grace_dl import recipes
+    from grace_dl.strategy import from_spec
+
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    topk = {"compressor": "topk", "compress_ratio": 0.1, "memory": "residual",
+            "communicator": "allgather"}
+    specs = {"size_threshold": {"size_threshold": {"min_elements": 2000, "params": topk}},
+             "recipe": recipes.recipe("topk")[0]}
+    out = {}
+    for label, spec in specs.items():
+        model = DDP(mlp(), bucket_cap_mb=0.02)
+        grc = from_spec(spec, model.module.named_parameters(), steps_per_epoch=3)
+        state = grace_ddp.GraceState(grc, named_parameters=model.module.named_parameters())
+        model.register_comm_hook(state, grace_ddp.comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _, (x, y) in zip(range(steps), batches(data, 1)):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        out[label] = {"params": params_of(model),
+                      "sent_per_step": [s["sent"] for s in grc.bytes.steps]}
+    try:
+        grace_ddp.GraceState(from_spec(specs["size_threshold"], mlp().named_parameters()))
+        out["unnamed"] = None
+    except ValueError as err:
+        out["unnamed"] = str(err)
+    out["horovod"] = "horovod" in sys.modules
+    return out
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -549,6 +585,8 @@ def main() -> None:
         result = mode_options(int(sys.argv[2]), sys.argv[3:])
     elif mode == "disagree":
         result = mode_disagree()
+    elif mode == "strategy":
+        result = mode_strategy(int(sys.argv[2]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     mp.report(result, rank=dist.get_rank())
