@@ -162,7 +162,9 @@ def test_bad_command_lines_give_one_line_errors_not_tracebacks(tmp_path, capsys)
             (["build", "--model", "os:sep"], "is a str, not a function returning a model"),
             (["build", "--model", "os:getcwd"], "returned a str, not a torch module"),
             (["build", "--variables", shapes, "-o", "/nonexistent/dir/x.pbtxt"],
-             "directory '/nonexistent/dir' does not exist")):
+             "directory '/nonexistent/dir' does not exist"),
+            (["build", "--variables", shapes, "--builder", "auto"],
+             "--builder auto needs --resource-spec FILE")):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and "Traceback" not in err, err
@@ -197,3 +199,14 @@ def test_negative_fusion_group_is_refused(tmp_path, capsys):
     capsys.readouterr()
     assert main(["validate", str(out)]) == 1
     assert "fusion group must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_the_package_command_lists_its_commands(capsys):
+    from grace_dl.__main__ import main as grace_dl_main
+
+    assert grace_dl_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: grace-dl {strategy}") and "strategy   build, show" in out
+    assert grace_dl_main(["nosuch"]) == 2
+    assert "unknown command 'nosuch'; accepted: ['strategy']" in capsys.readouterr().err
+    assert grace_dl_main([]) == 2

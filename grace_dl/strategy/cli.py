@@ -122,6 +122,9 @@ def cmd_build(args) -> int:
     if variables is None:
         raise ValueError("build needs --variables or --model")
     builder = _builder(args)
+    if args.builder == "auto" and not args.resource_spec:
+        raise ValueError("--builder auto needs --resource-spec FILE: a YAML of the job's "
+                         "workers, bandwidth and latency (examples/strategy_cluster.yaml)")
     strategy = builder.build(variables, args.resource_spec)
     if args.output:
         save(strategy, args.output)
@@ -274,7 +277,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
                    help="auto: also price candidates with the variables in buckets of this "
                         "size (default 25 MiB, DDP's); 0: never bucket")
-    b.add_argument("--resource-spec", help="YAML resource spec (AutoDist's format)")
+    b.add_argument("--resource-spec", help="YAML resource spec (AutoDist's format; "
+                   "examples/strategy_cluster.yaml), needed by --builder auto")
     b.add_argument("-o", "--output", help="output file (.pbtxt text, .pb binary); else stdout")
     b.set_defaults(func=cmd_build)
 
