@@ -230,9 +230,11 @@ def sums_in_half(grace) -> bool:
 def _routes_by_name(grace) -> bool:
     """Whether ``grace`` is (or holds, as a ``Schedule``'s stage) a strategy dispatcher, which
     finds each gradient's pipeline by its name."""
+    from grace_dl.communicators.base import FanOut
     from grace_dl.strategy.dispatcher import StrategyDispatcher
 
-    return isinstance(grace, StrategyDispatcher) or any(map(_routes_by_name, grace.parts()))
+    return isinstance(grace, StrategyDispatcher) or (
+        isinstance(grace, FanOut) and any(map(_routes_by_name, grace.parts())))
 
 
 @dataclass(frozen=True)
