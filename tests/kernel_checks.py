@@ -13,6 +13,7 @@ size and exits non-zero on the first difference.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -51,6 +52,19 @@ def equal(a, b, what):
         raise AssertionError(f"{what}: kernel and twin differ at {diff}")
 
 
+@contextlib.contextmanager
+def _set(module, **values):
+    """``module``'s constants set to ``values`` within the block."""
+    before = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(module, k, v)
+
+
 def check_selection(x) -> None:
     """``select.radix_positions``: kernel, twin and the reference sparsifiers' ``exact_top``
     give the same positions, with NaN, infinities, zeros and ties at the cut, for each sign (and
@@ -72,14 +86,10 @@ def check_selection(x) -> None:
                 equal(got.cpu(), want, f"top {k} of {n} {dt} sign={sign}")
                 equal(twin(select.radix_positions, v, k, sign).cpu(), want,
                       f"top twin {k} of {n} {dt} sign={sign}")
-    programs = select.HISTOGRAM_PROGRAMS
-    select.HISTOGRAM_PROGRAMS = 1       # (each program then takes every block)
-    try:
+    with _set(select, HISTOGRAM_PROGRAMS=1):     # (each program then takes every block)
         k = max(1, n // 7)
         equal(select.radix_positions(y, k).cpu(), sparse.exact_top(ops, y.cpu(), k).long(),
               f"top {k} of {n}, one histogram program")
-    finally:
-        select.HISTOGRAM_PROGRAMS = programs
     # ``top_positions``: below RADIX_MIN torch.topk's (the reference's entries where no tie
     # meets the cut, in any order), from it the radix select's
     z = x.clone()
@@ -90,14 +100,10 @@ def check_selection(x) -> None:
             want = sparse.exact_top(ops, z.cpu(), k, sign or None).long()
             got = torch.sort(select.top_positions(z, k, sign)).values
             equal(got.cpu(), want, f"top_positions {k} of {n} sign={sign}")
-    least = select.RADIX_MIN
-    select.RADIX_MIN = n
-    try:
+    with _set(select, RADIX_MIN=n):
         k = max(1, n // 3)
         equal(select.top_positions(y, k).cpu(), sparse.exact_top(ops, y.cpu(), k).long(),
               f"top_positions {k} of {n} from RADIX_MIN")
-    finally:
-        select.RADIX_MIN = least
 
 
 def check_large_counts(device) -> None:
