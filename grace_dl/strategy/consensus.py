@@ -25,7 +25,9 @@ from grace_dl.strategy.serialize import coerce, from_bytes, to_bytes
 FRAMEWORKS = ("torch", "tensorflow")
 
 
-def _backend(framework: str | None, tensor, process_set):
+def _backend(framework: str | None, tensor, process_set, collectives=None):
+    """``(framework, ops, collectives)``: ``collectives`` when given, else Horovod's of the
+    framework (named, or ``tensor``'s)."""
     if framework is None:
         if tensor is None:
             raise ValueError("give framework='torch' or 'tensorflow' (or a tensor)")
@@ -33,8 +35,10 @@ def _backend(framework: str | None, tensor, process_set):
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {list(FRAMEWORKS)}, got {framework!r}")
     ops = importlib.import_module(f"grace_dl.{framework}.ops")
-    coll = importlib.import_module(f"grace_dl.{framework}.collectives").collectives(process_set)
-    return framework, ops, coll
+    if collectives is None:
+        collectives = importlib.import_module(
+            f"grace_dl.{framework}.collectives").collectives(process_set)
+    return framework, ops, collectives
 
 
 def _eager(framework: str):
@@ -59,11 +63,7 @@ def verify(dispatcher, framework: str | None = None, tensor=None, collectives=No
     the strategy's replicas and PS ranks fit the job). Over ``collectives`` when given (those
     a send was given: the DDP hook's ``torch.distributed`` ones), else Horovod's of
     ``framework``."""
-    if collectives is None:
-        framework, ops, coll = _backend(framework, tensor, dispatcher.process_set)
-    else:
-        framework, coll = framework_of(tensor), collectives
-        ops = importlib.import_module(f"grace_dl.{framework}.ops")
+    framework, ops, coll = _backend(framework, tensor, dispatcher.process_set, collectives)
     with _eager(framework):
         agreement.check({"strategy": dispatcher.fingerprint(), "summary": dispatcher.summary()},
                         _allgather(ops, coll, tensor), "grace.strategy.fingerprint", coll.rank(),

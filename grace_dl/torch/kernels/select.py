@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from grace_dl.torch.kernels import BLOCK, launch, triton_for
+from grace_dl.compressors import sparse
+from grace_dl.torch import ops
+from grace_dl.torch.kernels import BLOCK, grid, launch, triton_for
 from grace_dl.torch.kernels.codes import magnitudes, positions
 
 #: the digits of a 31-bit key, highest first: (shift, bits)
@@ -34,14 +36,6 @@ def _jit():
     return jit_select
 
 
-def magnitudes_twin(flat, sign: int = 0):
-    """``sparse.magnitudes`` in torch ops: ``|x|`` (``sign`` 0), ``x`` where ``x > 0`` (1),
-    ``-x`` where ``x < 0`` (-1), and -1 for NaN and every other entry."""
-    mag = flat.abs() if sign == 0 else (flat if sign > 0 else -flat)
-    keep = mag == mag if sign == 0 else mag > 0
-    return torch.where(keep, mag, torch.full_like(mag, -1.0))
-
-
 def top_positions(flat, k: int, sign: int = 0):
     """int64 positions of the ``k`` largest magnitudes of the 1-D ``flat``
     (``sparse.magnitudes(flat, sign)``; ``0 < k <= numel``; for a ``sign``, at least ``k``
@@ -49,13 +43,13 @@ def top_positions(flat, k: int, sign: int = 0):
     ``torch.topk`` (ties its own way, in no order)."""
     if flat.numel() >= RADIX_MIN:
         return radix_positions(flat, k, sign)
-    ranked = magnitudes(flat) if sign == 0 else magnitudes_twin(flat, sign)
+    ranked = magnitudes(flat) if sign == 0 else sparse.magnitudes(ops, flat, sign)
     return torch.topk(ranked, k, sorted=False).indices
 
 
 def radix_positions_twin(flat, k: int, sign: int = 0):
     """``radix_positions`` in torch ops (any floating dtype)."""
-    mag = magnitudes_twin(flat.reshape(-1), sign)
+    mag = sparse.magnitudes(ops, flat.reshape(-1), sign or None)
     kth = torch.topk(mag, k, sorted=False).values.amin()
     over, tie = mag > kth, mag == kth
     need = k - over.sum()
@@ -77,7 +71,7 @@ def radix_positions(flat, k: int, sign: int = 0):
     scratch = torch.zeros(sum(bins) + 2 * len(DIGITS), dtype=torch.int32, device=x.device)
     hists = torch.split(scratch[:sum(bins)], bins)
     states = torch.split(scratch[sum(bins):], 2)
-    blocks = max(1, -(-n // BLOCK))
+    blocks = grid(n)[0]
     tiles = -(-blocks // HISTOGRAM_PROGRAMS)
     for p, (shift, bits) in enumerate(DIGITS):
         prev = max(p - 1, 0)
