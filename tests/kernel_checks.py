@@ -106,6 +106,45 @@ def check_selection(x) -> None:
               f"top_positions {k} of {n} from RADIX_MIN")
 
 
+def check_signs(x, gen) -> None:
+    """The vote of pure-sign payloads (with and without zero planes, ties, a NaN) and what a
+    payload's signs lose (float32 and 16-bit, a status byte set and clear)."""
+    n, device = x.numel(), x.device
+    nbytes = codes.packed_size(n, 1)
+    sides = torch.randint(-1, 2, (5, n), device=device, generator=gen).to(torch.float32)
+    sides[1] = sides[0].abs()       # no exact zero: a payload without its zero plane
+    payloads = []
+    for v in sides:
+        buf, flags = twin(codes.sign_payload, v)
+        payloads.append(buf[:(2 * nbytes if bool(flags[1]) else nbytes) + 1])
+    for group in (payloads[:1], payloads[:2], payloads[:4], payloads):
+        got, want = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+        codes.sign_vote(group, n, got)
+        twin(codes.sign_vote, group, n, want)
+        equal(got, want, f"sign vote of {len(group)}")
+        truth = torch.sign(sides[:len(group)].sum(0))
+        assert torch.equal(want, truth), f"sign vote of {len(group)}: not the majority"
+    bad = payloads[2].clone()
+    bad[-1] |= 1
+    got = codes.sign_vote([payloads[0], bad], n, torch.empty_like(x))
+    assert got.isnan().all(), "sign vote: a flagged payload makes every element NaN"
+    y = x.clone()
+    y[: min(n, 2)] = torch.tensor([0.0, -0.0], device=device)[: min(n, 2)]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        v = y.to(dtype)
+        for status in (0, 2, 1, 3):
+            s = torch.tensor([status], dtype=torch.uint8, device=device)
+            outs = [torch.full_like(v, 7.0) for _ in range(4)]
+            codes.sign_error(v, s, outs[0], outs[1])
+            twin(codes.sign_error, v, s, outs[2], outs[3])
+            equal(outs[0], outs[2], f"sign error {dtype} status {status}")
+            equal(outs[1], outs[3], f"sign decoded {dtype} status {status}")
+            if status & 1:
+                assert (outs[2] == 0).all() and outs[3].isnan().all()
+            else:
+                equal(outs[2], v - torch.sign(v), f"sign error twin {dtype}")
+
+
 def check_large_counts(device) -> None:
     """Packed streams of ``n * bits >= 2**31`` bits: program 0 alone (one block, no memory of
     that size) stores and loads its codes as at any size (the bytes' bound once wrapped in
@@ -205,13 +244,7 @@ def check(device, n: int) -> None:
         a, b = fn(x), twin(fn, x)
         equal(a[0], b[0], f"{fn.__name__} plane")
         assert torch.allclose(a[1], b[1], rtol=1e-5, atol=1e-6), f"{fn.__name__} scalars"
-    pos, neg = codes.onebit_encode(-x)[0], codes.onebit_encode(x)[0]
-    for flag in (0, 1):
-        f = torch.tensor([flag], dtype=torch.uint8, device=device)
-        got, want = torch.empty_like(x), torch.empty_like(x)
-        codes.ternary(pos, neg, n, f, got)
-        twin(codes.ternary, pos, neg, n, f, want)
-        assert torch.equal(got, want) or (flag and got.isnan().all() and want.isnan().all())
+    check_signs(x, gen)
     for bits in (1, 2, 3, 6):
         c = torch.randint(0, 1 << bits, (n,), device=device, generator=gen).to(torch.uint8)
         packed = codes.pack(c, bits)
@@ -313,8 +346,15 @@ SIGNATURES = [
      {"ZERO": True, "STATS": True, "FLAGS": True, "STATUS": True, "BLOCK": 4096}),
     ("jit_codes", "sign_scalars", {"part_ptr": "*fp32", "programs": "i32", "n": "i32",
                                    "out_ptr": "*fp32"}, {"MEANS": True, "CHUNK": 1024, "LOOPS": 2}),
-    ("jit_codes", "ternary", {"pos_ptr": "*u8", "neg_ptr": "*u8", "out_ptr": "*fp32",
-                              "n": "i32", "NAN_FLAG": "*i32"}, {"BLOCK": 4096}),
+    ("jit_codes", "sign_error", {"x_ptr": "*bf16", "status_ptr": "*u8", "err_ptr": "*bf16",
+                                 "dec_ptr": "*bf16", "n": "i32"},
+     {"DECODED": True, "BLOCK": 4096}),
+    *[("jit_codes", "sign_count", {"packed_ptr": "*u8", "count_ptr": count, "n": "i32",
+                                   "nbytes": "i32", "status_at": "i32"},
+       {"ZERO": zero, "FIRST": first, "BLOCK": 4096})
+      for count, zero, first in (("*i8", True, True), ("*i16", False, False))],
+    ("jit_codes", "vote_decode", {"count_ptr": "*i8", "out_ptr": "*fp32", "n": "i32"},
+     {"BLOCK": 4096}),
     ("jit_codes", "above", {"x_ptr": "*fp32", "thr_ptr": "*fp32", "out_ptr": "*u8", "n": "i32",
                             "thr": "fp32"}, {"FROM_PTR": True, "STRICT": False, "BLOCK": 4096}),
     ("jit_random", "positions", {"out_ptr": "*i32", "draws": "i32", "n": "i32", "k0": "i32",

@@ -28,7 +28,7 @@ import math
 import numpy as np
 import torch
 
-from grace_dl.compressors import signbits, sparse
+from grace_dl.compressors import sparse
 from grace_dl.compressors.adaq import AdaqCompressor
 from grace_dl.compressors.dgc import DgcCompressor
 from grace_dl.compressors.efsignsgd import EFSignSGDCompressor
@@ -256,8 +256,9 @@ class EFSignSGDOnDevice(OneBitCoded):
 @register(SignSGDCompressor, KIND)
 class SignSGDOnDevice(SignSGDPath):
     """signsgd: one kernel writes the planes into the payload's buffer and the NaN/zero
-    flags, the vote on the packed planes (``signbits.vote``), one kernel decodes a payload
-    or the vote's planes (NaN everywhere when a status says so). Whether the zero plane
+    flags (and, with an error slot, one more what the signs lose), one decodes a payload, and
+    the vote is a kernel per rank's payload counting into one integer an element and one
+    decoding the counts (NaN everywhere when a status says so). Whether the zero plane
     travels (the payload's size) is the one value compress reads."""
 
     def _source(self, tensor, name):
@@ -281,14 +282,13 @@ class SignSGDOnDevice(SignSGDPath):
         if any(o is None for o in outs):
             return None
         payload, ctx = self.compress(tensor, name, call)
-        flat = tensor.reshape(-1)
-        signs = torch.sign(flat)
-        bad = signbits.flag(ops, payload[0]) != 0
-        nan = torch.full((), float("nan"), dtype=flat.dtype, device=flat.device)
-        if len(outs) > 1:
-            outs[1].copy_(torch.where(bad, nan, signs))
-        outs[0].copy_(torch.where(bad, nan, flat - signs))
+        codes.sign_error(tensor.reshape(-1).contiguous(), payload[0][-1:], *outs)
         return payload, ctx
+
+    def error_finite(self, payload):
+        """Always: ``codes.sign_error`` leaves a non-finite step's error at 0 itself (the
+        clean-up the memory would run)."""
+        return True
 
     def combine_with_feedback(self, payloads, ctx, slot, out):
         return None     # two-phase then runs the server's steps one by one, on this path
@@ -317,10 +317,9 @@ class SignSGDOnDevice(SignSGDPath):
                            lambda n, target: codes.sign_decode(packed, n, target))
 
     def combine(self, payloads, ctx, out=None):
-        pos, neg = signbits.vote(ops, [p[0] for p in payloads], math.prod(ctx[0]))
-        status = sum(signbits.flag(ops, p[0]).to(torch.int32) for p in payloads)
-        return self._signs(ctx, out, pos.device,
-                           lambda n, target: codes.ternary(pos, neg, n, status, target))
+        first = payloads[0][0]
+        return self._signs(ctx, out, first.device, lambda n, target: codes.sign_vote(
+            [p[0] for p in payloads], n, target))
 
 
 @register(SignumCompressor, KIND)

@@ -439,16 +439,54 @@ def efsign_encode(x):
     return _twin_neg(x), scale.reshape(1)
 
 
-def ternary(pos, neg, n: int, flag, out):
-    """``out`` (1-D float32 of ``n``) = +1 where ``pos``'s bit is set, -1 where ``neg``'s is,
-    0 elsewhere; NaN everywhere when the 1-element ``flag`` is nonzero."""
+def sign_error(x, status, err, dec=None):
+    """What a pure-sign payload of the 1-D ``x`` loses, written into ``err`` (1-D, ``x``'s
+    length): ``x - sign(x)``, and ``sign(x)`` into ``dec`` when given, as ``x``'s dtype
+    computes them; where the payload's status byte (``status``: a 1-element uint8 tensor)
+    says NaN or infinity, ``err`` is +0 (the non-finite step's slot, cleaned) and ``dec``
+    NaN. One pass."""
+    n = x.numel()
+    if n == 0:
+        return
+    if triton_for(x):
+        _launch(_jit().sign_error, grid(n)[0], x, status, err, err if dec is None else dec, n,
+                DECODED=dec is not None, BLOCK=BLOCK)
+        return
+    signs = torch.sign(x)
+    bad = (status.reshape(()) & 1) != 0
+    err.copy_(torch.where(bad, torch.zeros((), dtype=x.dtype, device=x.device), x - signs))
+    if dec is not None:
+        dec.copy_(torch.where(bad, torch.full((), float("nan"), dtype=x.dtype, device=x.device),
+                              signs))
+
+
+def sign_vote(payloads, n: int, out):
+    """``out`` (1-D float32 of ``n``): the majority vote of pure-sign payloads
+    (``signbits.pack_signs``' layout; a payload's size says whether its zero plane is there):
+    +1 where more of them code +1 than -1, -1 where fewer, 0 on a tie; NaN everywhere when a
+    status byte says its input held a NaN or an infinity. The votes are counted one integer
+    an element (8 bits up to 127 payloads): a launch per payload, then one decoding them."""
     if n == 0:
         return out
-    if triton_for(pos):
-        _launch(_jit().ternary, grid(n)[0], pos, neg, out, n, flag, BLOCK=BLOCK)
+    nbytes = packed_size(n, 1)
+    if triton_for(payloads[0]):
+        m = len(payloads)
+        count = torch.empty(n + 1, device=out.device, dtype=torch.int8 if m < 128 else
+                            torch.int16 if m < 1 << 15 else torch.int32)
+        for i, p in enumerate(payloads):
+            _launch(_jit().sign_count, grid(n)[0], p, count, n, nbytes, p.numel() - 1,
+                    ZERO=p.numel() > nbytes + 1, FIRST=i == 0, BLOCK=BLOCK)
+        _launch(_jit().vote_decode, grid(n)[0], count, out, n, BLOCK=BLOCK)
         return out
-    v = (unpack_twin(pos, 1, n) - unpack_twin(neg, 1, n)).to(torch.float32)
-    return out.copy_(torch.where(flag.reshape(()) != 0, torch.full_like(v, float("nan")), v))
+    total, bad = 0, 0
+    for p in payloads:
+        neg = unpack_twin(p[:nbytes], 1, n)
+        either = neg | unpack_twin(p[nbytes:2 * nbytes], 1, n) if p.numel() > nbytes + 1 \
+            else neg
+        total = total + ((1 - either) - neg)
+        bad = bad | (p[-1:].to(torch.int64) & 1)
+    v = torch.sign(total).to(torch.float32)
+    return out.copy_(torch.where(bad.reshape(()) != 0, torch.full_like(v, float("nan")), v))
 
 
 # ------------------------------------------------------------------ sketch

@@ -405,17 +405,72 @@ def sign_scalars(part_ptr, programs, n, out_ptr, MEANS: tl.constexpr, CHUNK: tl.
 
 
 @triton.jit
-def ternary(pos_ptr, neg_ptr, out_ptr, n, NAN_FLAG, BLOCK: tl.constexpr):
-    """+1 / -1 / 0 from the packed positive and negative planes (NaN everywhere where the
-    status at ``NAN_FLAG`` is set)."""
+def narrowed(v, ty: tl.constexpr):
+    """float32 ``v`` as ``ty``, rounded to nearest even (bfloat16 by its bits: a GPU's
+    conversion rounds so, Triton's interpreter truncates)."""
+    if ty == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return v.to(ty)
+
+
+@triton.jit
+def sign_error(x_ptr, status_ptr, err_ptr, dec_ptr, n, DECODED: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """What a pure-sign payload of ``x`` loses: ``err = x - sign(x)`` (with ``DECODED``
+    ``dec = sign(x)``), computed in float32 and stored in the outputs' dtype; where the
+    payload's status byte (at ``status_ptr``) says NaN or infinity, ``err`` is +0 (the slot a
+    non-finite step leaves, cleaned: ``grace_dl.memory.base``) and ``dec`` NaN, as decoding
+    gives."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    p = load_codes(pos_ptr, idx, n, 1)
-    q = load_codes(neg_ptr, idx, n, 1)
-    v = (p - q).to(tl.float32)
-    flag = tl.load(NAN_FLAG)
-    v = tl.where(flag != 0, float("nan"), v)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    s = tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+    bad = (tl.load(status_ptr).to(tl.int32) & 1) != 0
+    tl.store(err_ptr + idx, narrowed(tl.where(bad, 0.0, x - s), err_ptr.dtype.element_ty),
+             mask=mask)
+    if DECODED:
+        tl.store(dec_ptr + idx, narrowed(tl.where(bad, float("nan"), s),
+                                         dec_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sign_count(packed_ptr, count_ptr, n, nbytes, status_at, ZERO: tl.constexpr,
+               FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """One pure-sign payload's votes added into ``count`` (``FIRST``: written there): +1, -1
+    or 0 per element (the negative plane at ``packed[0:nbytes]``, with ``ZERO`` the zero plane
+    after it); ``count[n]`` or-ed with the payload's NaN/Inf bit (its status byte at
+    ``status_at``), by program 0 alone."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    neg = load_codes(packed_ptr, idx, n, 1)
+    either = neg
+    if ZERO:
+        either = either | load_codes(packed_ptr + nbytes, idx, n, 1)
+    d = (1 - either) - neg
+    bad = tl.load(packed_ptr + status_at).to(tl.int32) & 1
+    if not FIRST:
+        d += tl.load(count_ptr + idx, mask=mask, other=0).to(tl.int32)
+        bad = bad | tl.load(count_ptr + n).to(tl.int32)
+    tl.store(count_ptr + idx, d.to(count_ptr.dtype.element_ty), mask=mask)
+    if pid == 0:
+        tl.store(count_ptr + n, bad.to(count_ptr.dtype.element_ty))
+
+
+@triton.jit
+def vote_decode(count_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """The majority vote from ``sign_count``'s counts: +1 where positive, -1 where negative,
+    0 where tied; NaN everywhere where ``count[n]`` says some payload's input held a NaN or an
+    infinity."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    d = tl.load(count_ptr + idx, mask=mask, other=0).to(tl.int32)
+    v = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    v = tl.where(tl.load(count_ptr + n).to(tl.int32) != 0, float("nan"), v)
     tl.store(out_ptr + idx, v, mask=mask)
 
 
