@@ -172,6 +172,9 @@ class OpsBackend(Protocol):
     def abs_max(self, x):
         """``max |x|`` over all (at least one) elements; NaN when x holds a NaN or an inf."""
 
+    def nonfinite_mark(self, x):
+        """0-d, x's dtype: -0.0 when every (at least one) element is finite, else NaN."""
+
     def count_nonzero(self, x):
         """Number of nonzero (True) elements, an int64 scalar tensor."""
 

@@ -172,6 +172,15 @@ def check(device, n: int) -> None:
     key = philox.device_key(3, "w")
     equal(philox.words(key, 5, 1, n, x), twin(philox.words, key, 5, 1, n, x), "words")
     equal(codes.abs_max_bits(x), twin(codes.abs_max_bits, x), "abs_max")
+    for bad in (None, float("nan"), float("-inf")):
+        y = x.clone()
+        if bad is not None:
+            y[n - 1] = bad
+        for v in (y, y.to(torch.bfloat16)):
+            got, want = codes.nonfinite_mark(v), twin(codes.nonfinite_mark, v)
+            equal(got, want, f"nonfinite mark {bad} {v.dtype}")
+            assert got.shape == () and got.dtype == v.dtype
+            assert got.isnan() if bad is not None else torch.signbit(got) and got == 0
     for total, k in ((n, min(n, 3)), (n + 1000, max(1, n // 100)), (97, 40), (97, 60)):
         got = philox.choice(key, 5, total, k, x)
         equal(got, twin(philox.choice, key, 5, total, k, x), f"choice {k} of {total}")
@@ -313,6 +322,8 @@ SIGNATURES = [
                                            ("*bf16", 3, False, False, False),
                                            ("*fp32", 1, True, False, True))],
     ("jit_codes", "abs_max", {"x_ptr": "*fp32", "acc_ptr": "*i32", "n": "i32"},
+     {"BLOCK": 4096}),
+    ("jit_codes", "nonfinite", {"x_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32"},
      {"BLOCK": 4096}),
     ("jit_codes", "row_norms", {"x_ptr": "*fp32", "norms_ptr": "*fp32", "n": "i32",
                                 "row": "i32", "rows": "i32"},

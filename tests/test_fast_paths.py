@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grace_dl import grace_from_params
+from grace_dl.backend import ops_for
 from grace_dl.communicators.base import accumulator, marked, nonfinite_mark
 from grace_dl.compressors.base import Call
 from grace_dl.compressors.paths import Paths, Reference, feedback_of, own
@@ -84,7 +85,7 @@ def test_residual_sparse_update_equals_the_dense_one(key):
         out = fast.synchronize(x, "w", collectives=OneRank())
         compensated = slow.memory.compensate(x, "w")
         # the tensor holds an inf: the communicator marks the payload (Communicator.encode)
-        mark = nonfinite_mark(compensated)
+        mark = nonfinite_mark(compensated, ops_for(compensated))
         payload, ctx = slow.compressor.compress(compensated, "w", Call(0, 1))
         slow.memory.update(compensated, "w", slow.compressor, payload, ctx,
                            slow.compressor.decompress(payload, ctx))

@@ -352,15 +352,14 @@ def marked(payload, mark):
     return ops_for(mark).add_to_floating(payload, mark)
 
 
-def nonfinite_mark(tensor):
+def nonfinite_mark(tensor, ops):
     """A 0-d tensor of ``tensor``'s dtype and device: -0.0 when every entry is finite (adding
     it leaves every value's bits alone, a -0.0 included), else NaN (one pass,
-    ``ops.abs_max``; an empty tensor gives None)."""
-    ops = ops_for(tensor)
+    ``ops.nonfinite_mark`` of ``tensor``'s backend ``ops``; an empty tensor gives None)."""
     n = ops.numel(tensor)
     if isinstance(n, int) and n == 0:
         return None
-    return -(ops.abs_max(tensor) * 0)     # (TF caches the constant -0.0 as 0.0)
+    return ops.nonfinite_mark(tensor)
 
 
 def _finish(handle: Handle, into=None):
@@ -518,7 +517,7 @@ class Communicator(Router, ABC):
             ops = ops_for(compensated)
             finite = ops.known_finite(compensated)
             if not finite:
-                mark = nonfinite_mark(compensated)
+                mark = nonfinite_mark(compensated, ops)
         # where ``compress`` is the path's, the path found once here
         compressing = self.paths.on(compensated) if self._plain_compress else self
         encoded = None
@@ -530,7 +529,9 @@ class Communicator(Router, ABC):
             got = None if slot is None else \
                 compressing.compress_with_error(compensated, name, call, slot)
             if got is not None:
-                self.feedback.error_written(name, finite or self._error_finite(got[0]))
+                self.feedback.error_written(name, finite or (
+                    self._error_finite(got[0]) if compressing is self
+                    else compressing.error_finite(got[0])))
                 encoded = Encoded(name, *got, compensated, call)
         if encoded is None:
             payload, ctx = compressing.compress(compensated, name, call)

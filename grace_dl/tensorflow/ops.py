@@ -247,6 +247,12 @@ def abs_max(x):
     return tf.maximum(tf.reduce_max(x), -tf.reduce_min(x)) + tf.reduce_sum(0.0 * x)
 
 
+def nonfinite_mark(x):
+    """A 0-d tensor of ``x``'s dtype: -0.0 when every entry of ``x`` (at least one) is
+    finite, else NaN. One pass (``abs_max``)."""
+    return -(abs_max(x) * 0)    # (a constant -0.0 would be cached as 0.0)
+
+
 def count_nonzero(x):
     """Number of nonzero (True) elements, an int64 scalar tensor."""
     return tf.math.count_nonzero(x, dtype=tf.int64)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from grace_dl import seeding
-from grace_dl.torch.kernels import _EMULATED, philox
+from grace_dl.torch.kernels import _EMULATED, codes, philox
 from grace_dl.torch.kernels import on_device as _on_device_path
 
 NAME = "torch"
@@ -240,6 +240,11 @@ def abs_max(x):
     lo, hi = torch.aminmax(x)
     m = torch.maximum(hi, -lo)
     return m + 0.0 * m
+
+
+#: a 0-d tensor of ``x``'s dtype: -0.0 when every entry of ``x`` (at least one) is finite,
+#: else NaN; one pass, and on the device path one kernel (``grace_dl.torch.kernels.codes``)
+nonfinite_mark = codes.nonfinite_mark
 
 
 def count_nonzero(x):

@@ -155,6 +155,23 @@ def abs_max_bits(x):
     return (x.to(torch.float32).view(torch.int32) & MAG).amax().reshape(1)
 
 
+def nonfinite_mark(x):
+    """``ops.nonfinite_mark`` of torch: a 0-d tensor of ``x``'s dtype, -0.0 when every entry
+    of ``x`` (at least one) is finite, else NaN. One read of ``x``; for 16- and 32-bit floats
+    where the kernels run, one launch."""
+    if x.dtype in _MARKED and triton_for(x):
+        out = torch.full((), -0.0, dtype=x.dtype, device=x.device)
+        n = x.numel()
+        _launch(_jit().nonfinite, -(-n // BLOCK), x.reshape(-1), out, n, BLOCK=BLOCK)
+        return out
+    lo, hi = torch.aminmax(x)
+    return -(torch.maximum(hi, -lo) * 0)
+
+
+#: the dtypes ``nonfinite_mark`` finds with its kernel (float64 keeps its range)
+_MARKED = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def largest_twin(acc):
     """``abs_max_bits`` as the largest magnitude: NaN where the tensor holds a NaN or an
     infinity (``ops.abs_max``'s rule)."""

@@ -116,6 +116,16 @@ def abs_max(x_ptr, acc_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def nonfinite(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[0]`` (-0.0 before) set to NaN by every program that finds a NaN or an infinity."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    if tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0) >= INF_BITS:
+        tl.store(out_ptr, float("nan"))
+
+
+@triton.jit
 def largest(acc_ptr):
     """The largest magnitude from ``abs_max``'s bits: NaN where the tensor holds a NaN or an
     infinity (``ops.abs_max``'s rule)."""
