@@ -264,6 +264,13 @@ def check(device, n: int) -> None:
     y = x.clone()
     y[n // 2] = float("nan")
     equal(codes.magnitudes(y), twin(codes.magnitudes, y), "magnitudes")
+    key = philox.device_key(3, "w")
+    for s in (1, min(n, 5), 2 * n + 1):
+        got = philox.sampled_magnitudes(key, 2, n, s, y)
+        equal(got, twin(philox.sampled_magnitudes, key, 2, n, s, y), f"sampled magnitudes {s}")
+        w = twin(philox.words, key, 2, 0, 2 * s, y).reshape(s, 2)
+        at = philox.scaled(w[:, 0], w[:, 1], n)     # choice's stream: its draws, repeats kept
+        equal(got, twin(codes.magnitudes, y.index_select(0, at)), f"sampled positions {s}")
     for thr in (0.5, torch.tensor([0.5], device=device), torch.tensor([0.0], device=device)):
         for strict in (False, True):
             got, want = codes.above(y, thr, strict), twin(codes.above, y, thr, strict)
@@ -370,6 +377,9 @@ SIGNATURES = [
                             "thr": "fp32"}, {"FROM_PTR": True, "STRICT": False, "BLOCK": 4096}),
     ("jit_random", "positions", {"out_ptr": "*i32", "draws": "i32", "n": "i32", "k0": "i32",
                                  "k1": "i64", "step": "i32", "stream": "i32"}, {"BLOCK": 4096}),
+    ("jit_random", "sampled_magnitudes", {"x_ptr": "*fp16", "out_ptr": "*fp32", "draws": "i32",
+                                          "n": "i32", "k0": "i32", "k1": "i64", "step": "i32",
+                                          "stream": "i32"}, {"BLOCK": 4096}),
     ("jit_random", "first_draws", {"ranked_ptr": "*i32", "order_ptr": "*i64", "out_ptr": "*i32",
                                    "draws": "i32"}, {"BLOCK": 4096}),
     ("jit_random", "kept", {"ranked_ptr": "*i32", "order_ptr": "*i64", "running_ptr": "*i32",

@@ -2,8 +2,9 @@
 Compression: Reducing the Communication Bandwidth for Distributed Training").
 
 A threshold is estimated from a seeded sample of the tensor (``sparse.sample_size(n)`` distinct
-positions keyed by ``(seed, name, step)``): the ``ceil(ratio * sample)``-th largest sampled
-magnitude. Entries with ``|x| >= threshold`` are sent; if there are more than
+positions keyed by ``(seed, name, step)``; on a GPU the keyed stream's first draws, with
+replacement, which differ from those by a rare repeat): the ``ceil(ratio * sample)``-th largest
+sampled magnitude. Entries with ``|x| >= threshold`` are sent; if there are more than
 ``k = max(1, ceil(ratio * n))`` of them, the k largest (DGC's hierarchical top-k). Tensors under
 ``sparse.APPROX_MIN_NUMEL`` elements use the exact k-th magnitude instead, so they send exactly k.
 

@@ -352,9 +352,11 @@ class TopKOnDevice(sparse.SparsePath):
 
 @register(DgcCompressor, KIND)
 class DgcOnDevice(sparse.SparsePath):
-    """dgc: the sample and its threshold on the device; the candidates' count (the payload's
-    size, data-dependent by definition) is the one value read back; ``select.top_positions``
-    keeps the k largest of them when there are more."""
+    """dgc: the sample's magnitudes drawn by one kernel (with replacement: the reference's
+    distinct positions up to the rare repeat, without the sort that finds them) and its
+    threshold on the device; the candidates' count (the payload's size, data-dependent by
+    definition) is the one value read back; ``select.top_positions`` keeps the k largest of
+    them when there are more."""
 
     def compress(self, tensor, name, call):
         c = self.compressor
@@ -369,14 +371,13 @@ class DgcOnDevice(sparse.SparsePath):
         if n < sparse.APPROX_MIN_NUMEL:
             return c.pack(ops, tensor, select.top_positions(flat, k))
         s = sparse.sample_size(n)
-        picks = ops.choice(c.seed, name, step, n, s, like=flat)
-        sampled = codes.magnitudes(flat.index_select(0, picks))
+        flat = flat.contiguous()
+        sampled = philox.sampled_magnitudes(philox.device_key(c.seed, name), step, n, s, flat)
         above = sparse.ceil_count(ops, ratio * s, s)
         # the above-th largest sampled magnitude (a sort: kthvalue runs on one block of
         # threads for a single row, a sort on all of them); a NaN ranks as -1, below which
         # |x| >= thr keeps every number, as >= 0 does
         thr = torch.sort(sampled).values[s - above:s - above + 1].clamp(min=0.0)
-        flat = flat.contiguous()
         cand = torch.nonzero(codes.above(flat, thr, strict=False)).reshape(-1)  # one read-back
         if cand.numel() > k:
             cand = cand.index_select(0, select.top_positions(flat.index_select(0, cand), k))

@@ -67,6 +67,23 @@ def positions(out_ptr, draws, n, k0, k1, step, stream, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, value.to(tl.int32), mask=offs < draws)
 
 
+@triton.jit(do_not_specialize=["draws", "n", "k0", "k1", "step", "stream"])
+def sampled_magnitudes(x_ptr, out_ptr, draws, n, k0, k1, step, stream, BLOCK: tl.constexpr):
+    """``out[t] = |x[p]|`` as float32 (NaN as -1) for ``positions``' draw ``p`` number ``t``,
+    ``t < draws``: a sample drawn with replacement."""
+    pid = tl.program_id(0).to(tl.int64)
+    q = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    r0, r1, r2, r3 = philox4(q, step, stream, k0, k1)
+    m = n.to(tl.uint64)
+    even = (r0.to(tl.uint64) * m + ((r1.to(tl.uint64) * m) >> 32)) >> 32
+    odd = (r2.to(tl.uint64) * m + ((r3.to(tl.uint64) * m) >> 32)) >> 32
+    at = tl.reshape(tl.join(even, odd), (BLOCK,)).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < draws
+    v = tl.abs(tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out_ptr + offs, tl.where(v == v, v, -1.0), mask=mask)
+
+
 @triton.jit
 def is_first(ranked_ptr, i, mask):
     """Whether sorted position ``i`` holds the first of its value's run."""

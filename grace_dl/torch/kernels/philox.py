@@ -126,6 +126,22 @@ def choice(key, step: int, n: int, k: int, like):
     return out.scatter_(0, slot, torch.arange(n, device=device))[:k]
 
 
+def sampled_magnitudes(key, step: int, n: int, s: int, flat):
+    """``|flat[p]|`` in float32 (NaN as -1, as ``codes.magnitudes`` ranks it) at the ``s``
+    positions ``p`` first drawn by ``choice``'s stream for ``n`` (``key``, ``step``), with
+    replacement: ``choice``'s distinct values are these up to the repeats (each draw repeats
+    an earlier one with a probability under ``s / n``). One kernel; ``flat`` 1-D, contiguous."""
+    s = int(s)
+    if triton_for(flat):
+        out = torch.empty(s, dtype=torch.float32, device=flat.device)
+        launch(_kernels().sampled_magnitudes, grid(s)[0], flat, out, s, int(n), key[0], key[1],
+               int(step) & MASK, 0, BLOCK=BLOCK)
+        return out
+    w = words(key, step, 0, 2 * s, flat).reshape(s, 2)
+    mag = flat.index_select(0, scaled(w[:, 0], w[:, 1], int(n))).abs().to(torch.float32)
+    return torch.where(mag == mag, mag, torch.full_like(mag, -1.0))
+
+
 def _choice_kernels(key, step: int, n: int, j: int, draws: int, device):
     """``choice``'s first ``j`` distinct values of ``draws`` draws, by four kernels, a sort
     and two running sums (``_choice_twin``'s steps, fused)."""
