@@ -426,6 +426,12 @@ def narrowed(v, ty: tl.constexpr):
 
 
 @triton.jit
+def sign_of(x):
+    """+1.0, -1.0 or 0.0 (for +-0 and NaN) as float32 ``x`` is positive, negative or neither."""
+    return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+
+
+@triton.jit
 def sign_error(x_ptr, status_ptr, err_ptr, dec_ptr, n, DECODED: tl.constexpr,
                BLOCK: tl.constexpr):
     """What a pure-sign payload of ``x`` loses: ``err = x - sign(x)`` (with ``DECODED``
@@ -437,7 +443,7 @@ def sign_error(x_ptr, status_ptr, err_ptr, dec_ptr, n, DECODED: tl.constexpr,
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    s = tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+    s = sign_of(x)
     bad = (tl.load(status_ptr).to(tl.int32) & 1) != 0
     tl.store(err_ptr + idx, narrowed(tl.where(bad, 0.0, x - s), err_ptr.dtype.element_ty),
              mask=mask)
@@ -447,21 +453,26 @@ def sign_error(x_ptr, status_ptr, err_ptr, dec_ptr, n, DECODED: tl.constexpr,
 
 
 @triton.jit
-def sign_count(packed_ptr, count_ptr, n, nbytes, status_at, ZERO: tl.constexpr,
-               FIRST: tl.constexpr, BLOCK: tl.constexpr):
-    """One pure-sign payload's votes added into ``count`` (``FIRST``: written there): +1, -1
-    or 0 per element (the negative plane at ``packed[0:nbytes]``, with ``ZERO`` the zero plane
-    after it); ``count[n]`` or-ed with the payload's NaN/Inf bit (its status byte at
-    ``status_at``), by program 0 alone."""
-    pid = tl.program_id(0).to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
+def pure_signs(packed_ptr, idx, n, nbytes, status_at, ZERO: tl.constexpr):
+    """A pure-sign payload's codes at ``idx`` as int32 +1, -1 or 0 (the negative plane at
+    ``packed[0:nbytes]``, with ``ZERO`` the zero plane after it), and its NaN/Inf bit (of the
+    status byte at ``status_at``)."""
     neg = load_codes(packed_ptr, idx, n, 1)
     either = neg
     if ZERO:
         either = either | load_codes(packed_ptr + nbytes, idx, n, 1)
-    d = (1 - either) - neg
-    bad = tl.load(packed_ptr + status_at).to(tl.int32) & 1
+    return (1 - either) - neg, tl.load(packed_ptr + status_at).to(tl.int32) & 1
+
+
+@triton.jit
+def sign_count(packed_ptr, count_ptr, n, nbytes, status_at, ZERO: tl.constexpr,
+               FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """One pure-sign payload's votes (``pure_signs``) added into ``count`` (``FIRST``: written
+    there); ``count[n]`` or-ed with the payload's NaN/Inf bit, by program 0 alone."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    d, bad = pure_signs(packed_ptr, idx, n, nbytes, status_at, ZERO)
     if not FIRST:
         d += tl.load(count_ptr + idx, mask=mask, other=0).to(tl.int32)
         bad = bad | tl.load(count_ptr + n).to(tl.int32)
@@ -478,10 +489,9 @@ def vote_decode(count_ptr, out_ptr, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    d = tl.load(count_ptr + idx, mask=mask, other=0).to(tl.int32)
-    v = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
-    v = tl.where(tl.load(count_ptr + n).to(tl.int32) != 0, float("nan"), v)
-    tl.store(out_ptr + idx, v, mask=mask)
+    v = sign_of(tl.load(count_ptr + idx, mask=mask, other=0).to(tl.float32))
+    tl.store(out_ptr + idx, tl.where(tl.load(count_ptr + n).to(tl.int32) != 0, float("nan"), v),
+             mask=mask)
 
 
 @triton.jit
@@ -493,15 +503,8 @@ def sign_decode(packed_ptr, out_ptr, n, nbytes, status_at, ZERO: tl.constexpr,
     everywhere where the status says the input held a NaN or an infinity."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
-    neg = load_codes(packed_ptr, idx, n, 1)
-    either = neg
-    if ZERO:
-        either = either | load_codes(packed_ptr + nbytes, idx, n, 1)
-    v = ((1 - either) - neg).to(tl.float32)
-    flag = tl.load(packed_ptr + status_at).to(tl.int32) & 1
-    v = tl.where(flag != 0, float("nan"), v)
-    tl.store(out_ptr + idx, v, mask=mask)
+    d, bad = pure_signs(packed_ptr, idx, n, nbytes, status_at, ZERO)
+    tl.store(out_ptr + idx, tl.where(bad != 0, float("nan"), d.to(tl.float32)), mask=idx < n)
 
 
 # ------------------------------------------------------------------ sketch

@@ -51,20 +51,26 @@ def words(out_ptr, n, k0, k1, step, stream, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, w.to(tl.int64), mask=offs < n)
 
 
-@triton.jit(do_not_specialize=["draws", "n", "k0", "k1", "step", "stream"])
-def positions(out_ptr, draws, n, k0, k1, step, stream, BLOCK: tl.constexpr):
-    """int32 ``out[t] = (w * n) >> 64`` for the 64-bit word ``w = word 2t << 32 | word 2t + 1``
-    of the draw (``philox.scaled``), ``t < draws``: a quad's words 0, 1 make draw ``2q``, its
-    words 2, 3 draw ``2q + 1``."""
-    pid = tl.program_id(0).to(tl.int64)
+@triton.jit
+def drawn(pid, n, k0, k1, step, stream, BLOCK: tl.constexpr):
+    """Draws ``pid * BLOCK ..`` of ``positions`` (uint64, below ``n``): draw ``t`` is
+    ``(w * n) >> 64`` for the 64-bit word ``w = word 2t << 32 | word 2t + 1``; a quad's words
+    0, 1 make draw ``2q``, its words 2, 3 draw ``2q + 1``."""
     q = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
     r0, r1, r2, r3 = philox4(q, step, stream, k0, k1)
     m = n.to(tl.uint64)
     even = (r0.to(tl.uint64) * m + ((r1.to(tl.uint64) * m) >> 32)) >> 32
     odd = (r2.to(tl.uint64) * m + ((r3.to(tl.uint64) * m) >> 32)) >> 32
-    value = tl.reshape(tl.join(even, odd), (BLOCK,))
+    return tl.reshape(tl.join(even, odd), (BLOCK,))
+
+
+@triton.jit(do_not_specialize=["draws", "n", "k0", "k1", "step", "stream"])
+def positions(out_ptr, draws, n, k0, k1, step, stream, BLOCK: tl.constexpr):
+    """int32 ``out[t]``, ``t < draws``: the draws ``drawn`` (``philox.scaled``'s positions)."""
+    pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, value.to(tl.int32), mask=offs < draws)
+    tl.store(out_ptr + offs, drawn(pid, n, k0, k1, step, stream, BLOCK).to(tl.int32),
+             mask=offs < draws)
 
 
 @triton.jit(do_not_specialize=["draws", "n", "k0", "k1", "step", "stream"])
@@ -72,12 +78,7 @@ def sampled_magnitudes(x_ptr, out_ptr, draws, n, k0, k1, step, stream, BLOCK: tl
     """``out[t] = |x[p]|`` as float32 (NaN as -1) for ``positions``' draw ``p`` number ``t``,
     ``t < draws``: a sample drawn with replacement."""
     pid = tl.program_id(0).to(tl.int64)
-    q = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-    r0, r1, r2, r3 = philox4(q, step, stream, k0, k1)
-    m = n.to(tl.uint64)
-    even = (r0.to(tl.uint64) * m + ((r1.to(tl.uint64) * m) >> 32)) >> 32
-    odd = (r2.to(tl.uint64) * m + ((r3.to(tl.uint64) * m) >> 32)) >> 32
-    at = tl.reshape(tl.join(even, odd), (BLOCK,)).to(tl.int64)
+    at = drawn(pid, n, k0, k1, step, stream, BLOCK).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < draws
     v = tl.abs(tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32))
