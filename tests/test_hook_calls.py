@@ -168,13 +168,14 @@ def test_the_device_path_counts_triton_launches_and_not_the_interpreters_work(tm
 
     out = tmp_path / "device.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.hook_calls", "--path", "device",
-                          "--pipelines", "qsgd-2phase", "none", "topk", "--warmup", "2", "--steps",
-                          "2", "--json", str(out)], capture_output=True, text=True,
+                          "--pipelines", "qsgd-2phase", "none", "topk", "signsgd-2phase",
+                          "--warmup", "2", "--steps", "2", "--json", str(out)],
+                         capture_output=True, text=True,
                          cwd=hook_calls.PACKAGE.parent, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| Triton kernels |" in run.stdout
-    device, none, topk = records.load(out)["runs"][0]["records"]
+    device, none, topk, signs = records.load(out)["runs"][0]["records"]
     cpu = hook_calls.count("qsgd-2phase", warmup=2, steps=1)
     assert (cpu["path"], device["path"]) == ("cpu", "device")
     assert cpu["triton_kernels"] == 0 and device["triton_kernels"] == 3
@@ -186,5 +187,7 @@ def test_the_device_path_counts_triton_launches_and_not_the_interpreters_work(tm
     # what a GPU's step runs: issue 42's call targets met there (not yet its files)
     for got in (device, none, topk):
         assert got["calls"] <= hook_calls.TARGETS[got["pipeline"]][0], got["top_functions"]
+    # signSGD's vote and error by kernels (a launch a payload), not ~30 bitwise ops a payload
+    assert signs["triton_kernels"] == 6 and signs["torch_ops"] <= 81, signs["top_functions"]
     with pytest.raises(ValueError, match="path must be one of"):
         hook_calls.count("none", path="gpu")
