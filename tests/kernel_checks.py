@@ -117,12 +117,13 @@ def check_signs(x, gen) -> None:
     for v in sides:
         buf, flags = twin(codes.sign_payload, v)
         payloads.append(buf[:(2 * nbytes if bool(flags[1]) else nbytes) + 1])
-    for group in (payloads[:1], payloads[:2], payloads[:4], payloads):
+    many = payloads * 26     # 130 payloads: a 16-bit count
+    for group in (payloads[:1], payloads[:2], payloads[:4], payloads, many):
         got, want = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
         codes.sign_vote(group, n, got)
         twin(codes.sign_vote, group, n, want)
         equal(got, want, f"sign vote of {len(group)}")
-        truth = torch.sign(sides[:len(group)].sum(0))
+        truth = torch.sign(sides.repeat(26, 1)[:len(group)].sum(0))
         assert torch.equal(want, truth), f"sign vote of {len(group)}: not the majority"
     bad = payloads[2].clone()
     bad[-1] |= 1
@@ -130,8 +131,8 @@ def check_signs(x, gen) -> None:
     assert got.isnan().all(), "sign vote: a flagged payload makes every element NaN"
     y = x.clone()
     y[: min(n, 2)] = torch.tensor([0.0, -0.0], device=device)[: min(n, 2)]
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        v = y.to(dtype)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        v = y.to(dtype) if dtype != torch.float64 else y.to(dtype) * (1 + 1e-12)
         for status in (0, 2, 1, 3):
             s = torch.tensor([status], dtype=torch.uint8, device=device)
             outs = [torch.full_like(v, 7.0) for _ in range(4)]
@@ -181,6 +182,9 @@ def check(device, n: int) -> None:
             equal(got, want, f"nonfinite mark {bad} {v.dtype}")
             assert got.shape == () and got.dtype == v.dtype
             assert got.isnan() if bad is not None else torch.signbit(got) and got == 0
+    for v in (torch.tensor([-0.0, 0.0], device=device), x.to(torch.float64)):
+        got, want = codes.nonfinite_mark(v), twin(codes.nonfinite_mark, v)
+        assert torch.signbit(got) and got == 0 and torch.signbit(want) and want == 0, v.dtype
     for total, k in ((n, min(n, 3)), (n + 1000, max(1, n // 100)), (97, 40), (97, 60)):
         got = philox.choice(key, 5, total, k, x)
         equal(got, twin(philox.choice, key, 5, total, k, x), f"choice {k} of {total}")

@@ -70,6 +70,38 @@ def test_one_nonfinite_step_shows_once_and_leaves_no_state(pipeline, path):
         assert np.isfinite(value).all(), key
 
 
+@pytest.mark.parametrize("pipeline", ["signsgd+residual+allgather", "signsgd+residual+twophase",
+                                      "signsgd+none+twophase"])
+def test_a_signs_error_after_a_nonfinite_step_is_the_cleaned_one_on_every_path(pipeline):
+    """The device path writes a non-finite step's sign error as 0 itself (the memory skips its
+    clean-up there): results and every slot equal the reference path's, step for step, and
+    the slot after the NaN step is all zeros."""
+    from grace_dl.torch.kernels import emulate_device
+
+    runs = []
+    for path in ("reference", "device"):
+        grc = grace_from_params(parse_pipeline(pipeline))
+        torch.manual_seed(0)
+        steps = []
+        with emulate_device() if path == "device" else contextlib.nullcontext():
+            for step in range(4):
+                g = torch.randn(16, 12)
+                if step in NAN_INF:
+                    g[3, 4] = NAN_INF[step]
+                out = grc.synchronize(g, "w", collectives=OneRankSplits())
+                grc.end_step()
+                steps.append((out.clone(), dict(_leaves(grc.state_dict()))))
+        runs.append(steps)
+    for step, ((a, sa), (b, sb)) in enumerate(zip(*runs)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"step {step}")
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            np.testing.assert_array_equal(np.asarray(sa[key]), np.asarray(sb[key]),
+                                          err_msg=f"step {step} {key}")
+    residual = [v for k, v in runs[1][1][1].items() if "w" in k and np.size(v) == 16 * 12]
+    assert all(not np.any(v) for v in residual)
+
+
 @pytest.mark.parametrize("pipeline", ["topk+residual+allgather", "qsgd+residual+twophase",
                                       "signum+dgc+allgather", "powersgd+powersgd+allreduce",
                                       "randomk+residual+allreduce"])

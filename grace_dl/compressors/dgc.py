@@ -1,12 +1,13 @@
 """``dgc``: Deep Gradient Compression's sparsifier (Lin et al. 2018, "Deep Gradient
 Compression: Reducing the Communication Bandwidth for Distributed Training").
 
-A threshold is estimated from a seeded sample of the tensor (``sparse.sample_size(n)`` distinct
-positions keyed by ``(seed, name, step)``; on a GPU the keyed stream's first draws, with
-replacement, which differ from those by a rare repeat): the ``ceil(ratio * sample)``-th largest
-sampled magnitude. Entries with ``|x| >= threshold`` are sent; if there are more than
-``k = max(1, ceil(ratio * n))`` of them, the k largest (DGC's hierarchical top-k). Tensors under
-``sparse.APPROX_MIN_NUMEL`` elements use the exact k-th magnitude instead, so they send exactly k.
+A threshold is estimated from a seeded sample of the tensor (``s = sparse.sample_size(n)``
+distinct positions keyed by ``(seed, name, step)``; on a GPU the keyed stream's first ``s``
+draws, with replacement: about ``s / 2n`` of them repeat an earlier one): the
+``ceil(ratio * s)``-th largest sampled magnitude. Entries with ``|x| >= threshold`` are sent; if
+there are more than ``k = max(1, ceil(ratio * n))`` of them, the k largest (DGC's hierarchical
+top-k). Tensors under ``sparse.APPROX_MIN_NUMEL`` elements use the exact k-th magnitude instead,
+so they send exactly k.
 
 ``warmup_steps`` (default 0) ramps the ratio exponentially from dense to ``compress_ratio``, as
 the paper's warm-up (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity): at step ``t <= warmup_steps``

@@ -353,10 +353,10 @@ class TopKOnDevice(sparse.SparsePath):
 @register(DgcCompressor, KIND)
 class DgcOnDevice(sparse.SparsePath):
     """dgc: the sample's magnitudes drawn by one kernel (with replacement: the reference's
-    distinct positions up to the rare repeat, without the sort that finds them) and its
-    threshold on the device; the candidates' count (the payload's size, data-dependent by
-    definition) is the one value read back; ``select.top_positions`` keeps the k largest of
-    them when there are more."""
+    distinct positions but for repeats, about ``s / 2n`` of the draws, without the sort that
+    finds them) and its threshold on the device; the candidates' count (the payload's size,
+    data-dependent by definition) is the one value read back; ``select.top_positions`` keeps the
+    k largest of them when there are more."""
 
     def compress(self, tensor, name, call):
         c = self.compressor

@@ -159,17 +159,17 @@ def nonfinite_mark(x):
     """``ops.nonfinite_mark`` of torch: a 0-d tensor of ``x``'s dtype, -0.0 when every entry
     of ``x`` (at least one) is finite, else NaN. One read of ``x``; for 16- and 32-bit floats
     where the kernels run, one launch."""
-    if x.dtype in _MARKED and triton_for(x):
+    if x.dtype in NARROW and triton_for(x):
         out = torch.full((), -0.0, dtype=x.dtype, device=x.device)
         n = x.numel()
         _launch(_jit().nonfinite, -(-n // BLOCK), x.reshape(-1), out, n, BLOCK=BLOCK)
         return out
     lo, hi = torch.aminmax(x)
-    return -(torch.maximum(hi, -lo) * 0)
+    return -(torch.maximum(hi, -lo) * 0).abs()     # (an all-zero x's max may be -0.0)
 
 
-#: the dtypes ``nonfinite_mark`` finds with its kernel (float64 keeps its range)
-_MARKED = (torch.float32, torch.float16, torch.bfloat16)
+#: the float dtypes a kernel reads as float32 without losing a bit (float64 keeps the twin)
+NARROW = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def largest_twin(acc):
@@ -461,11 +461,11 @@ def sign_error(x, status, err, dec=None):
     length): ``x - sign(x)``, and ``sign(x)`` into ``dec`` when given, as ``x``'s dtype
     computes them; where the payload's status byte (``status``: a 1-element uint8 tensor)
     says NaN or infinity, ``err`` is +0 (the non-finite step's slot, cleaned) and ``dec``
-    NaN. One pass."""
+    NaN. One pass (a kernel for 16- and 32-bit floats)."""
     n = x.numel()
     if n == 0:
         return
-    if triton_for(x):
+    if x.dtype in NARROW and triton_for(x):
         _launch(_jit().sign_error, grid(n)[0], x, status, err, err if dec is None else dec, n,
                 DECODED=dec is not None, BLOCK=BLOCK)
         return

@@ -419,7 +419,7 @@ def narrowed(v, ty: tl.constexpr):
     """float32 ``v`` as ``ty``, rounded to nearest even (bfloat16 by its bits: a GPU's
     conversion rounds so, Triton's interpreter truncates)."""
     if ty == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
+        bits = tl.where(v == v, v.to(tl.int32, bitcast=True), 0x7FC00000)   # one quiet NaN
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return v.to(ty)
