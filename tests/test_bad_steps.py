@@ -52,22 +52,27 @@ def test_one_nonfinite_step_shows_once_and_leaves_no_state(pipeline, path):
     """One rank: the step with a NaN (then one with an Inf) gives a non-finite result, and
     every later step is finite again: nothing keeps it. ``device``: the GPU speed paths, run
     on CPU tensors (``emulate_device``)."""
-    from grace_dl.torch.kernels import emulate_device
-
     grc = grace_from_params(parse_pipeline(pipeline))
-    torch.manual_seed(0)
-    finite = []
-    with emulate_device() if path == "device" else contextlib.nullcontext():
-        for step in range(5):
-            g = torch.randn(16, 12)
-            if step in NAN_INF:
-                g[3, 4] = NAN_INF[step]
-            out = grc.synchronize(g, "w", collectives=OneRankSplits())
-            grc.end_step()
-            finite.append(bool(torch.isfinite(out).all()))
+    finite = [bool(torch.isfinite(out).all()) for out in _bad_steps(grc, path, 5)]
     assert finite == EXPECTED[:5]
     for key, value in _leaves(grc.state_dict()):
         assert np.isfinite(value).all(), key
+
+
+def _bad_steps(grc, path: str, steps: int):
+    """``grc``'s results of ``steps`` one-rank steps of seeded gradients, a NaN in step 1 and
+    an Inf in step 3, on ``path`` ("device": ``emulate_device``), each yielded before the
+    next step runs."""
+    from grace_dl.torch.kernels import emulate_device
+
+    torch.manual_seed(0)
+    with emulate_device() if path == "device" else contextlib.nullcontext():
+        for step in range(steps):
+            g = torch.randn(16, 12)
+            if step in NAN_INF:
+                g[3, 4] = NAN_INF[step]
+            yield grc.synchronize(g, "w", collectives=OneRankSplits())
+            grc.end_step()
 
 
 @pytest.mark.parametrize("pipeline", ["signsgd+residual+allgather", "signsgd+residual+twophase",
@@ -76,22 +81,11 @@ def test_a_signs_error_after_a_nonfinite_step_is_the_cleaned_one_on_every_path(p
     """The device path writes a non-finite step's sign error as 0 itself (the memory skips its
     clean-up there): results and every slot equal the reference path's, step for step, and
     the slot after the NaN step is all zeros."""
-    from grace_dl.torch.kernels import emulate_device
-
     runs = []
     for path in ("reference", "device"):
         grc = grace_from_params(parse_pipeline(pipeline))
-        torch.manual_seed(0)
-        steps = []
-        with emulate_device() if path == "device" else contextlib.nullcontext():
-            for step in range(4):
-                g = torch.randn(16, 12)
-                if step in NAN_INF:
-                    g[3, 4] = NAN_INF[step]
-                out = grc.synchronize(g, "w", collectives=OneRankSplits())
-                grc.end_step()
-                steps.append((out.clone(), dict(_leaves(grc.state_dict()))))
-        runs.append(steps)
+        runs.append([(out.clone(), dict(_leaves(grc.state_dict())))
+                     for out in _bad_steps(grc, path, 4)])
     for step, ((a, sa), (b, sb)) in enumerate(zip(*runs)):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"step {step}")
         assert sa.keys() == sb.keys()
