@@ -22,6 +22,9 @@ Modes:
   size-threshold strategy (topk on the large weights, the rest dense) and the top-k recipe
   (a dense epoch of 3 steps, then that): parameters, bytes per step, Horovod never imported;
   and the error of a strategy given without ``named_parameters``.
+- ``device <steps> <pipeline>...``: each pipeline on the CPU path and on the device path
+  (``emulate_device``; Triton's interpreter under ``TRITON_INTERPRET=1``), one ~100K-element
+  bucket: parameters and bytes per step of each.
 - ``options <steps> <pipeline>...``: each pipeline under DDP's other options
   (``gradient_as_bucket_view``, ``static_graph``, both) and on a half-precision model: parameters
   after the steps, bytes per step, the hook's state keys.
@@ -29,6 +32,7 @@ Modes:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import sys
@@ -52,6 +56,9 @@ PIPELINES = {
     "randomk": {**GRACE["randomk"], "compress_ratio": 0.2},
     "threshold-bcast": {"compressor": "threshold", "threshold": 0.002, "memory": "residual",
                         "communicator": "broadcast"},
+    "signsgd-2phase": GRACE["signsgd-2phase"],
+    "dgc": {"compressor": "dgc", "compress_ratio": 0.05, "memory": "residual",
+            "communicator": "allgather"},
 }
 
 
@@ -73,9 +80,9 @@ def digits():
             torch.from_numpy(x_te), torch.from_numpy(y_te))
 
 
-def mlp():
+def mlp(width=128):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 128), nn.ReLU(),
                          nn.Linear(128, 10))
 
 
@@ -96,10 +103,11 @@ def hook_state(pipeline, **kwargs):
     return state
 
 
-def make(pipeline, bucket_cap_mb=0.02, granularity="auto", dtype=torch.float32, **options):
+def make(pipeline, bucket_cap_mb=0.02, granularity="auto", dtype=torch.float32, width=128,
+         **options):
     """The MLP in ``dtype`` under DDP (``options``: DDP's), the hook of ``pipeline`` (None:
     none), SGD with momentum."""
-    model = DDP(mlp().to(dtype), bucket_cap_mb=bucket_cap_mb, **options)
+    model = DDP(mlp(width).to(dtype), bucket_cap_mb=bucket_cap_mb, **options)
     state = None
     if pipeline is not None:
         state = hook_state(pipeline, granularity=granularity)
@@ -517,6 +525,32 @@ def mode_options(steps: int, pipelines) -> dict:
     return out
 
 
+def mode_device(steps: int, pipelines) -> dict:
+    """Each pipeline ``steps`` steps on the path CPU tensors take and on the device path (a
+    GPU's code on CPU tensors: ``emulate_device``, its Triton kernels in Triton's interpreter
+    when the job runs with ``TRITON_INTERPRET=1``), in one bucket of ~100K elements (dgc's
+    sampled threshold): parameters and bytes per step of each."""
+    from grace_dl.torch.kernels import emulate_device, triton_for
+
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    out = {"kernels": triton_for(torch.empty(0))}
+    for pipeline in pipelines:
+        for path in ("cpu", "device"):
+            with emulate_device() if path == "device" else contextlib.nullcontext():
+                model, opt, state = make(pipeline, bucket_cap_mb=25, width=512)
+                for _, (x, y) in zip(range(steps), batches(data, 1)):
+                    opt.zero_grad()
+                    loss_fn(model(x), y).backward()
+                    opt.step()
+            out[f"{pipeline}/{path}"] = {
+                "params": params_of(model), "sent": [s["sent"] for s in state.grace.bytes.steps],
+                "units": len(state.last_step_names)}
+            del model, opt, state
+            gc.collect()
+    return out
+
+
 def mode_disagree() -> dict:
     """Rank 1 uses another compress_ratio: the first hook call must raise on both ranks."""
     ratio = 0.1 if dist.get_rank() == 0 else 0.2
@@ -583,6 +617,8 @@ def main() -> None:
         result = mode_join(sys.argv[2:])
     elif mode == "options":
         result = mode_options(int(sys.argv[2]), sys.argv[3:])
+    elif mode == "device":
+        result = mode_device(int(sys.argv[2]), sys.argv[3:])
     elif mode == "disagree":
         result = mode_disagree()
     elif mode == "strategy":
