@@ -362,7 +362,7 @@ def test_the_device_path_trains_two_ranks_as_the_cpu_path_does():
     step; dgc, whose device path draws its threshold's sample otherwise, sends about as much
     and trains to finite parameters."""
     res = mp.run("ddp_check.py", np=N, launcher="torchrun",
-                 args=("device", 4, "signsgd", "signsgd-2phase", "topk", "dgc"), timeout=900,
+                 args=("device", 3, "signsgd", "signsgd-2phase", "topk", "dgc"), timeout=900,
                  env={"GLOO_SOCKET_IFNAME": "lo", "TRITON_INTERPRET": "1"})
     assert res[0].pop("kernels") and res[1].pop("kernels")      # (the interpreter ran them)
     for key, got in res[0].items():
