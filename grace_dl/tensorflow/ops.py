@@ -250,7 +250,8 @@ def abs_max(x):
 def nonfinite_mark(x):
     """A 0-d tensor of ``x``'s dtype: -0.0 when every entry of ``x`` (at least one) is
     finite, else NaN. One pass (``abs_max``)."""
-    return -(abs_max(x) * 0)    # (a constant -0.0 would be cached as 0.0)
+    # (|.|: an all-zero x's max may be -0.0; a constant -0.0 would be cached as 0.0)
+    return -tf.abs(abs_max(x) * 0)
 
 
 def count_nonzero(x):
