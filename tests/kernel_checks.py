@@ -108,7 +108,7 @@ def check_selection(x) -> None:
 
 def check_signs(x, gen) -> None:
     """The vote of pure-sign payloads (with and without zero planes, ties, a NaN) and what a
-    payload's signs lose (float32 and 16-bit, a status byte set and clear)."""
+    payload's signs lose (float32, 16-bit and float64, a status byte set and clear)."""
     n, device = x.numel(), x.device
     nbytes = codes.packed_size(n, 1)
     sides = torch.randint(-1, 2, (5, n), device=device, generator=gen).to(torch.float32)

@@ -529,9 +529,7 @@ class Communicator(Router, ABC):
             got = None if slot is None else \
                 compressing.compress_with_error(compensated, name, call, slot)
             if got is not None:
-                self.feedback.error_written(name, finite or (
-                    self._error_finite(got[0]) if compressing is self
-                    else compressing.error_finite(got[0])))
+                self.feedback.error_written(name, finite or compressing.error_finite(got[0]))
                 encoded = Encoded(name, *got, compensated, call)
         if encoded is None:
             payload, ctx = compressing.compress(compensated, name, call)
@@ -560,9 +558,10 @@ class Communicator(Router, ABC):
             return None
         return self.paths.on(compensated).compress_with_error(compensated, name, call, error)
 
-    def _error_finite(self, payload) -> bool:
+    def error_finite(self, payload) -> bool:
         """Whether the error ``compress_with_error`` just wrote with ``payload`` is known to
-        hold no NaN/Inf (its path's ``error_finite``)."""
+        hold no NaN/Inf (its path's ``error_finite``; ``encode`` asks the path directly where
+        it compressed with it)."""
         return self._plain_compress and self.paths.on(payload).error_finite(payload)
 
     def approximate(self, encoded: Encoded):

@@ -146,7 +146,7 @@ class TwoPhase(PackingCommunicator):
         payloads, ctxs = zip(*compressed)
         return list(payloads), list(ctxs)
 
-    def _error_finite(self, payload) -> bool:
+    def error_finite(self, payload) -> bool:
         for p in payload:
             if not self.paths.on(p).error_finite(p):
                 return False

@@ -416,11 +416,19 @@ def sign_decode(packed, n: int, out):
         _launch(_jit().sign_decode, grid(n)[0], packed, out, n, nbytes, packed.numel() - 1,
                 ZERO=zero, BLOCK=BLOCK)
         return out
-    neg = unpack_twin(packed[:nbytes], 1, n)
-    either = neg | unpack_twin(packed[nbytes:2 * nbytes], 1, n) if zero else neg
-    v = ((1 - either) - neg).to(torch.float32)
-    flag = packed[-1:].to(torch.int64) & 1
+    d, flag = _pure_signs_twin(packed, n)
+    v = d.to(torch.float32)
     return out.copy_(torch.where(flag != 0, torch.full_like(v, float("nan")), v))
+
+
+def _pure_signs_twin(packed, n: int):
+    """A pure-sign payload's ``n`` codes as int64 +1, -1 or 0 and its 1-element NaN/Inf bit
+    (the kernels' ``pure_signs``)."""
+    nbytes = packed_size(n, 1)
+    neg = unpack_twin(packed[:nbytes], 1, n)
+    either = neg | unpack_twin(packed[nbytes:2 * nbytes], 1, n) if packed.numel() > nbytes + 1 \
+        else neg
+    return (1 - either) - neg, packed[-1:].to(torch.int64) & 1
 
 
 def onebit_encode(x):
@@ -497,11 +505,8 @@ def sign_vote(payloads, n: int, out):
         return out
     total, bad = 0, 0
     for p in payloads:
-        neg = unpack_twin(p[:nbytes], 1, n)
-        either = neg | unpack_twin(p[nbytes:2 * nbytes], 1, n) if p.numel() > nbytes + 1 \
-            else neg
-        total = total + ((1 - either) - neg)
-        bad = bad | (p[-1:].to(torch.int64) & 1)
+        d, flag = _pure_signs_twin(p, n)
+        total, bad = total + d, bad | flag
     v = torch.sign(total).to(torch.float32)
     return out.copy_(torch.where(bad.reshape(()) != 0, torch.full_like(v, float("nan")), v))
 

@@ -137,9 +137,10 @@ def sampled_magnitudes(key, step: int, n: int, s: int, flat):
         launch(_kernels().sampled_magnitudes, grid(s)[0], flat, out, s, int(n), key[0], key[1],
                int(step) & MASK, 0, BLOCK=BLOCK)
         return out
+    from grace_dl.torch.kernels import codes  # (codes imports this module)
+
     w = words(key, step, 0, 2 * s, flat).reshape(s, 2)
-    mag = flat.index_select(0, scaled(w[:, 0], w[:, 1], int(n))).abs().to(torch.float32)
-    return torch.where(mag == mag, mag, torch.full_like(mag, -1.0))
+    return codes.magnitudes(flat.index_select(0, scaled(w[:, 0], w[:, 1], int(n))))
 
 
 def _choice_kernels(key, step: int, n: int, j: int, draws: int, device):
