@@ -21,7 +21,8 @@ READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "
          "__repr__", "__str__", "__contains__"}
 #: calls whose output size depends on the data (the host must read the size)
 SIZED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"}
-#: tensors made from host data (a copy to the device)
+#: tensors made from host data on a given device (a copy there: on a GPU, from pageable memory,
+#: after everything queued); one made without a device stays on the host
 FROM_HOST = {"tensor", "as_tensor"}
 
 
@@ -46,16 +47,18 @@ def _sized_repeat(args, kwargs) -> bool:
 
 
 class SyncGuard(TorchFunctionMode):
-    """Records ``(call, where)`` for every host synchronisation or host-to-device copy."""
+    """Records ``(call, where)`` for every host synchronisation or host-to-device copy,
+    ``where`` the grace_dl line that made it: ``file:line function``."""
 
     def __init__(self):
         super().__init__()
         self.calls: list = []
 
     def _record(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack()[:-3] if "grace_dl" in f.filename]
-        where = f"{frames[-1].filename.split('grace_dl/')[-1]}:{frames[-1].lineno}" \
-            if frames else "?"
+        # (the stack without this frame and the one recording: the caller of the call last)
+        frames = [f for f in traceback.extract_stack()[:-2] if "grace_dl" in f.filename]
+        where = f"{frames[-1].filename.split('grace_dl/')[-1]}:{frames[-1].lineno} " \
+            f"{frames[-1].name}" if frames else "?"
         self.calls.append((what, where))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -63,7 +66,8 @@ class SyncGuard(TorchFunctionMode):
         name = _name(func)
         if name in READS or name in SIZED:
             self._record(name)
-        elif name in FROM_HOST and args and not torch.is_tensor(args[0]):
+        elif name in FROM_HOST and args and not torch.is_tensor(args[0]) and \
+                kwargs.get("device") is not None:
             self._record(name)
         elif name in ("__getitem__", "__setitem__", "index_put_") and _bool_index(args):
             self._record(f"{name}[bool]")

@@ -2,8 +2,8 @@
 composition it replaces (``Allreduce`` per parameter, rounds fused per bucket): the same
 parameters bit for bit, the same bytes counted and the same state, on the small decoder (its
 bucket out of first-met order), with PowerSGD's options that change what is compressed, and
-both averaging ops; and no host synchronisation on its device path. One process on gloo (a
-world of one); test_ddp's 2-rank jobs compare the sums and the resume."""
+both averaging ops. One process on gloo (a world of one); test_ddp's 2-rank jobs compare the
+sums and the resume, test_ddp_sync finds no host synchronisation on its device path."""
 
 import pytest
 import torch
@@ -66,38 +66,3 @@ def test_only_grace_s_own_powersgd_takes_the_bucket_path():
     # bucket granularity sends flat buckets, which PowerSGD leaves uncompressed: no path
     state = grace_ddp.GraceState(grace_from_params(dict(POWERSGD)), granularity="bucket")
     assert state._powersgd is None
-
-
-def test_the_bucket_path_runs_without_host_synchronisation():
-    """The path's own glue (the fused buffers, their splits, the byte counts) adds no host
-    read to what PowerSGD's device code does: the DDP hook's calls after the first steps,
-    on the device path's code (``emulate_device``) under the CPU sync guard."""
-    from sync_guard import guarded
-
-    from grace_dl.torch.kernels import emulate_device
-
-    recorded, watching = [], [False]
-
-    def hook(state, bucket):
-        if not watching[0]:
-            return grace_ddp.comm_hook(state, bucket)
-        with guarded() as guard:
-            fut = grace_ddp.comm_hook(state, bucket)
-        recorded.extend(guard.calls)
-        return fut
-
-    with emulate_device():
-        state = grace_ddp.GraceState(grace_from_params(dict(POWERSGD)))
-        net = _model()
-        net.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        tokens = torch.randint(0, 100, (5, 2, 16), generator=torch.Generator().manual_seed(1))
-        for step in range(5):
-            watching[0] = step >= 3     # (the first steps make slots and check agreement)
-            logits = net(tokens[step, :, :-1])
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 100),
-                                              tokens[step, :, 1:].reshape(-1)).backward()
-            opt.step()
-            opt.zero_grad()
-    assert state._powersgd is not None and state.iteration == 5
-    assert recorded == [], recorded
