@@ -240,11 +240,13 @@ class OpCounter(TorchDispatchMode):
 
     _current = None
 
-    def __init__(self):
+    def __init__(self, sites: list | None = None):
         super().__init__()
         self.ops = 0
         self.views = 0          # of ``ops``: views (no kernel: a new tensor header)
         self.kernels = 0
+        #: with a list: each operation and launch, in order, with the grace_dl line issuing it
+        self.sites = sites
 
     def __enter__(self):
         OpCounter._current = self
@@ -257,7 +259,23 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         self.views += func.is_view
+        if self.sites is not None:
+            self.sites.append((func.overloadpacket.__name__ + (" (view)" if func.is_view else ""),
+                               issued_by()))
         return func(*args, **(kwargs or {}))
+
+
+def issued_by() -> str:
+    """The innermost grace_dl frame of the calling stack, as ``file:line function`` (``?``
+    where none is: DDP's or torch's own work)."""
+    frame = sys._getframe(2)
+    prefix = str(PACKAGE) + os.sep
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(prefix):
+            return f"{path[len(prefix):]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
 
 
 @contextlib.contextmanager
@@ -273,12 +291,18 @@ def launches_counted(kind):
         if counter is None:
             return run(self, *args, **kwargs)
         ops, profile = counter.ops, sys.getprofile()
+        sites = counter.sites
+        before = None if sites is None else len(sites)
         sys.setprofile(None)
         try:
             return run(self, *args, **kwargs)
         finally:
             sys.setprofile(profile)
             counter.ops, counter.kernels = ops, counter.kernels + 1
+            if sites is not None:
+                del sites[before:]
+                fn = getattr(self, "fn", None)
+                sites.append((f"Triton {getattr(fn, '__name__', 'kernel')}", issued_by()))
 
     kind.run = counted
     try:
@@ -320,10 +344,12 @@ PATHS = ("cpu", "device")
 
 
 def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
-          batch: int = 32, device: str = "cpu", path: str = "cpu") -> dict:
+          batch: int = 32, device: str = "cpu", path: str = "cpu", where: bool = False) -> dict:
     """One pipeline's record: grace_dl calls and files per counted step, and where they go.
     ``path``: "cpu" (the path CPU tensors take) or "device" (``device_path``: the GPU's code
-    on CPU tensors, Triton kernels interpreted and counted)."""
+    on CPU tensors, Triton kernels interpreted and counted). ``where``: the record also lists
+    the last step's torch operations and Triton launches in order, each with the grace_dl
+    line that issued it (``sites``)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path == "device":
@@ -335,10 +361,10 @@ def count(pipeline: str, warmup: int = 3, steps: int = 3, model: str = "small",
     else:
         counting = contextlib.nullcontext()
     with counting:
-        return {**_count(pipeline, warmup, steps, model, batch, device), "path": path}
+        return {**_count(pipeline, warmup, steps, model, batch, device, where), "path": path}
 
 
-def _count(pipeline, warmup, steps, model, batch, device) -> dict:
+def _count(pipeline, warmup, steps, model, batch, device, where=False) -> dict:
     from grace_dl import grace_from_params
     from grace_dl.torch import ddp as grace_ddp
 
@@ -357,13 +383,13 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
             inner = grace_ddp.comm_hook
             state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
         counter = CallCounter()
-        hooked, ops, views, launched = [], [], [], []
+        hooked, ops, views, launched, sites = [], [], [], [], []
 
         def hook(state, bucket):            # unannotated: DDP checks only given annotations
             hooked.append(bucket.index())
             if not counter.active:
                 return inner(state, bucket)
-            with counter.cover_this_thread(), OpCounter() as issued:
+            with counter.cover_this_thread(), OpCounter(sites if where else None) as issued:
                 future = inner(state, bucket)
             ops.append(issued.ops)
             views.append(issued.views)
@@ -383,6 +409,7 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
             ops.clear()
             views.clear()
             launched.clear()
+            sites.clear()
             if step < warmup:
                 loss.backward()
             else:
@@ -419,6 +446,7 @@ def _count(pipeline, warmup, steps, model, batch, device) -> dict:
         "top_files": [[f, n] for f, n in sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))],
         "top_functions": [[f"{rel}:{line} {name}", n] for (rel, line, name), n in functions[:TOP]],
         "threads": len(counter.threads),
+        **({"sites": [list(site) for site in sites]} if where else {}),
     }
 
 
@@ -463,6 +491,10 @@ def main(argv=None) -> int:
                     help="cpu: the path CPU tensors take (the committed table's first run); "
                          "device: the GPU's code on CPU tensors (kernels.emulate_device, "
                          "Triton's interpreter), its Triton launches counted")
+    ap.add_argument("--where", action="store_true",
+                    help="also list each pipeline's torch operations and Triton launches of "
+                         "the last step, in order, with the grace_dl line issuing each (on "
+                         "stdout after the table; not in the results file)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="also write the results file (benchmarks/records.py's format) to PATH "
                          "(default: hook_calls.json in the cache, benchmarks.records."
@@ -478,13 +510,19 @@ def main(argv=None) -> int:
     for p in args.pipelines:
         try:
             rows.append(count(p, args.warmup, args.steps, args.model, device=args.device,
-                              path=args.path))
+                              path=args.path, where=args.where))
         except Exception as err:  # noqa: BLE001  (a pipeline that fails is reported)
             rows.append({"pipeline": p, "error": repr(err)[:300]})
         print(json.dumps({k: v for k, v in rows[-1].items()
                           if k not in ("top_files", "top_functions", "grace")}),
               file=sys.stderr, flush=True)
+    sites = {r["pipeline"]: r.pop("sites") for r in rows if "sites" in r}
     print(tables.hook_calls_table(rows), end="")
+    for pipeline, listed in sites.items():
+        print(f"\n`{pipeline}`: its {len(listed)} torch operations and Triton launches of one "
+              f"step, in order, and the grace_dl line issuing each:\n")
+        print(tables.table(["operation", "issued by"],
+                           [{"operation": op, "issued by": f"`{at}`"} for op, at in listed]))
     if args.json is not None:
         out = Path(args.json) if args.json else records.default_out("hook_calls")
         command = "python -m benchmarks.hook_calls " + " ".join(

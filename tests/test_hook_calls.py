@@ -169,7 +169,7 @@ def test_the_device_path_counts_triton_launches_and_not_the_interpreters_work(tm
     out = tmp_path / "device.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.hook_calls", "--path", "device",
                           "--pipelines", "qsgd-2phase", "none", "topk", "signsgd-2phase",
-                          "--warmup", "2", "--steps", "2", "--json", str(out)],
+                          "--warmup", "2", "--steps", "2", "--where", "--json", str(out)],
                          capture_output=True, text=True,
                          cwd=hook_calls.PACKAGE.parent, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -189,5 +189,16 @@ def test_the_device_path_counts_triton_launches_and_not_the_interpreters_work(tm
         assert got["calls"] <= hook_calls.TARGETS[got["pipeline"]][0], got["top_functions"]
     # signSGD's vote and error by kernels (a launch a payload), not ~30 bitwise ops a payload
     assert signs["triton_kernels"] == 6 and signs["torch_ops"] <= 81, signs["top_functions"]
+    # --where lists every operation and launch of the last step with the line issuing it
+    # (printed, not kept in the results file)
+    listed = topk["torch_ops"] + topk["triton_kernels"]
+    assert f"`topk`: its {listed} torch operations and Triton launches of one step" in \
+        run.stdout
+    section = run.stdout.split("`topk`: its ")[1].split("\n\n`")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) == listed
+    assert sum(line.startswith("| Triton ") for line in rows) == topk["triton_kernels"]
+    assert any("`torch/kernels/select.py:" in line for line in rows), rows
+    assert not any("sites" in r for r in (device, none, topk, signs))
     with pytest.raises(ValueError, match="path must be one of"):
         hook_calls.count("none", path="gpu")
