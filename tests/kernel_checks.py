@@ -242,9 +242,14 @@ def check(device, n: int) -> None:
         (buf, flags), (tbuf, tflags) = codes.sign_payload(v), twin(codes.sign_payload, v)
         zeros = bool(tflags[1])
         end = 2 * nbytes if zeros else nbytes
-        equal(buf[:end + 1], tbuf[:end + 1], "sign payload")
+        equal(buf, tbuf, "sign payload (the whole buffer)")
         equal(flags[:2], tflags, "sign payload flags")
-        assert int(buf[end]) == int(tflags[0]) | 2 * zeros, "sign payload status byte"
+        assert int(buf[end]) == int(buf[-1]) == int(tflags[0]) | 2 * zeros, \
+            "sign payload status byte (where the cut payload ends, and at the end)"
+        whole, cut = torch.empty_like(v), torch.empty_like(v)
+        codes.sign_decode(buf, n, whole)
+        codes.sign_decode(buf[:end + 1], n, cut)
+        equal(whole, cut, "sign decode: the whole buffer is the payload cut to its size")
         for end, status in ((nbytes, 1), (2 * nbytes, 2)):      # without, with the zero plane
             packed = buf[:end + 1].clone()
             packed[end] = status

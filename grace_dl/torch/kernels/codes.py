@@ -381,8 +381,9 @@ def sign_payload(x):
     plane, then the status byte; and int32 flags ``[any NaN or infinity, any exact zero]``
     (the kernel's count of finished programs after them). Where ``x`` has no exact zero
     the payload is the buffer's first ``ceil(n/8) + 1`` bytes, the status byte written over
-    the all-clear zero plane's first byte (both places are written on the device: the host
-    reads the flags only to cut the payload to its size)."""
+    the all-clear zero plane's first byte as well as at the end (both on the device: the host
+    reads the flags only to cut the payload to its size, and the whole buffer is a valid
+    payload too, its zero plane all clear but for a NaN step's status bit)."""
     n = x.numel()
     nbytes = packed_size(n, 1)
     buf = torch.empty(2 * nbytes + 1, dtype=torch.uint8, device=x.device)

@@ -354,9 +354,10 @@ def sign_planes(x_ptr, neg_ptr, zero_ptr, part_ptr, flags_ptr, n, status_ptr, nb
     """The packed plane of ``x < 0`` (with ``ZERO``, of ``x == 0`` too); with ``STATS`` this
     program's ``[sum x, sum |x|, count x < 0]`` in ``part[pid]``; with ``FLAGS``
     ``flags |= [any NaN or infinity, any exact zero]``; with ``STATUS`` the last program to
-    finish (``flags[2]`` counts them) writes a pure-sign payload's status byte where the
-    payload ends: ``status[2 nbytes]`` (``NONFINITE | ZEROS``) where ``x`` has a zero, else
-    ``status[nbytes]``, over the all-clear zero plane's first byte."""
+    finish (``flags[2]`` counts them) writes a pure-sign payload's status byte
+    (``NONFINITE | ZEROS``) after both planes, ``status[2 nbytes]``, and where ``x`` has no
+    zero also at ``status[nbytes]``, over the all-clear zero plane's first byte: where the
+    payload cut to its size ends either way."""
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -378,9 +379,10 @@ def sign_planes(x_ptr, neg_ptr, zero_ptr, part_ptr, flags_ptr, n, status_ptr, nb
         if tl.atomic_add(flags_ptr + 2, 1) == tl.num_programs(0) - 1:
             nonfinite = tl.atomic_or(flags_ptr, 0)
             zeros = tl.atomic_or(flags_ptr + 1, 0)
-            at = tl.where(zeros != 0, 2 * nbytes, nbytes).to(tl.int64)
-            byte = nonfinite | tl.where(zeros != 0, 2, 0)
-            tl.store(status_ptr + at, byte.to(tl.uint8))
+            byte = (nonfinite | tl.where(zeros != 0, 2, 0)).to(tl.uint8)
+            tl.store(status_ptr + 2 * nbytes, byte)
+            if zeros == 0:
+                tl.store(status_ptr + nbytes, byte)
 
 
 @triton.jit(do_not_specialize=["programs", "n"])
