@@ -67,17 +67,23 @@ class Collectives(ABC):
         ``allgather_async``."""
         return self.allgather_async(tensor, name)
 
-    def allgather_parts_async(self, parts, names, lengths_name: str):
+    def allgather_parts_async(self, parts, names, lengths_name: str, lengths=None):
         """Start gathering every rank's 1-D ``parts`` when their lengths may differ across
         ranks (what a payload of data-dependent size sends), each rank's int32 vector of
         those lengths going with them; ``synchronize_parts`` waits for the handle. ``names``:
-        one per part, for engines that send the parts one by one. Default (engines that size
-        a gather themselves: Horovod): one allgather, sent as ``lengths_name``, of each
-        rank's block of its lengths then its parts' bytes (``ops.pack_ragged``): the sizes
-        travel inside the gather instead of in a collective beside it."""
+        one per part, for engines that send the parts one by one. ``lengths``: None (each part
+        is sent whole), or an int32 tensor on the parts' device, one entry a part, of how
+        much of each is sent (a path's ``sent_lengths``: the parts may be longer). Default
+        (engines that size a gather themselves: Horovod): ``lengths`` read (the one host read
+        of the sizes), then one allgather, sent as ``lengths_name``, of each rank's block of
+        its lengths then its parts' bytes (``ops.pack_ragged``): the sizes travel inside the
+        gather instead of in a collective beside it."""
         from grace_dl.backend import ops_for
 
-        return self.allgather_async(ops_for(parts[0]).pack_ragged(parts), lengths_name)
+        ops = ops_for(parts[0])
+        if lengths is not None:     # (a torch tensor: only torch's device paths cut parts)
+            parts = [ops.slice(p, 0, n) for p, n in zip(parts, lengths.tolist())]
+        return self.allgather_async(ops.pack_ragged(parts), lengths_name)
 
     def synchronize_parts(self, handle, dtypes: list) -> list:
         """Wait for an ``allgather_parts_async`` of parts of ``dtypes`` (every rank's are the
@@ -87,6 +93,22 @@ class Collectives(ABC):
 
         gathered = self.synchronize(handle)
         return ops_for(gathered).unpack_ragged(gathered, dtypes, self.size())
+
+    def alltoall_parts_async(self, parts, lengths, name: str):
+        """Start an all-to-all of ``parts[j]`` (1-D, of one dtype) to rank j, for ``j <
+        len(parts)`` (nothing to the others), each cut to its entry of ``lengths`` (an int32
+        tensor on the parts' device, a path's ``sent_lengths``: the parts may be longer).
+        Returns ``(handle, splits)``: the handle resolves as ``alltoall_async``'s, ``splits``
+        are the rows this rank sent to each rank. Default (engines that size an all-to-all
+        themselves: Horovod): ``lengths`` read (the one host read of the sizes), then
+        ``alltoall_async`` of the parts cut and joined."""
+        from grace_dl.backend import ops_for
+
+        ops = ops_for(parts[0])
+        counts = lengths.tolist()       # (a torch tensor: only torch's device paths cut parts)
+        splits = counts + [0] * (self.size() - len(parts))
+        joined = ops.cat([ops.slice(p, 0, c) for p, c in zip(parts, counts)])
+        return self.alltoall_async(joined, splits, name), splits
 
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         """``alltoall_async`` when the caller knows every rank's splits: ``matrix[r][j]``,

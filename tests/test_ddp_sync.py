@@ -5,7 +5,7 @@ the host wait for the device nowhere between buckets (issue 42): every pipeline 
 entered around ``backward`` does not reach), whichever way the hook completes its futures
 (each bucket's in its own call, as on NCCL; all of them at the last bucket, as on gloo). Only
 a payload whose size depends on the data reads it (signSGD's zero plane travels where a
-tensor has exact zeros): one read a compress, and the communicator's exchange of sizes. One
+tensor has exact zeros), in the communicator's exchange of sizes, not in compress. One
 process on gloo (a world of one)."""
 
 import collections
@@ -25,12 +25,12 @@ from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.kernels import emulate_device
 
 #: host reads per grace tensor a step of a pipeline whose payload size depends on the data:
-#: (in compress, in the exchange of sizes). signSGD: its zero plane's flag; the allgather's
-#: lengths. Two-phase compresses twice (the chunk, the server's re-compression); its
-#: all-to-all's row counts go to the device and its matrix comes back, its received splits
-#: are read as a list (a host tensor: no wait on a GPU, which the guard cannot tell apart),
-#: and the gather reads its lengths.
-SIZED = {"signsgd": (1, 1), "signsgd-2phase": (2, 4)}
+#: (in compress, in the exchange of sizes). Compress reads nothing (its payload is its whole
+#: buffer, the length sent of it on the device: ``Call.exchanges_sizes``): signSGD on
+#: allgather reads the gathered lengths; on two-phase, the all-to-all's matrix of them, its
+#: received splits as a list (a host tensor: no wait on a GPU, which the guard cannot tell
+#: apart) and the gathered lengths of the server's payloads.
+SIZED = {"signsgd": (0, 1), "signsgd-2phase": (0, 3)}
 STEPS, WATCHED = 5, 3       # (the first steps make slots, check agreement, rebuild buckets)
 
 

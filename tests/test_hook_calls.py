@@ -188,7 +188,8 @@ def test_the_device_path_counts_triton_launches_and_not_the_interpreters_work(tm
     for got in (device, none, topk):
         assert got["calls"] <= hook_calls.TARGETS[got["pipeline"]][0], got["top_functions"]
     # signSGD's vote and error by kernels (a launch a payload), not ~30 bitwise ops a payload
-    assert signs["triton_kernels"] == 6 and signs["torch_ops"] <= 81, signs["top_functions"]
+    # (93: its sizes exchanged from the device, 81 when each compression read its own)
+    assert signs["triton_kernels"] == 6 and signs["torch_ops"] <= 93, signs["top_functions"]
     # --where lists every operation and launch of the last step with the line issuing it
     # (printed, not kept in the results file)
     listed = topk["torch_ops"] + topk["triton_kernels"]

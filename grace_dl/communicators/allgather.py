@@ -8,11 +8,13 @@ Wire: one allgather of the payload, its parts flattened to 1-D and packed into o
 (the byte counters record exactly that). With equal sizes every rank's payload is as long as
 this rank's, so the allgather says so (``allgather_known_async``): an engine that sizes its
 buffers first (torch.distributed) then exchanges no sizes, a blocking round trip per tensor.
-When payload sizes differ across ranks (``equal_sizes`` False: threshold, DGC) one more
-allgather, ``grace.<tensor>.len``, carries the int32 element count of each part (4 bytes per part
-per rank). It starts together with the payload's own allgathers and never blocks ``send``, so
-Horovod negotiates and fuses it in the same cycle: one size exchange per step, not a blocking
-call per tensor. A rank may send 0 elements.
+When payload sizes differ across ranks (``equal_sizes`` False: threshold, DGC, the signs'
+zero plane) the int32 element count of each part travels too (4 bytes per part per rank:
+``Collectives.allgather_parts_async``; on Horovod inside the one gather, on torch.distributed
+in a gather of its own, read before the parts' gathers are sized). That exchange of sizes is
+the one read of them: a path whose payload can be cut after compressing (signSGD's, Signum's
+on a GPU) leaves it whole and says on the device how much of it is sent (``sent_lengths``,
+``Call.exchanges_sizes``), instead of reading its size itself. A rank may send 0 elements.
 
 Carries every single-round compressor; the result is exact when the compressor is, and the
 aggregation (sum, or majority vote for signs) runs in rank order, so all ranks get the same bits.
@@ -26,6 +28,7 @@ from typing import Any
 from grace_dl.backend import ops_for
 from grace_dl.communicators import wire
 from grace_dl.communicators.base import Encoded, Handle, InFlight, PackingCommunicator
+from grace_dl.compressors.paths import overrides
 from grace_dl.registry import register_communicator
 
 
@@ -48,7 +51,7 @@ class Gathering(InFlight):
     ragged_dtypes: list | None
     shapes: list
     numels: list | None     # the parts' element counts (None: they travel packed)
-    sent: Any
+    sent: Any               # (ragged: counted when the gather says what this rank sent)
     #: the parts' ``wire.layout`` when they travel packed in ``handles[0]``, else None
     packed: Any = None
 
@@ -56,6 +59,12 @@ class Gathering(InFlight):
 @register_communicator("allgather")
 class Allgather(PackingCommunicator):
     refusal = staticmethod(gather_rounds_refusal)
+
+    def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
+        super().__init__(compressor, memory, process_set, pack_parts)
+        # a ragged payload's lengths travel in the gather: a path need not read its size
+        self.exchanges_sizes = not compressor.caps.equal_sizes and \
+            not overrides(type(self), Allgather, "issue")
 
     def issue(self, encoded: Encoded, handle: Handle) -> Gathering:
         coll = handle.coll
@@ -65,13 +74,15 @@ class Allgather(PackingCommunicator):
         ragged_dtypes = None
         size = encoded.call.size
         if not self.compressor.caps.equal_sizes:
-            # sizes differ across ranks: the parts and an int32 vector of their lengths
+            # sizes differ across ranks: the parts and an int32 vector of their lengths (the
+            # path's, on the device, where its parts may be longer than what they send)
             names = [self.wire_name(handle.name, f"p{i}") for i in range(len(flats))]
+            lengths = self.paths.on(flats).sent_lengths(encoded.payload, encoded.ctx) \
+                if encoded.call.exchanges_sizes else None
             parts = [coll.allgather_parts_async(flats, names,
-                                                self.wire_name(handle.name, "len"))]
-            sent = sent + wire.LENGTH_NBYTES * len(flats)
+                                                self.wire_name(handle.name, "len"), lengths)]
             ragged_dtypes = [ops.dtype(f) for f in flats]
-            packed = numels = None
+            packed = numels = sent = None
         elif (packed := self.packed_layout(flats, ops)) is not None:
             # equal sizes: every rank's part is as long as this rank's, so an engine that sizes
             # its buffers first (torch.distributed) needs no exchange of sizes (``_known``)
@@ -85,7 +96,8 @@ class Allgather(PackingCommunicator):
                 numels.append(ops.numel(f))
                 parts.append(coll.allgather_known_async(f, [numels[i]] * size,
                                                         self.wire_name(handle.name, f"p{i}")))
-        wire.count(self, ops, handle.name, sent=sent)
+        if sent is not None:
+            wire.count(self, ops, handle.name, sent=sent)
         return Gathering(parts, ragged_dtypes, shapes, numels, sent, packed)
 
     def complete(self, phase: Gathering, handle: Handle):
@@ -104,6 +116,9 @@ class Allgather(PackingCommunicator):
         else:
             pieces = coll.synchronize_parts(phase.handles[0], phase.ragged_dtypes)
             ops = ops_for(pieces[0][0])
-            received = wire.ragged_received(pieces, handle.encoded.call.rank)
+            me = handle.encoded.call.rank
+            wire.count(self, ops, handle.name, sent=wire.ragged_sent(pieces, me),
+                       received=wire.ragged_received(pieces, me))
+            return wire.combine(self, pieces, phase.shapes, handle, size, average=True, ops=ops)
         wire.count(self, ops, handle.name, received=received)
         return wire.combine(self, pieces, phase.shapes, handle, size, average=True, ops=ops)

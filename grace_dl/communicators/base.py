@@ -162,7 +162,8 @@ class Router:
         op = op if op in OPS else self.check_op(op)
         comm, coll = self.route(tensor, name, collectives)
         handle = Handle(name=name, op=op, comm=comm, coll=coll, into=into,
-                        encoded=comm.encode(tensor, name, Call(coll.rank(), coll.size())))
+                        encoded=comm.encode(tensor, name, Call(coll.rank(), coll.size(),
+                                                               comm.exchanges_sizes)))
         if comm.fusion is not None and comm.fusion.holds(name):
             comm.fusion.hold(comm, handle)
         else:
@@ -432,6 +433,9 @@ class Communicator(Router, ABC):
 
     #: registry name, set by ``register_communicator``
     name: str = ""
+    #: whether ``issue`` exchanges every rank's payload part lengths itself and takes them
+    #: from the path's ``sent_lengths`` (``Call.exchanges_sizes``)
+    exchanges_sizes: bool = False
 
     def __init__(self, compressor, memory, process_set=None):
         self.check_compressor(compressor)

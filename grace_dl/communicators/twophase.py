@@ -26,16 +26,17 @@ and receives N-1 payloads of its chunk plus the other m-1 re-compressed chunks: 
 The byte counters record exactly these amounts.
 
 For compressors that compress any 1-D chunk on its own (``two_phase_safe``: quantizers and
-signs, ``none``). Where payload sizes are set by the chunk's length (``equal_sizes``) every
-rank knows every size up front; where they depend on the data (signsgd's zero plane,
-inceptionn's classes) each part travels in a collective of its own, the all-to-all's received
-splits say how long each rank's part is, and the gather carries an int32 vector of the parts'
-lengths (as the ``allgather`` communicator's). Not unbiased in
-general, since the aggregate is compressed twice; the server residual feeds the second
-compression's error back in the next step. Server residuals are training state: they are in
-``state_dict`` under ``"server"``. Like the memories (``grace_dl.memory.base``) they never keep a
-NaN/Inf: after each server step its non-finite entries are set to 0.
-"""
+signs, ``none``). Where payload sizes are set by the chunk's length (``equal_sizes``) every rank
+knows every size up front; where they depend on the data (signsgd's zero plane, inceptionn's
+classes) each part travels in a collective of its own, the all-to-all's received splits say how
+long each rank's part is, and the gather carries an int32 vector of the parts' lengths (as the
+``allgather`` communicator's). Those exchanges of sizes are where a path that can cut its
+payloads after compressing (signSGD's on a GPU: ``Call.exchanges_sizes``) has their sizes read
+(``Collectives.alltoall_parts_async``, ``allgather_parts_async``). Not unbiased in general,
+since the aggregate is compressed twice; the server residual feeds the second compression's
+error back in the next step. Server residuals are training state: they are in ``state_dict``
+under ``"server"``. Like the memories (``grace_dl.memory.base``) they never keep a NaN/Inf:
+after each server step its non-finite entries are set to 0."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ from grace_dl.communicators.base import (
     divided_payloads,
 )
 from grace_dl.compressors.base import Call
+from grace_dl.compressors.paths import overrides
+from grace_dl.dtypes import itemsize
 from grace_dl.registry import register_communicator
 from grace_dl.state import State
 
@@ -69,6 +72,8 @@ class Scattering(InFlight):
     packed: bool = False
     #: whether payload sizes differ across ranks: each part's all-to-all says how long it is
     ragged: bool = False
+    #: ragged: the bytes of this rank's own chunk as sent to itself (its parts cut)
+    own_nbytes: int | None = None
 
 
 @dataclass
@@ -94,6 +99,10 @@ class TwoPhase(PackingCommunicator):
         super().__init__(compressor, memory, process_set, pack_parts)
         self.server_error_feedback = validate.boolean("server_error_feedback",
                                                       server_error_feedback)
+        # a ragged payload's lengths travel in the all-to-all's and the gather's exchanges of
+        # sizes: a path need not read its size
+        self.exchanges_sizes = not compressor.caps.equal_sizes and \
+            not overrides(type(self), TwoPhase, "issue")
         self.server = State()
         # per key, a reused buffer for values that live within one step (not training state)
         self._scratch: dict = {}
@@ -181,21 +190,45 @@ class TwoPhase(PackingCommunicator):
             exchanges = [coll.alltoall_known_async(ops.cat(buffers), splits, [splits] * size,
                                                    self.wire_name(handle.name, "a2a.p"))]
         else:
-            exchanges = []
+            exchanges, sent_splits = [], []
+            # a ragged payload's parts may be longer than sent (``call.exchanges_sizes``):
+            # the path's lengths, one a part, of each chunk
+            lengths = [self.paths.on(p).sent_lengths(p, c)
+                       for p, c in zip(encoded.payload, encoded.ctx)] \
+                if ragged and encoded.call.exchanges_sizes else None
+            if lengths is not None and lengths[0] is None:
+                lengths = None
             for i in range(n_parts):
                 pieces = [flat[j][0][i] for j in range(m)]
-                splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
                 name = self.wire_name(handle.name, f"a2a.p{i}")
+                if lengths is not None:
+                    cut = lengths[0] if m == 1 and n_parts == 1 else \
+                        ops.cat([ops.slice(lens, i, i + 1) for lens in lengths])
+                    exchange, splits = coll.alltoall_parts_async(pieces, cut, name)
+                    sent_splits.append(splits)
+                    exchanges.append(exchange)
+                    continue
+                splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
+                sent_splits.append(splits)
                 exchanges.append(coll.alltoall_async(ops.cat(pieces), splits, name) if ragged
                                  else coll.alltoall_known_async(ops.cat(pieces), splits,
                                                                 [splits] * size, name))
-        sent = 0
-        for j in range(m):
-            if j != me:
-                sent += ops.total_nbytes(flat[j][0])
-        received = (size - 1) * ops.total_nbytes(flat[me][0]) if me < m and not ragged else 0
+        if ragged:      # what went to every other rank, and this rank's own rows
+            sent, own = 0, 0
+            for i, splits in enumerate(sent_splits):
+                width = itemsize(ops.dtype(flat[0][0][i]))
+                own += splits[me] * width
+                sent += (sum(splits) - splits[me]) * width
+            received = 0        # counted when the all-to-all is in (``_reduce_and_gather``)
+        else:
+            sent = 0
+            for j in range(m):
+                if j != me:
+                    sent += ops.total_nbytes(flat[j][0])
+            received = (size - 1) * ops.total_nbytes(flat[me][0]) if me < m else 0
+            own = None
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Scattering(exchanges, flat, packed, ragged)
+        return Scattering(exchanges, flat, packed, ragged, own)
 
     # ------------------------------------------------------------------ phases 2 and 3
     def complete(self, phase: Phase, handle: Handle):
@@ -220,7 +253,7 @@ class TwoPhase(PackingCommunicator):
                 per_rank = ops.unpack_parts(got[0], [ops.part_layout(flat[me][0])] * size)
             elif phase.ragged:
                 per_rank = [_split_received(ops, g, r[1]) for g, r in zip(got, results)]
-                received = wire.nbytes(got) - wire.nbytes(flat[me][0])
+                received = wire.nbytes(got) - phase.own_nbytes
                 wire.count(self, ops, handle.name, received=received)
             else:
                 per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)
@@ -251,9 +284,11 @@ class TwoPhase(PackingCommunicator):
                                                   self.wire_name(handle.name, "ag.p"))]
         elif phase.ragged:
             pieces = [mine[i] if mine is not None else got[i] for i in range(n_parts)]
+            lengths = None if mine is None else \
+                self.paths.on(mine).sent_lengths(mine, ctxs[me])
             gathers = [coll.allgather_parts_async(
                 pieces, [self.wire_name(handle.name, f"ag.p{i}") for i in range(n_parts)],
-                self.wire_name(handle.name, "ag.len"))]
+                self.wire_name(handle.name, "ag.len"), lengths)]
             ragged_dtypes = [ops.dtype(p) for p in pieces]
         else:
             gathers = []
@@ -262,16 +297,13 @@ class TwoPhase(PackingCommunicator):
                 counts = [ops.numel(flat[j][0][i]) for j in range(m)] + [0] * (size - m)
                 gathers.append(coll.allgather_known_async(
                     piece, counts, self.wire_name(handle.name, f"ag.p{i}")))
-        sent = ops.total_nbytes(mine) if mine is not None else 0
-        if ragged_dtypes is not None:
-            sent = sent + wire.LENGTH_NBYTES * n_parts
-            received = 0        # counted when the gather is in (``_join``)
-        else:
+        if ragged_dtypes is None:       # (ragged: counted when the gather is in, ``_join``)
+            sent = ops.total_nbytes(mine) if mine is not None else 0
             received = 0
             for j in range(m):
                 if j != me:
                     received += ops.total_nbytes(flat[j][0])
-        wire.count(self, ops, handle.name, sent=sent, received=received)
+            wire.count(self, ops, handle.name, sent=sent, received=received)
         return Gathering(gathers, flat, own, phase.packed, own_in_place, ragged_dtypes)
 
     def _join(self, phase: Gathering, handle: Handle):
@@ -282,7 +314,8 @@ class TwoPhase(PackingCommunicator):
         if phase.ragged_dtypes is not None:
             pieces = coll.synchronize_parts(phase.handles[0], phase.ragged_dtypes)
             ops = ops_for(pieces[0][0])
-            wire.count(self, ops, handle.name, received=wire.ragged_received(pieces, me))
+            wire.count(self, ops, handle.name, sent=wire.ragged_sent(pieces, me),
+                       received=wire.ragged_received(pieces, me))
         elif phase.packed:
             gathered = [coll.synchronize(h) for h in phase.handles]
             ops = ops_for(gathered[0])

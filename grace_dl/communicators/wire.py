@@ -89,6 +89,12 @@ def nbytes(tensors):
     return ops_for(tensors[0]).total_nbytes(tensors) if tensors else 0
 
 
+def ragged_sent(pieces, me: int):
+    """Bytes rank ``me`` sent in a ragged gather (``Collectives.synchronize_parts``'s
+    ``pieces[i][r]``): its own parts, as they arrived, and its lengths vector."""
+    return nbytes([part[me] for part in pieces]) + LENGTH_NBYTES * len(pieces)
+
+
 def ragged_received(pieces, me: int):
     """Bytes rank ``me`` received of a ragged gather (``Collectives.synchronize_parts``'s
     ``pieces[i][r]``): every other rank's parts and its lengths vector."""

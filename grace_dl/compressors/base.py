@@ -23,6 +23,11 @@ class Call:
 
     rank: int = 0
     size: int = 1
+    #: the communicator exchanges every rank's part lengths of this payload itself (a gather
+    #: of data-dependent sizes, reading them there): a speed path's ``compress`` may then
+    #: return parts longer than what is sent, their sent lengths in its ``sent_lengths``,
+    #: instead of reading a size on its own
+    exchanges_sizes: bool = False
 
 
 #: the call context of a compression outside any communicator (tests, benchmarks)

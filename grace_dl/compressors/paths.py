@@ -107,7 +107,12 @@ class Reference:
     ``divided(payload, divisor)``
         a payload that decompresses to this one's result divided by ``divisor``, made
         without a dense tensor (a sparse method's k values), or None: an average then divides
-        the dense result (used only while ``aggregate`` is a sum: a path for an exact class).
+        the dense result (used only while ``aggregate`` is a sum: a path for an exact class);
+    ``sent_lengths(payload, ctx)``
+        for a payload compressed with ``call.exchanges_sizes``: an int32 tensor on its
+        device, one entry a part, of how much of each (flattened) part is sent, its prefix of
+        that length being the same payload; None where every part is sent whole (the
+        reference's are: its ``compress`` returns what it sends).
 
     Speed paths derive from it (or from a compressor's generic path) and override what they
     do faster."""
@@ -138,6 +143,9 @@ class Reference:
 
     def error_finite(self, payload) -> bool:
         return False
+
+    def sent_lengths(self, payload, ctx):
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.compressor).__name__})"

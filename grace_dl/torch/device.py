@@ -259,7 +259,12 @@ class SignSGDOnDevice(SignSGDPath):
     flags (and, with an error slot, one more what the signs lose), one decodes a payload, and
     the vote is a kernel per rank's payload counting into one integer an element and one
     decoding the counts (NaN everywhere when a status says so). Whether the zero plane
-    travels (the payload's size) is the one value compress reads."""
+    travels (the payload's size) is the one value compress reads, unless the communicator
+    exchanges the payload's length itself (``call.exchanges_sizes``: allgather): then the
+    payload is the whole buffer, both planes and the status byte (a valid payload as it
+    is: without exact zeros its zero plane is clear but for the status written over its
+    first byte, which only a NaN step sets), and ``sent_lengths`` says on the device how
+    much of it is sent, read in that exchange."""
 
     def _source(self, tensor, name):
         return tensor.reshape(-1)
@@ -271,9 +276,21 @@ class SignSGDOnDevice(SignSGDPath):
         if n == 0:
             return [torch.zeros(1, dtype=torch.uint8, device=flat.device)], ctx
         buf, flags = codes.sign_payload(flat)
+        if call.exchanges_sizes:
+            return [buf], ctx
         zeros = flags[1:2].tolist()[0]     # the one read-back: the payload's size
         nbytes = codes.packed_size(n, 1)
         return [buf[:(2 * nbytes if zeros else nbytes) + 1]], ctx
+
+    def sent_lengths(self, payload, ctx):
+        """The negative plane and the status byte, and the zero plane where the status
+        byte (the buffer's last, whole or cut) says it travels."""
+        packed = payload[0]
+        nbytes = codes.packed_size(math.prod(ctx[0]), 1)
+        # the length by the status byte (``NONFINITE | ZEROS``: 0 to 3), from a table
+        table = codes.constant(("sign lengths", nbytes), packed.device, lambda: np.array(
+            [nbytes + 1, nbytes + 1, 2 * nbytes + 1, 2 * nbytes + 1], dtype=np.int32))
+        return table.index_select(0, packed[-1:].to(torch.int32))
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
         n = tensor.numel()

@@ -37,6 +37,10 @@ What goes on the wire, per call (``N`` ranks of the group):
   behind every collective already queued on the group: without it a caller can start one
   tensor's exchange and go on compressing the next while the first is on the wire (the DDP
   hook's pieces). The given sizes are checked against this rank's own (``ValueError``).
+- ``allgather_parts_async`` / ``alltoall_parts_async`` (payloads whose size depends on the
+  data): every rank's int32 part lengths gathered first, **waited for** (the one read of the
+  sizes; given on the device by the caller, they are gathered as they are and this rank's
+  parts cut by its row), then the parts' transfers with every size known.
 - ``allreduce_async_``: one ``all_reduce`` (SUM) in the caller's tensor, then scaled in place
   (DDP's own allreduce of its bucket; ``None`` for types summed widened, non-contiguous
   tensors and CPU tensors on NCCL).
@@ -291,14 +295,19 @@ class DistCollectives(Collectives):
 
         return _Pending(work, finish)
 
-    def allgather_parts_async(self, parts, names, lengths_name: str):
+    def allgather_parts_async(self, parts, names, lengths_name: str, lengths=None):
         """The lengths first, waited for (the one exchange of sizes: each part's buffers are
         then sized from them), then every part with its ranks' lengths known, cut by them
-        where they arrive."""
+        where they arrive. ``lengths`` given (a path's, on the parts' device) are gathered as
+        they are, and this rank's parts cut by its row of what comes back: the one read of
+        the sizes is that of the gathered table."""
         size, n = self.size(), len(parts)
-        numels = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+        numels = lengths if lengths is not None else \
+            torch.tensor([p.numel() for p in parts], dtype=torch.int32)
         every = self.synchronize(self.allgather_known_async(numels, [n] * size, lengths_name))
         table = every.view(size, n).tolist()
+        if lengths is not None:
+            parts = [p[:c] for p, c in zip(parts, table[self.rank()])]
         pending = []
         for i, (p, name) in enumerate(zip(parts, names)):
             counts = [row[i] for row in table]
@@ -325,6 +334,19 @@ class DistCollectives(Collectives):
 
     def alltoall_async(self, tensor, splits, name: str):
         return self.alltoall_known_async(tensor, splits, None, name)
+
+    def alltoall_parts_async(self, parts, lengths, name: str):
+        """Every rank's ``lengths`` gathered as they are, on the device (the all-to-all's
+        matrix: its one read is the exchange of sizes), then this rank's parts cut by its row
+        and sent with every rank's splits known."""
+        size, me, m = self.size(), self.rank(), len(parts)
+        mine = lengths if m == size else torch.cat(
+            [lengths, lengths.new_zeros(size - m)])
+        every = self.synchronize(self.allgather_known_async(mine, [size] * size, name))
+        matrix = every.view(size, size).tolist()        # [from][to] rows
+        splits = matrix[me]
+        joined = torch.cat([p[:c] for p, c in zip(parts, splits)])
+        return self.alltoall_known_async(joined, splits, matrix, name), splits
 
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         group = self._group()
