@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu_textbook, records  # noqa: E402
-from grace_dl.compressors.base import LOCAL  # noqa: E402
+from grace_dl.compressors.base import Call  # noqa: E402
 from grace_dl.compressors.paths import Paths  # noqa: E402
 from grace_dl.registry import lookup  # noqa: E402
 
@@ -148,7 +148,11 @@ ABOUT = {
                    "alternating, the memcpy timed the same way. x memcpy: over one device copy "
                    "of the tensor; x textbook: over the textbook version, below 1 where grace_dl "
                    "is faster; latency: one compress and one decompress on an idle device (the "
-                   "host's time to issue them and the device's, added).",
+                   "host's time to issue them and the device's, added). Compress is called as "
+                   "the gathering communicators call it (`Call.exchanges_sizes`): a payload "
+                   "whose size depends on the data and whose path can leave it to the exchange "
+                   "of sizes (signSGD's, Signum's) is not cut here; its bits are what is sent "
+                   "of it (the path's `sent_lengths`).",
     "steps": "One GPU, NCCL at world size 1 (the collectives move nothing: a step minus DDP's "
              "is the pipeline's own cost), bf16 autocast, SGD; the median of the timed steps "
              "after 5 warm-ups. overhead: the step minus DDP's; pays below: the link speed "
@@ -174,15 +178,20 @@ def _write(out_dir: Path, table: str, device, command: str, rows: list) -> None:
 
 
 # ------------------------------------------------------------------ compressors
+#: how the gathering communicators (allgather, two-phase) call a compression: the exchange of
+#: sizes that a payload of data-dependent size needs is theirs
+GATHERED = Call(exchanges_sizes=True)
+
+
 def _grace_pair(name, x):
-    """(compress, decompress) through grace_dl's path for ``x``'s device, and the payload's
-    bytes."""
+    """(compress, decompress) through grace_dl's path for ``x``'s device, and the bytes sent
+    of the payload."""
     compressor = lookup("compressor", name)(**PARAMS.get(name, {}))
     path = Paths(compressor).on(x)
     tensor = x.view(int(math.isqrt(x.numel())), -1) if name == "powersgd" else x
 
     def compress():
-        payload, ctx = path.compress(tensor, "w", LOCAL)
+        payload, ctx = path.compress(tensor, "w", GATHERED)
         if name == "powersgd":      # world size 1: the reduced P is this rank's own
             payload, ctx = compressor.next_round(payload, ctx)
         return payload, ctx
@@ -191,7 +200,9 @@ def _grace_pair(name, x):
         return path.decompress(*pc)
 
     payload, ctx = compress()
-    nbytes = sum(p.numel() * p.element_size() for p in payload)
+    sent = path.sent_lengths(payload, ctx)
+    nbytes = sum((p.numel() if sent is None else int(n)) * p.element_size()
+                 for p, n in zip(payload, [None] * len(payload) if sent is None else sent))
     if name == "powersgd":
         nbytes *= 2    # P and Q: both rounds
     return compress, decompress, nbytes, type(path).__name__
