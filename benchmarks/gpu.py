@@ -184,8 +184,10 @@ GATHERED = Call(exchanges_sizes=True)
 
 
 def _grace_pair(name, x):
-    """(compress, decompress) through grace_dl's path for ``x``'s device, and the bytes sent
-    of the payload."""
+    """(compress, decompress) through grace_dl's path for ``x``'s device, the bytes sent of
+    the payload, the path's name, and ``sent(pc)``: a compress's ``(payload, ctx)`` as it is
+    sent, each part cut to its ``sent_lengths`` (a read of them: outside the timed calls;
+    what a receiver decompresses)."""
     compressor = lookup("compressor", name)(**PARAMS.get(name, {}))
     path = Paths(compressor).on(x)
     tensor = x.view(int(math.isqrt(x.numel())), -1) if name == "powersgd" else x
@@ -199,13 +201,17 @@ def _grace_pair(name, x):
     def decompress(pc):
         return path.decompress(*pc)
 
-    payload, ctx = compress()
-    sent = path.sent_lengths(payload, ctx)
-    nbytes = sum((p.numel() if sent is None else int(n)) * p.element_size()
-                 for p, n in zip(payload, [None] * len(payload) if sent is None else sent))
+    def sent(pc):
+        lengths = path.sent_lengths(*pc)
+        if lengths is None:
+            return pc
+        return [p.reshape(-1)[:n] for p, n in zip(pc[0], lengths.tolist())], pc[1]
+
+    payload, _ = sent(compress())
+    nbytes = sum(p.numel() * p.element_size() for p in payload)
     if name == "powersgd":
         nbytes *= 2    # P and Q: both rounds
-    return compress, decompress, nbytes, type(path).__name__
+    return compress, decompress, nbytes, type(path).__name__, sent
 
 
 #: calls of one timed block: back to back, the host issuing while the device runs
@@ -231,15 +237,17 @@ def _time_method(clock, x, name, repeats: int) -> dict:
     per call in a block of back-to-back calls, grace_dl and the textbook alternating (the
     first round a warm-up); and grace_dl's latency: one compress and one decompress on an
     idle device, the host's time and the device's added."""
-    compress, decompress, nbytes, path = _grace_pair(name, x)
+    compress, decompress, nbytes, path, sent = _grace_pair(name, x)
     t_compress, t_decompress = gpu_textbook.METHODS[name]()
     comp_ms, dec_ms, book_ms, latency_ms = [], [], [], []
     for rep in range(repeats + 1):
         c, pc = per_call(clock, compress)
+        pc = sent(pc)       # (what a receiver decompresses)
         d, _ = per_call(clock, lambda: decompress(pc))  # noqa: B023  (called at once)
         b1, payload = per_call(clock, lambda: t_compress(x))
         b2, _ = per_call(clock, lambda: t_decompress(x, payload))  # noqa: B023
         lc, pc = clock(compress)
+        pc = sent(pc)
         ld, _ = clock(lambda: decompress(pc))  # noqa: B023
         if rep:
             comp_ms.append(c)

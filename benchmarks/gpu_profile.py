@@ -128,7 +128,7 @@ def _launch_costs():
 
 def _profile(x, label, name, calls, with_cprofile):
     """One method's row at one size."""
-    compress, decompress, _, path = gpu._grace_pair(name, x)
+    compress, decompress, _, path, _ = gpu._grace_pair(name, x)
     pc = compress()
     for _ in range(3):
         pc = compress()

@@ -11,6 +11,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 
+def check_lengths(lengths, parts) -> None:
+    """``ValueError`` unless ``lengths`` (a path's ``sent_lengths``) has one entry a part."""
+    if lengths.numel() != len(parts):
+        raise ValueError(f"sent lengths must be one a part: {len(parts)} parts, "
+                         f"{lengths.numel()} lengths")
+
+
+def _host_lengths(lengths, parts) -> list:
+    """A torch tensor of sent lengths (only torch's device paths cut parts) as ints, checked."""
+    check_lengths(lengths, parts)
+    return lengths.tolist()
+
+
 class Collectives(ABC):
     #: Whether ranks may start these collectives in different orders and still meet (Horovod
     #: matches them by name). Only then may a tensor's later phases start before ``receive``,
@@ -74,15 +87,16 @@ class Collectives(ABC):
         one per part, for engines that send the parts one by one. ``lengths``: None (each part
         is sent whole), or an int32 tensor on the parts' device, one entry a part, of how
         much of each is sent (a path's ``sent_lengths``: the parts may be longer). Default
-        (engines that size a gather themselves: Horovod): ``lengths`` read (the one host read
-        of the sizes), then one allgather, sent as ``lengths_name``, of each rank's block of
-        its lengths then its parts' bytes (``ops.pack_ragged``): the sizes travel inside the
+        (engines that size a gather themselves: Horovod): ``lengths`` read (on Horovod the one
+        host read of the sizes; a wrapper over torch.distributed's, as a fusion group, reads
+        them again there), then one allgather, sent as ``lengths_name``, of each rank's block
+        of its lengths then its parts' bytes (``ops.pack_ragged``): the sizes travel inside the
         gather instead of in a collective beside it."""
         from grace_dl.backend import ops_for
 
         ops = ops_for(parts[0])
         if lengths is not None:     # (a torch tensor: only torch's device paths cut parts)
-            parts = [ops.slice(p, 0, n) for p, n in zip(parts, lengths.tolist())]
+            parts = [ops.slice(p, 0, n) for p, n in zip(parts, _host_lengths(lengths, parts))]
         return self.allgather_async(ops.pack_ragged(parts), lengths_name)
 
     def synchronize_parts(self, handle, dtypes: list) -> list:
@@ -105,7 +119,7 @@ class Collectives(ABC):
         from grace_dl.backend import ops_for
 
         ops = ops_for(parts[0])
-        counts = lengths.tolist()       # (a torch tensor: only torch's device paths cut parts)
+        counts = _host_lengths(lengths, parts)
         splits = counts + [0] * (self.size() - len(parts))
         joined = ops.cat([ops.slice(p, 0, c) for p, c in zip(parts, counts)])
         return self.alltoall_async(joined, splits, name), splits

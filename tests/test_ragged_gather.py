@@ -2,7 +2,9 @@
 ranks, each rank's block its lengths then its parts' bytes (what Horovod sends for a payload of
 data-dependent size, ``Collectives.allgather_parts_async``). Three ranks' blocks joined as a
 gather joins them are cut back into every rank's parts, in torch and in TF (eager and inside
-``tf.function``, where no size is known), whatever the parts' dtypes and alignments."""
+``tf.function``, where no size is known), whatever the parts' dtypes and alignments. Which
+sends may leave a ragged payload whole for the exchange of sizes to cut
+(``Call.exchanges_sizes``), and the check of the lengths a path gives for it."""
 
 from __future__ import annotations
 
@@ -71,3 +73,44 @@ def test_tf_blocks_cut_back_into_every_ranks_parts(traced):
         for r in range(3):
             got = pieces[i][r].numpy()
             assert got.dtype == ranks[r][i].dtype and np.array_equal(got, ranks[r][i]), (i, r)
+
+
+def test_a_payload_is_left_whole_only_for_a_gathering_communicators_own_sends():
+    """``Call.exchanges_sizes``: allgather and two-phase exchange a ragged payload's lengths
+    themselves, so a path may leave its payload whole (signSGD's on a GPU); not broadcast,
+    not a compressor of equal sizes, not a subclass that changed what a payload is or how it
+    is sent (it would send or count the whole buffer)."""
+    from grace_dl.communicators.allgather import Allgather
+    from grace_dl.communicators.broadcast import Broadcast
+    from grace_dl.communicators.twophase import TwoPhase
+    from grace_dl.registry import lookup
+
+    signs, none = lookup("compressor", "signsgd"), lookup("memory", "none")
+    assert Allgather(signs(), none()).exchanges_sizes
+    assert TwoPhase(signs(), none()).exchanges_sizes
+    assert not Broadcast(signs(), none()).exchanges_sizes
+    assert not Allgather(lookup("compressor", "qsgd")(), none()).exchanges_sizes
+    for base, method in ((Allgather, "compress"), (Allgather, "issue"),
+                         (TwoPhase, "_recompress"), (TwoPhase, "complete")):
+        inherited = getattr(base, method)
+
+        def own(self, *args, _inherited=inherited):     # (a function of its own)
+            return _inherited(self, *args)
+
+        mine = type("Mine", (base,), {method: own})
+        assert not mine(signs(), none()).exchanges_sizes, (base.__name__, method)
+
+
+def test_sent_lengths_must_be_one_a_part():
+    """A path's ``sent_lengths`` of another length than the payload's parts is refused with
+    both counts, by the default collectives and by torch.distributed's."""
+    import torch
+
+    from support import OneRank
+
+    parts = [torch.zeros(4, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8)]
+    one = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one a part: 2 parts, 1 lengths"):
+        OneRank().allgather_parts_async(parts, ["a", "b"], "len", one)
+    with pytest.raises(ValueError, match="one a part: 2 parts, 1 lengths"):
+        OneRank().alltoall_parts_async(parts, one, "a2a")

@@ -62,8 +62,9 @@ class Allgather(PackingCommunicator):
 
     def __init__(self, compressor, memory, process_set=None, pack_parts: bool = True):
         super().__init__(compressor, memory, process_set, pack_parts)
-        # a ragged payload's lengths travel in the gather: a path need not read its size
-        self.exchanges_sizes = not compressor.caps.equal_sizes and \
+        # a ragged payload's lengths travel in the gather: a path need not read its size (not
+        # for a subclass that changed what a payload is or how it is sent)
+        self.exchanges_sizes = not compressor.caps.equal_sizes and self._plain_compress and \
             not overrides(type(self), Allgather, "issue")
 
     def issue(self, encoded: Encoded, handle: Handle) -> Gathering:

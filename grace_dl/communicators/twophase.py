@@ -100,9 +100,10 @@ class TwoPhase(PackingCommunicator):
         self.server_error_feedback = validate.boolean("server_error_feedback",
                                                       server_error_feedback)
         # a ragged payload's lengths travel in the all-to-all's and the gather's exchanges of
-        # sizes: a path need not read its size
-        self.exchanges_sizes = not compressor.caps.equal_sizes and \
-            not overrides(type(self), TwoPhase, "issue")
+        # sizes (not for a subclass that changed what a payload is or how it is sent)
+        self.exchanges_sizes = not compressor.caps.equal_sizes and not any(
+            overrides(type(self), TwoPhase, m) for m in
+            ("compress", "compress_with_error", "_recompress", "issue", "complete"))
         self.server = State()
         # per key, a reused buffer for values that live within one step (not training state)
         self._scratch: dict = {}
@@ -284,7 +285,7 @@ class TwoPhase(PackingCommunicator):
                                                   self.wire_name(handle.name, "ag.p"))]
         elif phase.ragged:
             pieces = [mine[i] if mine is not None else got[i] for i in range(n_parts)]
-            lengths = None if mine is None else \
+            lengths = None if mine is None or not handle.encoded.call.exchanges_sizes else \
                 self.paths.on(mine).sent_lengths(mine, ctxs[me])
             gathers = [coll.allgather_parts_async(
                 pieces, [self.wire_name(handle.name, f"ag.p{i}") for i in range(n_parts)],

@@ -19,9 +19,10 @@ torch as in TF), so a NaN/Inf gradient is not silently turned into a vote.
 
 Biased (it keeps only signs); not allreduce-safe (signs must be gathered, not summed, for the
 vote); the payload's size depends on the data (``equal_sizes`` False: whether it has zeros), so
-on a GPU compressing reads one value back; two-phase safe: the vote is elementwise, so chunks
-vote independently (the second phase re-sends the voted signs, the parameter-server scheme of
-the paper; a tie travels as 0).
+on a GPU its size is read once: in the exchange of sizes of the gathering communicators
+(allgather, two-phase: ``Call.exchanges_sizes``), else by compress; two-phase safe: the vote is
+elementwise, so chunks vote independently (the second phase re-sends the voted signs, the
+parameter-server scheme of the paper; a tie travels as 0).
 """
 
 from __future__ import annotations

@@ -255,16 +255,16 @@ class EFSignSGDOnDevice(OneBitCoded):
 # ------------------------------------------------------------------ pure signs
 @register(SignSGDCompressor, KIND)
 class SignSGDOnDevice(SignSGDPath):
-    """signsgd: one kernel writes the planes into the payload's buffer and the NaN/zero
-    flags (and, with an error slot, one more what the signs lose), one decodes a payload, and
-    the vote is a kernel per rank's payload counting into one integer an element and one
-    decoding the counts (NaN everywhere when a status says so). Whether the zero plane
-    travels (the payload's size) is the one value compress reads, unless the communicator
-    exchanges the payload's length itself (``call.exchanges_sizes``: allgather): then the
-    payload is the whole buffer, both planes and the status byte (a valid payload as it
-    is: without exact zeros its zero plane is clear but for the status written over its
-    first byte, which only a NaN step sets), and ``sent_lengths`` says on the device how
-    much of it is sent, read in that exchange."""
+    """signsgd: one kernel writes the planes into the payload's buffer and the NaN/zero flags (and,
+    with an error slot, one more what the signs lose), one decodes a payload, and the vote is a
+    kernel per rank's payload counting into one integer an element and one decoding the counts
+    (NaN everywhere when a status says so). Whether the zero plane travels (the payload's size)
+    is the one value compress reads, unless the communicator exchanges the payload's length
+    itself (``call.exchanges_sizes``: allgather, two-phase): then the payload is the whole
+    buffer, both planes and the status byte (a valid payload as it is: without exact zeros its
+    zero plane is clear but for the status written over its first byte, which only a NaN step
+    sets), and ``sent_lengths`` says on the device how much of it is sent, read in that
+    exchange."""
 
     def _source(self, tensor, name):
         return tensor.reshape(-1)

@@ -57,7 +57,7 @@ import operator
 import torch
 import torch.distributed as dist
 
-from grace_dl.collectives import Collectives
+from grace_dl.collectives import Collectives, check_lengths
 
 _SUM_AS = {torch.int8: torch.int32, torch.uint8: torch.int32, torch.int16: torch.int32,
            torch.bfloat16: torch.float32}
@@ -302,6 +302,8 @@ class DistCollectives(Collectives):
         they are, and this rank's parts cut by its row of what comes back: the one read of
         the sizes is that of the gathered table."""
         size, n = self.size(), len(parts)
+        if lengths is not None:
+            check_lengths(lengths, parts)
         numels = lengths if lengths is not None else \
             torch.tensor([p.numel() for p in parts], dtype=torch.int32)
         every = self.synchronize(self.allgather_known_async(numels, [n] * size, lengths_name))
@@ -340,6 +342,7 @@ class DistCollectives(Collectives):
         matrix: its one read is the exchange of sizes), then this rank's parts cut by its row
         and sent with every rank's splits known."""
         size, me, m = self.size(), self.rank(), len(parts)
+        check_lengths(lengths, parts)
         mine = lengths if m == size else torch.cat(
             [lengths, lengths.new_zeros(size - m)])
         every = self.synchronize(self.allgather_known_async(mine, [size] * size, name))
