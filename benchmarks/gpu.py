@@ -53,6 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu_textbook, records  # noqa: E402
+from grace_dl.collectives import sent_parts  # noqa: E402
 from grace_dl.compressors.base import Call  # noqa: E402
 from grace_dl.compressors.paths import Paths  # noqa: E402
 from grace_dl.registry import lookup  # noqa: E402
@@ -205,7 +206,7 @@ def _grace_pair(name, x):
         lengths = path.sent_lengths(*pc)
         if lengths is None:
             return pc
-        return [p.reshape(-1)[:n] for p, n in zip(pc[0], lengths.tolist())], pc[1]
+        return sent_parts([p.reshape(-1) for p in pc[0]], lengths)[0], pc[1]
 
     payload, _ = sent(compress())
     nbytes = sum(p.numel() * p.element_size() for p in payload)

@@ -18,10 +18,16 @@ def check_lengths(lengths, parts) -> None:
                          f"{lengths.numel()} lengths")
 
 
-def _host_lengths(lengths, parts) -> list:
-    """A torch tensor of sent lengths (only torch's device paths cut parts) as ints, checked."""
+def sent_parts(parts, lengths) -> tuple:
+    """``(parts cut to lengths, the lengths as ints)``: the 1-D ``parts`` each cut to its entry
+    of ``lengths`` (a path's ``sent_lengths``, a torch tensor: only torch's device paths leave
+    parts whole), read here."""
+    from grace_dl.backend import ops_for
+
     check_lengths(lengths, parts)
-    return lengths.tolist()
+    counts = lengths.tolist()
+    ops = ops_for(parts[0])
+    return [ops.slice(p, 0, c) for p, c in zip(parts, counts)], counts
 
 
 class Collectives(ABC):
@@ -94,10 +100,9 @@ class Collectives(ABC):
         gather instead of in a collective beside it."""
         from grace_dl.backend import ops_for
 
-        ops = ops_for(parts[0])
-        if lengths is not None:     # (a torch tensor: only torch's device paths cut parts)
-            parts = [ops.slice(p, 0, n) for p, n in zip(parts, _host_lengths(lengths, parts))]
-        return self.allgather_async(ops.pack_ragged(parts), lengths_name)
+        if lengths is not None:
+            parts = sent_parts(parts, lengths)[0]
+        return self.allgather_async(ops_for(parts[0]).pack_ragged(parts), lengths_name)
 
     def synchronize_parts(self, handle, dtypes: list) -> list:
         """Wait for an ``allgather_parts_async`` of parts of ``dtypes`` (every rank's are the
@@ -118,11 +123,9 @@ class Collectives(ABC):
         ``alltoall_async`` of the parts cut and joined."""
         from grace_dl.backend import ops_for
 
-        ops = ops_for(parts[0])
-        counts = _host_lengths(lengths, parts)
+        cut, counts = sent_parts(parts, lengths)
         splits = counts + [0] * (self.size() - len(parts))
-        joined = ops.cat([ops.slice(p, 0, c) for p, c in zip(parts, counts)])
-        return self.alltoall_async(joined, splits, name), splits
+        return self.alltoall_async(ops_for(parts[0]).cat(cut), splits, name), splits
 
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         """``alltoall_async`` when the caller knows every rank's splits: ``matrix[r][j]``,

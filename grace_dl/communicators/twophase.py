@@ -202,10 +202,10 @@ class TwoPhase(PackingCommunicator):
             for i in range(n_parts):
                 pieces = [flat[j][0][i] for j in range(m)]
                 name = self.wire_name(handle.name, f"a2a.p{i}")
-                if lengths is not None:
-                    cut = lengths[0] if m == 1 and n_parts == 1 else \
+                if lengths is not None:     # (part i's, one a chunk)
+                    part_lengths = lengths[0] if m == 1 and n_parts == 1 else \
                         ops.cat([ops.slice(lens, i, i + 1) for lens in lengths])
-                    exchange, splits = coll.alltoall_parts_async(pieces, cut, name)
+                    exchange, splits = coll.alltoall_parts_async(pieces, part_lengths, name)
                     sent_splits.append(splits)
                     exchanges.append(exchange)
                     continue

@@ -302,10 +302,11 @@ class DistCollectives(Collectives):
         they are, and this rank's parts cut by its row of what comes back: the one read of
         the sizes is that of the gathered table."""
         size, n = self.size(), len(parts)
-        if lengths is not None:
+        if lengths is None:
+            numels = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+        else:
             check_lengths(lengths, parts)
-        numels = lengths if lengths is not None else \
-            torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+            numels = lengths
         every = self.synchronize(self.allgather_known_async(numels, [n] * size, lengths_name))
         table = every.view(size, n).tolist()
         if lengths is not None:
