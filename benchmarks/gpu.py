@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu_textbook, records  # noqa: E402
-from grace_dl.collectives import sent_parts  # noqa: E402
+from grace_dl.collectives import check_lengths, cut_parts  # noqa: E402
 from grace_dl.compressors.base import Call  # noqa: E402
 from grace_dl.compressors.paths import Paths  # noqa: E402
 from grace_dl.registry import lookup  # noqa: E402
@@ -206,7 +206,9 @@ def _grace_pair(name, x):
         lengths = path.sent_lengths(*pc)
         if lengths is None:
             return pc
-        return sent_parts([p.reshape(-1) for p in pc[0]], lengths)[0], pc[1]
+        flat = [p.reshape(-1) for p in pc[0]]
+        check_lengths(lengths, flat)
+        return cut_parts(flat, lengths.tolist()), pc[1]
 
     payload, _ = sent(compress())
     nbytes = sum(p.numel() * p.element_size() for p in payload)

@@ -4,6 +4,12 @@
 (``horovod.torch``'s async handles; ``horovod.tensorflow``'s ops, which TF schedules itself).
 Every call takes an explicit ``name``: Horovod matches collectives across ranks by name, so
 names derived from tensor names keep ranks independent of hook or trace order.
+
+A payload whose size depends on the data (``allgather_parts_async``, ``alltoall_parts_async``)
+needs its sizes read on the host before its collective can be sized or cut. Where that read
+makes the host wait for a GPU, an engine holds such collectives (``holds_sizes``) and reads
+the sizes of all it holds at once, at the first wait for any of them (``Sized``, ``issued``):
+one read a round of the step instead of one a tensor.
 """
 
 from __future__ import annotations
@@ -18,16 +24,34 @@ def check_lengths(lengths, parts) -> None:
                          f"{lengths.numel()} lengths")
 
 
-def sent_parts(parts, lengths) -> tuple:
-    """``(parts cut to lengths, the lengths as ints)``: the 1-D ``parts`` each cut to its entry
-    of ``lengths`` (a path's ``sent_lengths``, a torch tensor: only torch's device paths leave
-    parts whole), read here."""
+def cut_parts(parts, counts) -> list:
+    """The 1-D ``parts`` each cut to its entry of ``counts`` (ints)."""
     from grace_dl.backend import ops_for
 
-    check_lengths(lengths, parts)
-    counts = lengths.tolist()
     ops = ops_for(parts[0])
-    return [ops.slice(p, 0, c) for p, c in zip(parts, counts)], counts
+    return [ops.slice(p, 0, c) for p, c in zip(parts, counts)]
+
+
+class Sized:
+    """A collective of data-dependent size, issued once its sizes are read
+    (``Collectives.sized``): ``splits``, what an all-to-all sent to each rank, once issued.
+    Wait for it through ``issued``."""
+
+    __slots__ = ("owner", "lengths", "issue", "handle", "splits")
+
+    def __init__(self, owner, lengths, issue):
+        self.owner, self.lengths, self.issue = owner, lengths, issue
+        self.handle = self.splits = None
+
+
+def issued(handle):
+    """``handle`` as its engine's own: a ``Sized`` one issued first (held ones: every size its
+    engine holds read at once, ``Collectives.read_sizes``), any other as it is."""
+    if type(handle) is Sized:
+        if handle.handle is None:
+            handle.owner.read_sizes()
+        return handle.handle
+    return handle
 
 
 class Collectives(ABC):
@@ -93,16 +117,19 @@ class Collectives(ABC):
         one per part, for engines that send the parts one by one. ``lengths``: None (each part
         is sent whole), or an int32 tensor on the parts' device, one entry a part, of how
         much of each is sent (a path's ``sent_lengths``: the parts may be longer). Default
-        (engines that size a gather themselves: Horovod): ``lengths`` read (on Horovod the one
-        host read of the sizes; a wrapper over torch.distributed's, as a fusion group, reads
-        them again there), then one allgather, sent as ``lengths_name``, of each rank's block
-        of its lengths then its parts' bytes (``ops.pack_ragged``): the sizes travel inside the
-        gather instead of in a collective beside it."""
+        (engines that size a gather themselves: Horovod): ``lengths`` read (``sized``: where
+        the engine holds sizes, with the step's others), then one allgather, sent as
+        ``lengths_name``, of each rank's block of its lengths then its parts' bytes
+        (``ops.pack_ragged``): the sizes travel inside the gather instead of in a collective
+        beside it."""
         from grace_dl.backend import ops_for
 
-        if lengths is not None:
-            parts = sent_parts(parts, lengths)[0]
-        return self.allgather_async(ops_for(parts[0]).pack_ragged(parts), lengths_name)
+        ops = ops_for(parts[0])
+        if lengths is None:
+            return self.allgather_async(ops.pack_ragged(parts), lengths_name)
+        check_lengths(lengths, parts)
+        return self.sized(lengths, lambda counts: (self.allgather_async(
+            ops.pack_ragged(cut_parts(parts, counts)), lengths_name), None))
 
     def synchronize_parts(self, handle, dtypes: list) -> list:
         """Wait for an ``allgather_parts_async`` of parts of ``dtypes`` (every rank's are the
@@ -110,22 +137,83 @@ class Collectives(ABC):
         ``wire.LENGTH_NBYTES`` a part a rank."""
         from grace_dl.backend import ops_for
 
-        gathered = self.synchronize(handle)
+        gathered = self.synchronize(issued(handle))
         return ops_for(gathered).unpack_ragged(gathered, dtypes, self.size())
 
-    def alltoall_parts_async(self, parts, lengths, name: str):
+    def alltoall_parts_async(self, parts, lengths, name: str) -> Sized:
         """Start an all-to-all of ``parts[j]`` (1-D, of one dtype) to rank j, for ``j <
         len(parts)`` (nothing to the others), each cut to its entry of ``lengths`` (an int32
         tensor on the parts' device, a path's ``sent_lengths``: the parts may be longer).
-        Returns ``(handle, splits)``: the handle resolves as ``alltoall_async``'s, ``splits``
-        are the rows this rank sent to each rank. Default (engines that size an all-to-all
-        themselves: Horovod): ``lengths`` read (the one host read of the sizes), then
-        ``alltoall_async`` of the parts cut and joined."""
+        ``lengths`` None: each part is sent whole. Returns a ``Sized`` handle: wait for
+        ``issued(handle)``, which resolves as ``alltoall_async``'s; its ``splits`` are then
+        the rows this rank sent to each rank. Default (engines that size an all-to-all
+        themselves: Horovod): ``lengths`` read (``sized``), then ``alltoall_async`` of the
+        parts cut and joined."""
         from grace_dl.backend import ops_for
 
-        cut, counts = sent_parts(parts, lengths)
-        splits = counts + [0] * (self.size() - len(parts))
-        return self.alltoall_async(ops_for(parts[0]).cat(cut), splits, name), splits
+        ops = ops_for(parts[0])
+        cat = ops.cat
+        if lengths is None:
+            lengths = [ops.numel(p) for p in parts]
+        else:
+            check_lengths(lengths, parts)
+
+        def issue(counts):
+            splits = counts + [0] * (self.size() - len(parts))
+            return self.alltoall_async(cat(cut_parts(parts, counts)), splits, name), splits
+
+        return self.sized(lengths, issue)
+
+    # ------------------------------------------------------------ data-dependent sizes
+    def holds_sizes(self, lengths) -> bool:
+        """Whether this engine holds a collective of data-dependent size (``sized``, of sizes
+        ``lengths``) until one read of all the sizes it holds (``read_sizes``): where reading
+        them makes the host wait for a device (torch's engines, for sizes on a GPU). Default:
+        False, each read at once."""
+        return False
+
+    def sized(self, lengths, issue) -> Sized:
+        """A collective of data-dependent size: ``lengths`` (an integer tensor, or a function
+        returning one, of the sizes it needs read; a list: ints known already, issued now),
+        ``issue(counts)`` (``lengths`` as ints) starting it and returning ``(its handle, the
+        splits it sent or None)``. Issued now, or, where the engine ``holds_sizes``, held
+        until ``read_sizes`` (at the first wait for any held one, ``issued``): held
+        collectives start in the order made, the same on every rank."""
+        handle = Sized(self, lengths, issue)
+        if type(lengths) is list:       # (known on the host: nothing to read)
+            handle.handle, handle.splits = issue(lengths)
+            return handle
+        held = self.__dict__.setdefault("held", [])
+        held.append(handle)
+        if not self.holds_sizes(lengths):
+            self.read_sizes()
+        return handle
+
+    def read_sizes(self) -> None:
+        """Read the sizes of every held collective at once (one host read of them all) and
+        issue them, in the order made. (Sizes are torch tensors: only torch's device paths
+        and engines leave them on a device.)"""
+        held = self.__dict__.pop("held", None)
+        if not held:
+            return
+        import torch
+
+        tables = [h.lengths() if callable(h.lengths) else h.lengths for h in held]
+        flat = torch.cat([t.reshape(-1) for t in tables]) if len(tables) > 1 else tables[0]
+        counts, start = flat.reshape(-1).tolist(), 0        # (the one read)
+        for h, t in zip(held, tables):
+            n = t.numel()
+            h.handle, h.splits = h.issue(counts[start:start + n])
+            start += n
+
+    def holding(self) -> bool:
+        """Whether collectives are held for ``read_sizes``."""
+        return bool(self.__dict__.get("held"))
+
+    def drop_held(self) -> None:
+        """Forget the collectives held for ``read_sizes`` (a step given up after an error:
+        they are never issued)."""
+        self.__dict__.pop("held", None)
 
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         """``alltoall_async`` when the caller knows every rank's splits: ``matrix[r][j]``,

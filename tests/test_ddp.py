@@ -327,11 +327,12 @@ def test_compressed_hooks_train_digits_like_ddp():
 @pytest.mark.multiproc
 def test_resume_from_a_checkpoint_continues_bit_for_bit():
     """Also each bucket completed in its own hook call (``@bucketwise``: what the hook does
-    on NCCL) against the step's buckets completed together (gloo's): the same bits."""
+    on NCCL, data-dependent sizes read once a round of the step) against the step's buckets
+    completed together (gloo's): the same bits."""
     bucketwise = ["topk@bucketwise", "powersgd@bucketwise", "qsgd-2phase@pieces@bucketwise",
-                  "none@bucketwise"]
+                  "none@bucketwise", "signsgd-2phase@bucketwise", "dgc@bucketwise"]
     pipelines = ["topk", "powersgd", "qsgd-2phase", "randomk", "threshold-bcast",
-                 "qsgd-2phase@pieces", "none", *bucketwise]
+                 "qsgd-2phase@pieces", "none", "signsgd-2phase", "dgc", *bucketwise]
     res = torchrun("resume", 6, *pipelines, timeout=600)
     for out in res:
         for p in pipelines:

@@ -5,7 +5,8 @@ the host wait for the device nowhere between buckets (issue 42): every pipeline 
 entered around ``backward`` does not reach), whichever way the hook completes its futures
 (each bucket's in its own call, as on NCCL; all of them at the last bucket, as on gloo). Only
 a payload whose size depends on the data reads it (signSGD's zero plane travels where a
-tensor has exact zeros), in the communicator's exchange of sizes, not in compress. One
+tensor has exact zeros), in the communicator's exchange of sizes, not in compress: once a
+round of the step where the collectives hold such sizes (on NCCL), else once a tensor. One
 process on gloo (a world of one)."""
 
 import collections
@@ -24,13 +25,15 @@ from grace_dl.torch import ddp as grace_ddp
 from grace_dl.torch.distributed import DistCollectives
 from grace_dl.torch.kernels import emulate_device
 
-#: host reads per grace tensor a step of a pipeline whose payload size depends on the data:
-#: (in compress, in the exchange of sizes). Compress reads nothing (its payload is its whole
-#: buffer, the length sent of it on the device: ``Call.exchanges_sizes``): signSGD on
-#: allgather reads the gathered lengths; on two-phase, the all-to-all's matrix of them, its
-#: received splits as a list (a host tensor: no wait on a GPU, which the guard cannot tell
-#: apart) and the gathered lengths of the server's payloads.
-SIZED = {"signsgd": (0, 1), "signsgd-2phase": (0, 3)}
+#: host reads a step of a pipeline whose payload size depends on the data: (in compress, a
+#: grace tensor; in the exchange of sizes, a grace tensor; in it, a round of the step where
+#: the collectives hold the step's sizes for one read, as on NCCL; where they do not, a
+#: grace tensor). Compress reads nothing (its payload is its whole buffer, the length sent of
+#: it on the device: ``Call.exchanges_sizes``): signSGD on allgather reads the gathered
+#: lengths; on two-phase, the all-to-all's matrix of them and the gathered lengths of the
+#: server's payloads, and its received splits as a list (a host tensor: no wait on a GPU,
+#: which the guard cannot tell apart).
+SIZED = {"signsgd": (0, 0, 1), "signsgd-2phase": (0, 1, 2)}
 STEPS, WATCHED = 5, 3       # (the first steps make slots, check agreement, rebuild buckets)
 
 
@@ -77,8 +80,9 @@ def test_a_hook_step_on_the_device_path_waits_only_for_data_dependent_sizes(
     assert units >= 3 or pipeline == "powersgd", state.last_step_names   # several buckets
     kinds = collections.Counter("exchange" if exchanging(where) else "compress"
                                 for _, where in recorded)
-    compress, exchange = SIZED.get(pipeline, (0, 0))
+    compress, exchange, rounds = SIZED.get(pipeline, (0, 0, 0))
     steps = STEPS - WATCHED
-    expected = collections.Counter({"compress": compress * units * steps,
-                                    "exchange": exchange * units * steps})
+    expected = collections.Counter({
+        "compress": compress * units * steps,
+        "exchange": (exchange * units + rounds * (1 if per_bucket else units)) * steps})
     assert kinds == +expected, recorded     # (``+``: without the kinds counted 0)

@@ -12,7 +12,7 @@ import mp
 N = 2
 MULTI = ("powersgd", "signsgd-2phase", "qsgd-2phase", "signsgd-2phase-pieces", "strategy",
          "schedule")
-SINGLE = ("topk", "randomk", "topk-buckets")
+SINGLE = ("topk", "randomk", "topk-buckets", "signsgd")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,21 @@ def test_early_completion_gives_the_same_parameters(ranks, name):
         for k in early:
             assert np.array_equal(early[k], late[k]), (name, k)
         assert res[name]["late"]["early_per_step"] == [0, 0, 0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["signsgd-2phase", "signsgd"])
+def test_sizes_held_for_the_steps_one_read_give_the_same_parameters(ranks, name):
+    """signSGD on the device path, its data-dependent sizes held until the step's first wait
+    (as on a GPU: ``Collectives.holds_sizes``): the parameters of the path CPU tensors take,
+    bit for bit; a held phase cannot finish early, so none does (its sizes are read with
+    the step's others, in ``synchronize()``)."""
+    for res in ranks:
+        held = res[f"{name}-held"]
+        for when in ("early", "late"):
+            for k, value in res[name][when]["params"].items():
+                assert np.array_equal(held[when]["params"][k], value), (name, when, k)
+            assert held[when]["early_per_step"] == [0, 0, 0]
 
 
 @pytest.mark.multiproc

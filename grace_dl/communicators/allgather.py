@@ -11,10 +11,12 @@ buffers first (torch.distributed) then exchanges no sizes, a blocking round trip
 When payload sizes differ across ranks (``equal_sizes`` False: threshold, DGC, the signs'
 zero plane) the int32 element count of each part travels too (4 bytes per part per rank:
 ``Collectives.allgather_parts_async``; on Horovod inside the one gather, on torch.distributed
-in a gather of its own, read before the parts' gathers are sized). That exchange of sizes is
-the one read of them: a path whose payload can be cut after compressing (signSGD's, Signum's
-on a GPU) leaves it whole and says on the device how much of it is sent (``sent_lengths``,
-``Call.exchanges_sizes``), instead of reading its size itself. A rank may send 0 elements.
+in a gather of its own, read before the parts' gathers are sized; where that read makes the
+host wait for a GPU, held to be read with the step's other sizes: ``Collectives.sized``). That
+exchange of sizes is the one read of them: a path whose payload can be cut after compressing
+(signSGD's, Signum's on a GPU) leaves it whole and says on the device how much of it is sent
+(``sent_lengths``, ``Call.exchanges_sizes``), instead of reading its size itself. A rank may
+send 0 elements.
 
 Carries every single-round compressor; the result is exact when the compressor is, and the
 aggregation (sum, or majority vote for signs) runs in rank order, so all ranks get the same bits.

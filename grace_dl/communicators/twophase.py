@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from grace_dl import validate
 from grace_dl.backend import ops_for
+from grace_dl.collectives import issued
 from grace_dl.communicators import wire
 from grace_dl.communicators.base import (
     Encoded,
@@ -72,8 +73,9 @@ class Scattering(InFlight):
     packed: bool = False
     #: whether payload sizes differ across ranks: each part's all-to-all says how long it is
     ragged: bool = False
-    #: ragged: the bytes of this rank's own chunk as sent to itself (its parts cut)
-    own_nbytes: int | None = None
+    #: ragged: per part, its ``Sized`` all-to-all (whose ``splits``, once it is issued, are
+    #: the rows sent to each rank)
+    sent_splits: list | None = None
 
 
 @dataclass
@@ -202,34 +204,26 @@ class TwoPhase(PackingCommunicator):
             for i in range(n_parts):
                 pieces = [flat[j][0][i] for j in range(m)]
                 name = self.wire_name(handle.name, f"a2a.p{i}")
-                if lengths is not None:     # (part i's, one a chunk)
-                    part_lengths = lengths[0] if m == 1 and n_parts == 1 else \
-                        ops.cat([ops.slice(lens, i, i + 1) for lens in lengths])
-                    exchange, splits = coll.alltoall_parts_async(pieces, part_lengths, name)
-                    sent_splits.append(splits)
+                if ragged:
+                    part_lengths = None if lengths is None else lengths[0] \
+                        if m == 1 and n_parts == 1 else \
+                        ops.cat([ops.slice(lens, i, i + 1) for lens in lengths])   # (part i's)
+                    exchange = coll.alltoall_parts_async(pieces, part_lengths, name)
+                    sent_splits.append(exchange)        # (its splits, once issued)
                     exchanges.append(exchange)
                     continue
                 splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
-                sent_splits.append(splits)
-                exchanges.append(coll.alltoall_async(ops.cat(pieces), splits, name) if ragged
-                                 else coll.alltoall_known_async(ops.cat(pieces), splits,
-                                                                [splits] * size, name))
-        if ragged:      # what went to every other rank, and this rank's own rows
-            sent, own = 0, 0
-            for i, splits in enumerate(sent_splits):
-                width = itemsize(ops.dtype(flat[0][0][i]))
-                own += splits[me] * width
-                sent += (sum(splits) - splits[me]) * width
-            received = 0        # counted when the all-to-all is in (``_reduce_and_gather``)
-        else:
-            sent = 0
-            for j in range(m):
-                if j != me:
-                    sent += ops.total_nbytes(flat[j][0])
-            received = (size - 1) * ops.total_nbytes(flat[me][0]) if me < m else 0
-            own = None
+                exchanges.append(coll.alltoall_known_async(ops.cat(pieces), splits,
+                                                           [splits] * size, name))
+        if ragged:      # counted when the all-to-all is in (``_reduce_and_gather``)
+            return Scattering(exchanges, flat, packed, ragged, sent_splits)
+        sent = 0
+        for j in range(m):
+            if j != me:
+                sent += ops.total_nbytes(flat[j][0])
+        received = (size - 1) * ops.total_nbytes(flat[me][0]) if me < m else 0
         wire.count(self, ops, handle.name, sent=sent, received=received)
-        return Scattering(exchanges, flat, packed, ragged, own)
+        return Scattering(exchanges, flat, packed, ragged)
 
     # ------------------------------------------------------------------ phases 2 and 3
     def complete(self, phase: Phase, handle: Handle):
@@ -245,8 +239,16 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(flat[0][0][0])
         mine = own = None
         own_in_place = False
-        results = [coll.synchronize(h) for h in phase.handles]
+        results = [coll.synchronize(issued(h)) for h in phase.handles]
         got = [r[0] for r in results]
+        if phase.ragged:        # what went to every other rank, and this rank's own rows
+            sent = own = 0
+            for i, exchange in enumerate(phase.sent_splits):
+                splits = exchange.splits
+                width = itemsize(ops.dtype(flat[0][0][i]))
+                own += splits[me] * width
+                sent += (sum(splits) - splits[me]) * width
+            wire.count(self, ops, handle.name, sent=sent)
         if me < m:
             # from each rank, part i of its payload for my chunk: the length of my own, or as
             # the all-to-all says where sizes differ
@@ -254,7 +256,7 @@ class TwoPhase(PackingCommunicator):
                 per_rank = ops.unpack_parts(got[0], [ops.part_layout(flat[me][0])] * size)
             elif phase.ragged:
                 per_rank = [_split_received(ops, g, r[1]) for g, r in zip(got, results)]
-                received = wire.nbytes(got) - phase.own_nbytes
+                received = wire.nbytes(got) - own
                 wire.count(self, ops, handle.name, received=received)
             else:
                 per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)

@@ -20,7 +20,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.process_sets import global_process_set
 
-from grace_dl.collectives import Collectives
+from grace_dl.collectives import Collectives, Sized, issued
 
 # dtype the wire uses for a dtype Horovod's torch ops lack: (wire dtype, reinterpret bits?)
 _MOVE_AS = {torch.bool: (torch.uint8, False), torch.bfloat16: (torch.int16, True)}
@@ -105,11 +105,22 @@ class TorchCollectives(Collectives):
         return _Pending(handle, (lambda out: (post(out[0]), out[1])) if post else None)
 
     def synchronize(self, handle):
+        if type(handle) is Sized:
+            handle = issued(handle)
         out = hvd.synchronize(handle.handle)
         return handle.post(out) if handle.post else out
 
     def done(self, handle) -> bool:
+        if type(handle) is Sized:
+            if handle.handle is None:
+                return False        # (held for the step's read of sizes)
+            handle = handle.handle
         return hvd.poll(handle.handle)
+
+    def holds_sizes(self, lengths) -> bool:
+        """Sizes on a GPU: reading one makes the host wait for it, so the step's are read
+        together, at the first wait for any of them."""
+        return lengths.is_cuda
 
     def barrier(self) -> None:
         hvd.barrier(process_set=self.process_set)

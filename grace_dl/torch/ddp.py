@@ -31,7 +31,10 @@ every rank), so the host never waits for one bucket's collectives while the back
 go on. On NCCL, where waiting for a collective holds the GPU's stream and not the host, each
 bucket is received in its own hook call and its future completed at once, as PyTorch's own
 hooks do: its decompression queues behind its collectives while the backward pass still runs,
-instead of every bucket's waiting for the last. Same bits either way. The last bucket closes
+instead of every bucket's waiting for the last; but a bucket whose payload's size depends on
+the data (signs with a zero plane, threshold) waits for the step's one read of such sizes
+(``Collectives.sized``: reading one makes the host wait for the GPU), made at the next bucket
+received, at the latest the last. Same bits either way. The last bucket closes
 the step in ``grc.bytes`` (``grc.end_step()``). Results land in DDP's own bucket:
 each grace tensor that is the bucket's buffer or a gradient's view of it is sent and received
 with ``into=`` that memory, and the future returns the buffer. The grace tensors of one bucket
@@ -328,6 +331,7 @@ class GraceState:
         #: completed so
         self._per_bucket = None
         self._finished: list = []
+        self._completed = 0                     # this step's buckets whose futures are set
         self._buckets: list = []                # this step's (future, buffer)
         self._views: dict = {}                  # name -> its gradient's view of its bucket
         self._deferred: dict = {}               # name -> gradient held for _start_deferred
@@ -420,7 +424,7 @@ class GraceState:
         parameters it meets by the original's first-met order."""
         self.__dict__.update(state)
         self._process_group, self.collectives = None, None
-        self._per_bucket = None
+        self._per_bucket, self._completed = None, 0     # (a state pickled before it had it)
         if self._order:
             self._resume = list(self._order)
         self._order, self._index = [], {}
@@ -555,8 +559,8 @@ class GraceState:
             self._exchange.start(flat, layout.name, names, layout.numels, flat,
                                 layout.pieces, self.collectives)
         self._buckets.append((fut, buffer))
-        if self._per_bucket and self._target is None:
-            self._finish_bucket(fut, buffer)
+        if self._per_bucket and self._target is None and not self.collectives.holding():
+            self._finish_bucket()
         return fut
 
     def _views_of(self, bucket, names) -> list:
@@ -565,13 +569,16 @@ class GraceState:
         self._views.update(zip(names, grads))
         return grads
 
-    def _finish_bucket(self, fut, buffer) -> None:
-        """Receive the bucket's units now and complete its future (``_per_bucket``)."""
+    def _finish_bucket(self) -> None:
+        """Receive the units not received yet now (this bucket's, and those of buckets held
+        for the step's read of sizes) and complete their futures (``_per_bucket``)."""
         units = self._exchange.finish() if self._powersgd is None else self._powersgd_units()
         if self._views:
             self._write_back(units)
         self._finished.extend(units)
-        fut.set_result(buffer)
+        for fut, buffer in self._buckets[self._completed:]:
+            fut.set_result(buffer)
+        self._completed = len(self._buckets)
 
     def _write_back(self, units) -> None:
         """Copy the results of ``units`` that did not land in the bucket by themselves into
@@ -655,6 +662,7 @@ class GraceState:
         self._layout = list(map(_MEMBERS, units))
         self._target = None  # DDP's own (rebuilt) layout from now on
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
+        self._completed = 0
 
     def _forget_vanished(self, names) -> None:
         """Drop the state of the grace tensors the last step sent and this one did not: DDP's
@@ -679,8 +687,11 @@ class GraceState:
     def _clear(self) -> None:
         """Forget a half-started step's units, futures and views."""
         self._exchange.clear()
+        if self.collectives is not None:
+            self.collectives.drop_held()
         self._powersgd_buckets = []
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
+        self._completed = 0
 
     # ------------------------------------------------------------------ checkpoints
     def reset(self, name: str | None = None) -> None:

@@ -38,9 +38,12 @@ What goes on the wire, per call (``N`` ranks of the group):
   tensor's exchange and go on compressing the next while the first is on the wire (the DDP
   hook's pieces). The given sizes are checked against this rank's own (``ValueError``).
 - ``allgather_parts_async`` / ``alltoall_parts_async`` (payloads whose size depends on the
-  data): every rank's int32 part lengths gathered first, **waited for** (the one read of the
-  sizes; given on the device by the caller, they are gathered as they are and this rank's
-  parts cut by its row), then the parts' transfers with every size known.
+  data): every rank's int32 part lengths gathered first (given on the device by the caller,
+  as they are; this rank's parts are cut by its row), then, once the gathered table is
+  **read**, the parts' transfers with every size known. On NCCL that read makes the host wait
+  for the device, so the parts' transfers are held (``Collectives.sized``) and the step's
+  tables read together at the first wait for any of them: one read of sizes a round of the
+  step, not one a tensor. Elsewhere each table is read at once.
 - ``allreduce_async_``: one ``all_reduce`` (SUM) in the caller's tensor, then scaled in place
   (DDP's own allreduce of its bucket; ``None`` for types summed widened, non-contiguous
   tensors and CPU tensors on NCCL).
@@ -57,7 +60,7 @@ import operator
 import torch
 import torch.distributed as dist
 
-from grace_dl.collectives import Collectives, check_lengths
+from grace_dl.collectives import Collectives, Sized, check_lengths, cut_parts, issued
 
 _SUM_AS = {torch.int8: torch.int32, torch.uint8: torch.int32, torch.int16: torch.int32,
            torch.bfloat16: torch.float32}
@@ -296,30 +299,43 @@ class DistCollectives(Collectives):
         return _Pending(work, finish)
 
     def allgather_parts_async(self, parts, names, lengths_name: str, lengths=None):
-        """The lengths first, waited for (the one exchange of sizes: each part's buffers are
-        then sized from them), then every part with its ranks' lengths known, cut by them
-        where they arrive. ``lengths`` given (a path's, on the parts' device) are gathered as
-        they are, and this rank's parts cut by its row of what comes back: the one read of
-        the sizes is that of the gathered table."""
+        """The lengths gathered first (the exchange of sizes: each part's buffers are sized
+        from them), then every part with its ranks' lengths known, cut by them where they
+        arrive; the gathered table is read when the parts are issued (``sized``: on NCCL with
+        the step's other sizes, at the first wait for any of them). ``lengths`` given (a
+        path's, on the parts' device) are gathered as they are, and this rank's parts cut by
+        its row of the table."""
         size, n = self.size(), len(parts)
         if lengths is None:
-            numels = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+            numels = self._numels(parts)
         else:
             check_lengths(lengths, parts)
             numels = lengths
-        every = self.synchronize(self.allgather_known_async(numels, [n] * size, lengths_name))
-        table = every.view(size, n).tolist()
-        if lengths is not None:
-            parts = [p[:c] for p, c in zip(parts, table[self.rank()])]
-        pending = []
-        for i, (p, name) in enumerate(zip(parts, names)):
-            counts = [row[i] for row in table]
-            pending.append((self.allgather_known_async(p, counts, name), counts))
-        return _Pending([h.work for h, _ in pending],
-                        lambda: [list(torch.split(h.finish(), c)) for h, c in pending])
+        every = self.allgather_known_async(numels, [n] * size, lengths_name)
+
+        def issue(flat):
+            table = [flat[r * n:(r + 1) * n] for r in range(size)]
+            cut = parts if lengths is None else cut_parts(parts, table[self.rank()])
+            pending = []
+            for i, (p, name) in enumerate(zip(cut, names)):
+                counts = [row[i] for row in table]
+                pending.append((self.allgather_known_async(p, counts, name), counts))
+            return _Pending([h.work for h, _ in pending],
+                            lambda: [list(torch.split(h.finish(), c)) for h, c in pending]), None
+
+        return self.sized(lambda: self.synchronize(every), issue)
 
     def synchronize_parts(self, handle, dtypes: list) -> list:
         return self.synchronize(handle)
+
+    def _numels(self, parts):
+        """The int32 lengths of ``parts``, where their exchange of sizes runs: on NCCL on the
+        parts' device (the table stays there, read with the others; a pinned copy to the
+        device waits for nothing)."""
+        numels = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+        if self._is_nccl and parts[0].is_cuda:
+            numels = numels.pin_memory().to(parts[0].device, non_blocking=True)
+        return numels
 
     def broadcast_async(self, tensor, root: int, name: str):
         if not 0 <= int(root) < self.size():
@@ -339,18 +355,30 @@ class DistCollectives(Collectives):
         return self.alltoall_known_async(tensor, splits, None, name)
 
     def alltoall_parts_async(self, parts, lengths, name: str):
-        """Every rank's ``lengths`` gathered as they are, on the device (the all-to-all's
-        matrix: its one read is the exchange of sizes), then this rank's parts cut by its row
-        and sent with every rank's splits known."""
+        """Every rank's ``lengths`` gathered as they are, on the device (None: the parts'
+        own; the all-to-all's matrix: its read, ``sized``, is the exchange of sizes), then
+        this rank's parts cut by its row and sent with every rank's splits known."""
         size, me, m = self.size(), self.rank(), len(parts)
-        check_lengths(lengths, parts)
+        if lengths is None:
+            lengths = self._numels(parts)
+        else:
+            check_lengths(lengths, parts)
         mine = lengths if m == size else torch.cat(
             [lengths, lengths.new_zeros(size - m)])
-        every = self.synchronize(self.allgather_known_async(mine, [size] * size, name))
-        matrix = every.view(size, size).tolist()        # [from][to] rows
-        splits = matrix[me]
-        joined = torch.cat([p[:c] for p, c in zip(parts, splits)])
-        return self.alltoall_known_async(joined, splits, matrix, name), splits
+        every = self.allgather_known_async(mine, [size] * size, name)
+
+        def issue(flat):
+            matrix = [flat[r * size:(r + 1) * size] for r in range(size)]   # [from][to] rows
+            splits = matrix[me]
+            joined = torch.cat(cut_parts(parts, splits[:m]))
+            return self.alltoall_known_async(joined, splits, matrix, name), splits
+
+        return self.sized(lambda: self.synchronize(every), issue)
+
+    def holds_sizes(self, lengths) -> bool:
+        """On NCCL (``waits_in_stream``): a read of sizes there makes the host wait for the
+        device, so the step's are read together."""
+        return self.waits_in_stream()
 
     def alltoall_known_async(self, tensor, splits, matrix, name: str):
         group = self._group()
@@ -392,6 +420,8 @@ class DistCollectives(Collectives):
 
     # ------------------------------------------------------------------ waiting
     def synchronize(self, handle):
+        if type(handle) is Sized:
+            handle = issued(handle)
         if not isinstance(handle, _Pending):
             raise ValueError(f"synchronize takes a handle from this DistCollectives, got "
                              f"{type(handle).__name__}")

@@ -89,7 +89,9 @@ def mlp(width=128):
 #: ``<pipeline>@pieces``: the hook sends each bucket in pieces of 4 KiB (``piece_bytes``)
 PIECES = "@pieces"
 #: ``<pipeline>@bucketwise``: each bucket completed in its own hook call, as on NCCL
-#: (``GraceState._per_bucket``; on gloo the step's buckets are completed together)
+#: (``GraceState._per_bucket``; on gloo the step's buckets are completed together), and
+#: collectives of data-dependent size held for one read of the step's sizes, as on NCCL
+#: (``Collectives.holds_sizes``)
 BUCKETWISE = "@bucketwise"
 
 
@@ -100,6 +102,7 @@ def hook_state(pipeline, **kwargs):
     state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[base])), **kwargs)
     if BUCKETWISE[1:] in flags:
         state._per_bucket = True
+        state.collectives.holds_sizes = lambda lengths: True
     return state
 
 

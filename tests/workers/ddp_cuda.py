@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from grace_dl.torch.distributed import DistCollectives
 
 PIPELINES = {
     **{k: GRACE[k] for k in ("none", "fp16", "topk", "randomk", "powersgd", "qsgd-2phase",
-                             "signsgd")},
+                             "signsgd", "signsgd-2phase")},
     "terngrad-bcast": {"compressor": "terngrad", "memory": "none", "communicator": "broadcast"},
     "dgc": {"compressor": "dgc", "compress_ratio": 0.01, "memory": "dgc",
             "communicator": "allgather"},
@@ -139,7 +140,7 @@ def main() -> int:
 
     def bucketwise_equals_together():
         done = []
-        for pipeline in ("topk", "qsgd-2phase", "powersgd", "none"):
+        for pipeline in ("topk", "qsgd-2phase", "powersgd", "none", "signsgd-2phase", "dgc"):
             a, sa = train(pipeline, device)
             b, _ = train(pipeline, device, per_bucket=not sa._per_bucket)
             assert sa._per_bucket is (backend == "nccl"), (pipeline, sa._per_bucket)
@@ -148,6 +149,36 @@ def main() -> int:
         return f"each bucket in its hook call == the step's together: {done}"
 
     check(f"{backend} buckets completed one by one == together", bucketwise_equals_together)
+
+    def sizes_read_once_a_round():
+        """Host synchronisations in a hook step's backward pass (CUDA's sync debug mode,
+        warnings counted) of the pipelines whose payload size depends on the data: on NCCL
+        the exchange's sizes are read once a round of the step (``Collectives.sized``), so
+        signSGD on allgather waits once a step whatever its buckets; two-phase twice; dgc
+        also reads its count in compress, once a bucket."""
+        out = {}
+        for pipeline in ("signsgd", "signsgd-2phase", "dgc"):
+            net, state = train(pipeline, device)
+            gen = torch.Generator().manual_seed(2)
+            x = torch.randn(64, 256, generator=gen).to(device)
+            y = torch.randint(0, 10, (64,), generator=gen).to(device)
+            loss = nn.functional.cross_entropy(net(x), y)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    loss.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message).lower() for w in seen)
+            out[pipeline] = {"syncs": syncs, "buckets": len(state.last_step_names)}
+        if backend == "nccl":
+            assert out["signsgd"]["syncs"] == 1, out
+            assert out["signsgd-2phase"]["syncs"] == 2, out
+        return out
+
+    check(f"{backend} data-dependent sizes read once a round", sizes_read_once_a_round)
 
     def bucket_views_change_nothing():
         done = []

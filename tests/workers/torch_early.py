@@ -5,6 +5,7 @@ finish before the next layer's hook. Usage: ``torch_early.py``; tests/test_torch
 checks the report.
 """
 
+import contextlib
 import time
 
 import torch
@@ -70,7 +71,30 @@ PIPELINES = {
     "strategy": (None, {}),
     # a Schedule: PowerSGD for a step, then signSGD two-phase (its running stage's advance)
     "schedule": ("schedule", {}),
+    # signSGD on the device path (a GPU's code on CPU tensors), its data-dependent sizes held
+    # for one read at the step's first wait, as on a GPU (``Collectives.holds_sizes``)
+    "signsgd-2phase-held": ({"compressor": "signsgd", "memory": "residual",
+                             "communicator": "twophase"}, {"held": True}),
+    "signsgd-held": ({"compressor": "signsgd", "memory": "residual",
+                      "communicator": "allgather"}, {"held": True}),
+    "signsgd": ({"compressor": "signsgd", "memory": "residual",
+                 "communicator": "allgather"}, {}),
 }
+
+
+@contextlib.contextmanager
+def held_sizes():
+    """The device path, with Horovod's collectives holding sizes as they do on a GPU."""
+    from grace_dl.torch.collectives import TorchCollectives
+    from grace_dl.torch.kernels import emulate_device
+
+    before = TorchCollectives.holds_sizes
+    TorchCollectives.holds_sizes = lambda self, lengths: True
+    try:
+        with emulate_device():
+            yield
+    finally:
+        TorchCollectives.holds_sizes = before
 
 
 def strategy(model):
@@ -83,7 +107,12 @@ def strategy(model):
     return from_strategy(assemble(variables, pipelines))
 
 
-def train(params, early, **kwargs):
+def train(params, early, held=False, **kwargs):
+    with held_sizes() if held else contextlib.nullcontext():
+        return _train(params, early, **kwargs)
+
+
+def _train(params, early, **kwargs):
     model = Paused()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if params is None:
