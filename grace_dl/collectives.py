@@ -151,18 +151,16 @@ class Collectives(ABC):
         parts cut and joined."""
         from grace_dl.backend import ops_for
 
-        ops = ops_for(parts[0])
-        cat = ops.cat
+        cat = ops_for(parts[0]).cat
+        pad = [0] * (self.size() - len(parts))
         if lengths is None:
-            lengths = [ops.numel(p) for p in parts]
-        else:
-            check_lengths(lengths, parts)
-
-        def issue(counts):
-            splits = counts + [0] * (self.size() - len(parts))
-            return self.alltoall_async(cat(cut_parts(parts, counts)), splits, name), splits
-
-        return self.sized(lengths, issue)
+            handle = Sized(self, None, None)
+            handle.splits = [ops_for(p).numel(p) for p in parts] + pad
+            handle.handle = self.alltoall_async(cat(parts), handle.splits, name)
+            return handle
+        check_lengths(lengths, parts)
+        return self.sized(lengths, lambda counts: (
+            self.alltoall_async(cat(cut_parts(parts, counts)), counts + pad, name), counts + pad))
 
     # ------------------------------------------------------------ data-dependent sizes
     def holds_sizes(self, lengths) -> bool:

@@ -359,7 +359,8 @@ class DistCollectives(Collectives):
         own; the all-to-all's matrix: its read, ``sized``, is the exchange of sizes), then
         this rank's parts cut by its row and sent with every rank's splits known."""
         size, me, m = self.size(), self.rank(), len(parts)
-        if lengths is None:
+        whole = lengths is None
+        if whole:
             lengths = self._numels(parts)
         else:
             check_lengths(lengths, parts)
@@ -370,7 +371,7 @@ class DistCollectives(Collectives):
         def issue(flat):
             matrix = [flat[r * size:(r + 1) * size] for r in range(size)]   # [from][to] rows
             splits = matrix[me]
-            joined = torch.cat(cut_parts(parts, splits[:m]))
+            joined = torch.cat(parts if whole else cut_parts(parts, splits[:m]))
             return self.alltoall_known_async(joined, splits, matrix, name), splits
 
         return self.sized(lambda: self.synchronize(every), issue)
