@@ -50,6 +50,9 @@ def issued(handle):
     if type(handle) is Sized:
         if handle.handle is None:
             handle.owner.read_sizes()
+            if handle.handle is None:
+                raise RuntimeError("a collective of data-dependent size was never issued: the "
+                                   "read of its step's sizes failed earlier")
         return handle.handle
     return handle
 
@@ -197,12 +200,14 @@ class Collectives(ABC):
         import torch
 
         tables = [h.lengths() if callable(h.lengths) else h.lengths for h in held]
-        flat = torch.cat([t.reshape(-1) for t in tables]) if len(tables) > 1 else tables[0]
-        counts, start = flat.reshape(-1).tolist(), 0        # (the one read)
+        by_device: dict = {}        # (tables on other devices are read apart, each at once)
+        for t in tables:
+            by_device.setdefault(t.device, []).append(t.reshape(-1))
+        counts = {d: iter((torch.cat(ts) if len(ts) > 1 else ts[0]).tolist())   # (the read)
+                  for d, ts in by_device.items()}
         for h, t in zip(held, tables):
-            n = t.numel()
-            h.handle, h.splits = h.issue(counts[start:start + n])
-            start += n
+            mine = counts[t.device]
+            h.handle, h.splits = h.issue([next(mine) for _ in range(t.numel())])
 
     def holding(self) -> bool:
         """Whether collectives are held for ``read_sizes``."""

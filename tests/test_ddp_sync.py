@@ -86,3 +86,4 @@ def test_a_hook_step_on_the_device_path_waits_only_for_data_dependent_sizes(
         "compress": compress * units * steps,
         "exchange": (exchange * units + rounds * (1 if per_bucket else units)) * steps})
     assert kinds == +expected, recorded     # (``+``: without the kinds counted 0)
+

@@ -114,3 +114,38 @@ def test_sent_lengths_must_be_one_a_part():
         OneRank().allgather_parts_async(parts, ["a", "b"], "len", one)
     with pytest.raises(ValueError, match="one a part: 2 parts, 1 lengths"):
         OneRank().alltoall_parts_async(parts, one, "a2a")
+
+
+def test_held_collectives_are_issued_in_order_after_one_read_of_their_sizes():
+    """An engine that holds sizes (``Collectives.holds_sizes``: on NCCL, or Horovod's for
+    sizes on a GPU) issues nothing until the first wait for a held collective, then reads
+    every held size table at once (one host read) and issues them in the order made; a
+    collective whose issue failed makes the ones held with it say so when waited for."""
+    import torch
+    from sync_guard import guarded
+
+    from grace_dl.collectives import issued
+    from support import OneRank
+
+    class Holding(OneRank):
+        def holds_sizes(self, lengths):
+            return True
+
+    coll, order = Holding(), []
+    first = coll.sized(torch.tensor([2, 3]),
+                       lambda c: (order.append(("first", c)) or "first's", None))
+    second = coll.sized(lambda: torch.tensor([5]),
+                        lambda c: (order.append(("second", c)) or "second's", c))
+    assert coll.holding() and order == []
+    with guarded() as guard:
+        assert issued(second) == "second's"
+    assert [what for what, _ in guard.calls] == ["tolist"]
+    assert order == [("first", [2, 3]), ("second", [5])] and not coll.holding()
+    assert second.splits == [5] and first.splits is None
+    assert issued(first) == "first's" and len(order) == 2      # (issued once)
+    failing = coll.sized(torch.tensor([1]), lambda c: (1 / 0, None))
+    later = coll.sized(torch.tensor([1]), lambda c: ("later", None))
+    with pytest.raises(ZeroDivisionError):
+        issued(failing)
+    with pytest.raises(RuntimeError, match="never issued"):
+        issued(later)

@@ -36,14 +36,17 @@ def test_early_completion_gives_the_same_parameters(ranks, name):
 def test_sizes_held_for_the_steps_one_read_give_the_same_parameters(ranks, name):
     """signSGD on the device path, its data-dependent sizes held until the step's first wait
     (as on a GPU: ``Collectives.holds_sizes``): the parameters of the path CPU tensors take,
-    bit for bit; a held phase cannot finish early, so none does (its sizes are read with
-    the step's others, in ``synchronize()``)."""
+    bit for bit; a held phase cannot finish early, so none does; the six tensors' sizes are
+    read together in ``synchronize()``, once a round (two-phase: two)."""
+    rounds = 2 if name.endswith("2phase") else 1
     for res in ranks:
         held = res[f"{name}-held"]
         for when in ("early", "late"):
             for k, value in res[name][when]["params"].items():
                 assert np.array_equal(held[when]["params"][k], value), (name, when, k)
             assert held[when]["early_per_step"] == [0, 0, 0]
+            assert held[when]["reads_per_step"] == [rounds] * 3, held[when]
+        assert res[name]["late"]["reads_per_step"] == [0, 0, 0]
 
 
 @pytest.mark.multiproc

@@ -242,11 +242,11 @@ class TwoPhase(PackingCommunicator):
         results = [coll.synchronize(issued(h)) for h in phase.handles]
         got = [r[0] for r in results]
         if phase.ragged:        # what went to every other rank, and this rank's own rows
-            sent = own = 0
+            sent = own_nbytes = 0
             for i, exchange in enumerate(phase.sent_splits):
                 splits = exchange.splits
                 width = itemsize(ops.dtype(flat[0][0][i]))
-                own += splits[me] * width
+                own_nbytes += splits[me] * width
                 sent += (sum(splits) - splits[me]) * width
             wire.count(self, ops, handle.name, sent=sent)
         if me < m:
@@ -256,7 +256,7 @@ class TwoPhase(PackingCommunicator):
                 per_rank = ops.unpack_parts(got[0], [ops.part_layout(flat[me][0])] * size)
             elif phase.ragged:
                 per_rank = [_split_received(ops, g, r[1]) for g, r in zip(got, results)]
-                received = wire.nbytes(got) - own
+                received = wire.nbytes(got) - own_nbytes
                 wire.count(self, ops, handle.name, received=received)
             else:
                 per_rank = [ops.split(g, [ops.numel(flat[me][0][i])] * size)

@@ -126,6 +126,15 @@ class TorchCollectives(Collectives):
         hvd.barrier(process_set=self.process_set)
 
 
+#: process set (None: the global one) -> its collectives: one a process set, so that every
+#: tensor sent on it shares the collectives held for the step's one read of sizes
+_BY_SET: dict = {}
+
+
 def collectives(process_set=None) -> TorchCollectives:
-    """The Horovod torch collectives over ``process_set`` (the global one by default)."""
-    return TorchCollectives(process_set)
+    """The Horovod torch collectives over ``process_set`` (the global one by default): the
+    same object for the same process set."""
+    coll = _BY_SET.get(process_set)
+    if coll is None:
+        coll = _BY_SET[process_set] = TorchCollectives(process_set)
+    return coll

@@ -31,11 +31,11 @@ every rank), so the host never waits for one bucket's collectives while the back
 go on. On NCCL, where waiting for a collective holds the GPU's stream and not the host, each
 bucket is received in its own hook call and its future completed at once, as PyTorch's own
 hooks do: its decompression queues behind its collectives while the backward pass still runs,
-instead of every bucket's waiting for the last; but a bucket whose payload's size depends on
-the data (signs with a zero plane, threshold) waits for the step's one read of such sizes
-(``Collectives.sized``: reading one makes the host wait for the GPU), made at the next bucket
-received, at the latest the last. Same bits either way. The last bucket closes
-the step in ``grc.bytes`` (``grc.end_step()``). Results land in DDP's own bucket:
+instead of every bucket's waiting for the last. But from the first bucket whose payload's size
+depends on the data (signs with a zero plane, threshold) on, the buckets are received at the
+last one, with the step's one read of such sizes (``Collectives.sized``: reading one makes the
+host wait for the GPU). Same bits either way. The last bucket closes the step in ``grc.bytes``
+(``grc.end_step()``). Results land in DDP's own bucket:
 each grace tensor that is the bucket's buffer or a gradient's view of it is sent and received
 with ``into=`` that memory, and the future returns the buffer. The grace tensors of one bucket
 (``"parameter"`` granularity) share one ``GroupCollectives`` and are received together
@@ -570,8 +570,8 @@ class GraceState:
         return grads
 
     def _finish_bucket(self) -> None:
-        """Receive the units not received yet now (this bucket's, and those of buckets held
-        for the step's read of sizes) and complete their futures (``_per_bucket``)."""
+        """Receive the units not received yet now and complete their futures
+        (``_per_bucket``; none is held for the step's read of sizes)."""
         units = self._exchange.finish() if self._powersgd is None else self._powersgd_units()
         if self._views:
             self._write_back(units)
@@ -649,10 +649,7 @@ class GraceState:
                     fut.set_result(buffer)
             self.grace.end_step()
         except BaseException as err:
-            for fut, _ in self._buckets:
-                if not fut.done():
-                    fut.set_exception(err)
-            self._clear()
+            self._clear(err)
             raise
         self.iteration += 1
         names = list(map(_NAME, units))
@@ -684,8 +681,13 @@ class GraceState:
         buckets, self._powersgd_buckets = self._powersgd_buckets, []
         return self._powersgd.exchange(buckets)
 
-    def _clear(self) -> None:
-        """Forget a half-started step's units, futures and views."""
+    def _clear(self, err=None) -> None:
+        """Forget a half-started step's units, futures and views; ``err``: the exception its
+        futures not completed yet end with."""
+        if err is not None:
+            for fut, _ in self._buckets:
+                if not fut.done():
+                    fut.set_exception(err)
         self._exchange.clear()
         if self.collectives is not None:
             self.collectives.drop_held()
@@ -763,9 +765,9 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
                            "bucket; the grace hook expects every bucket of a step in order")
     try:
         fut = state._send(bucket)
-    except BaseException:
+    except BaseException as err:
         # a refusal (sparse gradient, ranks that disagree): leave no half-started step
-        state._clear()
+        state._clear(err)
         raise
     if bucket.is_last():
         state._complete()

@@ -82,19 +82,30 @@ PIPELINES = {
 }
 
 
+#: reads of held sizes so far (``held_sizes``)
+READS = [0]
+
+
 @contextlib.contextmanager
 def held_sizes():
-    """The device path, with Horovod's collectives holding sizes as they do on a GPU."""
+    """The device path, with Horovod's collectives holding sizes as they do on a GPU; their
+    reads of held sizes counted in ``READS``."""
     from grace_dl.torch.collectives import TorchCollectives
     from grace_dl.torch.kernels import emulate_device
 
-    before = TorchCollectives.holds_sizes
+    holds, read = TorchCollectives.holds_sizes, TorchCollectives.read_sizes
+
+    def counted(self):
+        READS[0] += self.holding()
+        return read(self)
+
     TorchCollectives.holds_sizes = lambda self, lengths: True
+    TorchCollectives.read_sizes = counted
     try:
         with emulate_device():
             yield
     finally:
-        TorchCollectives.holds_sizes = before
+        TorchCollectives.holds_sizes, TorchCollectives.read_sizes = holds, read
 
 
 def strategy(model):
@@ -125,16 +136,17 @@ def _train(params, early, **kwargs):
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                    grace=grace, early_rounds=early, **kwargs)
     g = torch.Generator().manual_seed(rank)
-    per_step = []
+    per_step, reads = [], []
     for _ in range(STEPS):
         opt.zero_grad()
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-        before = opt.phases_completed_early
+        before, read = opt.phases_completed_early, READS[0]
         ((model(x) - y) ** 2).mean().backward()
         per_step.append(opt.phases_completed_early - before)
         opt.step()
+        reads.append(READS[0] - read)
     return {"params": {k: v.detach().clone().numpy() for k, v in model.named_parameters()},
-            "early_per_step": per_step}
+            "early_per_step": per_step, "reads_per_step": reads}
 
 
 out = {"rank": rank}
