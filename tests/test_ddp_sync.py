@@ -87,3 +87,78 @@ def test_a_hook_step_on_the_device_path_waits_only_for_data_dependent_sizes(
         "exchange": (exchange * units + rounds * (1 if per_bucket else units)) * steps})
     assert kinds == +expected, recorded     # (``+``: without the kinds counted 0)
 
+
+class _FakeStream:
+    """Stands in for a CUDA stream on a CPU: records what waits on it."""
+
+    def __init__(self, device=None):
+        self.device, self.waited = device, []
+
+    def wait_stream(self, other):
+        self.waited.append(other)
+
+
+def test_a_gpu_bucket_runs_on_a_side_stream_that_waits_for_the_backward_pass(monkeypatch):
+    """Where each bucket is finished in its hook call on a GPU (NCCL), its grace work runs on
+    a side stream of the bucket's device, one a device, made to wait for the backward pass's
+    stream at each bucket: waiting for a collective makes the waiting stream wait, so on the
+    backward pass's own stream the rest of the backward pass would wait for every bucket's
+    collectives. Elsewhere (the CPU; buckets finished at the last) none."""
+    import types
+
+    current = object()
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(DistCollectives, "waits_in_stream", lambda self: True)
+    state = grace_ddp.GraceState(grace_from_params(dict(GRACE["topk"])))
+    gpu0, gpu1 = (types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1))
+    side = state._side_stream(gpu0)
+    assert isinstance(side, _FakeStream) and side.waited == [current]
+    assert state._side_stream(gpu0) is side and side.waited == [current, current]
+    assert state._side_stream(gpu1) is not side
+    assert state._side_stream(torch.zeros(1)) is None
+    state._per_bucket = False       # (finished at the last bucket: the current stream)
+    assert state._side_stream(gpu0) is None
+
+
+@pytest.mark.parametrize("pipeline", ["topk", "signsgd"])
+def test_the_whole_hook_runs_on_the_side_stream_and_sets_its_futures_there(pipeline,
+                                                                           monkeypatch):
+    """Every hook call's work (compress, collectives, the futures' results, which record the
+    events DDP waits for) runs inside the side stream's context, buckets held for the step's
+    sizes (signSGD) included."""
+    side, inside, seen = _FakeStream(), [False], collections.Counter()
+
+    class _On:
+        def __init__(self, stream):
+            assert stream is side
+            seen["entered"] += 1
+
+        def __enter__(self):
+            inside[0] = True
+
+        def __exit__(self, *exc):
+            inside[0] = False
+
+    set_result = torch.futures.Future.set_result
+
+    def recorded(fut, value):
+        seen["inside" if inside[0] else "outside"] += 1
+        return set_result(fut, value)
+
+    monkeypatch.setattr(DistCollectives, "waits_in_stream", lambda self: True)
+    monkeypatch.setattr(grace_ddp.GraceState, "_side_stream", lambda self, buffer: side)
+    monkeypatch.setattr(torch.cuda, "stream", _On)
+    monkeypatch.setattr(torch.futures.Future, "set_result", recorded)
+    state = grace_ddp.GraceState(grace_from_params(dict(GRACE[pipeline])))
+    state._per_bucket = True
+    net = _model()
+    net.register_comm_hook(state, grace_ddp.comm_hook)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        nn.functional.cross_entropy(net(x), y).backward()
+    buckets = len(state.last_step_names)
+    # (the first step has DDP's first layout, of fewer buckets; later ones its rebuilt one)
+    assert buckets >= 3 and seen["entered"] >= 2 * buckets + 1, (seen, buckets)
+    assert seen["outside"] == 0 and seen["inside"] == seen["entered"], seen

@@ -31,11 +31,15 @@ every rank), so the host never waits for one bucket's collectives while the back
 go on. On NCCL, where waiting for a collective holds the GPU's stream and not the host, each
 bucket is received in its own hook call and its future completed at once, as PyTorch's own
 hooks do: its decompression queues behind its collectives while the backward pass still runs,
-instead of every bucket's waiting for the last. But from the first bucket whose payload's size
-depends on the data (signs with a zero plane, threshold) on, the buckets are received at the
-last one, with the step's one read of such sizes (``Collectives.sized``: reading one makes the
-host wait for the GPU). Same bits either way. The last bucket closes the step in ``grc.bytes``
-(``grc.end_step()``). Results land in DDP's own bucket:
+instead of every bucket's waiting for the last. That work runs on a side stream of the
+bucket's device, made to wait for the backward pass's stream at each bucket (the future's
+events are recorded on it, which DDP waits for at the end of the backward pass): waiting for a
+collective makes the waiting stream wait, and on the backward pass's own stream the rest of
+the backward pass would queue behind every bucket's collectives. But from the first bucket
+whose payload's size depends on the data (signs with a zero plane, threshold) on, the buckets
+are received at the last one, with the step's one read of such sizes (``Collectives.sized``:
+reading one makes the host wait for the GPU). Same bits either way. The last bucket closes
+the step in ``grc.bytes`` (``grc.end_step()``). Results land in DDP's own bucket:
 each grace tensor that is the bucket's buffer or a gradient's view of it is sent and received
 with ``into=`` that memory, and the future returns the buffer. The grace tensors of one bucket
 (``"parameter"`` granularity) share one ``GroupCollectives`` and are received together
@@ -166,6 +170,7 @@ DDP checks the hook's annotations, so this module does not use postponed evaluat
 """
 
 
+import contextlib
 import datetime
 import operator
 from dataclasses import dataclass
@@ -332,6 +337,7 @@ class GraceState:
         self._per_bucket = None
         self._finished: list = []
         self._completed = 0                     # this step's buckets whose futures are set
+        self._streams: dict = {}                # device -> its buckets' side stream
         self._buckets: list = []                # this step's (future, buffer)
         self._views: dict = {}                  # name -> its gradient's view of its bucket
         self._deferred: dict = {}               # name -> gradient held for _start_deferred
@@ -416,7 +422,7 @@ class GraceState:
             list(dist.get_process_group_ranks(group))
         state["_named_unmet"] = self._given_names is not None and not self._order
         state["_names"], state["_given_names"] = {}, None
-        state["_bucket_layouts"] = {}
+        state["_bucket_layouts"], state["_streams"] = {}, {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -424,7 +430,8 @@ class GraceState:
         parameters it meets by the original's first-met order."""
         self.__dict__.update(state)
         self._process_group, self.collectives = None, None
-        self._per_bucket, self._completed = None, 0     # (a state pickled before it had it)
+        # (and what a state pickled before they existed lacks)
+        self._per_bucket, self._completed, self._streams = None, 0, {}
         if self._order:
             self._resume = list(self._order)
         self._order, self._index = [], {}
@@ -517,11 +524,26 @@ class GraceState:
         self._bucket_layouts[bucket.index()] = (ids, layout)
         return layout
 
-    def _send(self, bucket):
+    def _side_stream(self, buffer):
+        """The stream a bucket's grace work runs on: where each bucket is finished in its own
+        hook call on a GPU (NCCL), a side stream of the bucket's device, made to wait for the
+        bucket's gradients, so that the backward pass never waits for a bucket's collectives
+        (waiting for a collective makes the waiting stream wait; PyTorch's own hooks finish
+        in ``Future.then`` callbacks, which run on streams of a pool); None elsewhere (the
+        current stream)."""
         if self.collectives is None:
             self._bind()
         if self._per_bucket is None:
             self._per_bucket = self.collectives.waits_in_stream()
+        if not self._per_bucket or buffer.device.type != "cuda":
+            return None
+        stream = self._streams.get(buffer.device)
+        if stream is None:
+            stream = self._streams[buffer.device] = torch.cuda.Stream(buffer.device)
+        stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        return stream
+
+    def _send(self, bucket):
         layout = self._layout_of(bucket)
         names = layout.names
         if not self._checked:
@@ -763,12 +785,20 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
         state._clear()
         raise RuntimeError("a DDP step started before the previous one handed over its last "
                            "bucket; the grace hook expects every bucket of a step in order")
-    try:
-        fut = state._send(bucket)
-    except BaseException as err:
-        # a refusal (sparse gradient, ranks that disagree): leave no half-started step
-        state._clear(err)
-        raise
-    if bucket.is_last():
-        state._complete()
+    # (the stream is the side one where buckets are finished one by one: ``_per_bucket``
+    # True, or unknown until the first bucket; the futures' events are recorded on it)
+    side = state._side_stream(bucket.buffer()) if state._per_bucket is not False else None
+    with _CURRENT_STREAM if side is None else torch.cuda.stream(side):
+        try:
+            fut = state._send(bucket)
+        except BaseException as err:
+            # a refusal (sparse gradient, ranks that disagree): leave no half-started step
+            state._clear(err)
+            raise
+        if bucket.is_last():
+            state._complete()
     return fut
+
+
+#: ``comm_hook``'s stream context where it runs on the current stream
+_CURRENT_STREAM = contextlib.nullcontext()
