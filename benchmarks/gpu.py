@@ -95,8 +95,13 @@ TOGETHER = {"grace fp16, buckets completed together": "grace fp16",
 #: a row of grace's PowerSGD sent tensor by tensor through the send path (fused per bucket):
 #: the composition the hook's bucket path (``grace_dl.torch.ddp_powersgd``) replaces
 PER_TENSOR = {"grace PowerSGD rank 4, per-tensor sends": "grace PowerSGD rank 4"}
+#: a row of a pipeline whose buckets the hook completes one by one on the backward pass's own
+#: stream, not on its side stream (``GraceState._side_stream``): what the side stream costs or
+#: buys (at world size 1 its collectives are nearly free; the overlap it keeps shows on more)
+ON_CURRENT = {"grace topk 1% + residual, on the backward pass's stream":
+              "grace topk 1% + residual"}
 #: every row that runs another row's pipeline with other hook options -> that row
-VARIANTS = {**PIECED, **TOGETHER, **PER_TENSOR}
+VARIANTS = {**PIECED, **TOGETHER, **PER_TENSOR, **ON_CURRENT}
 
 
 # ------------------------------------------------------------------ timing
@@ -376,6 +381,9 @@ def _hooked(label, model, device):
             state._per_bucket = False       # (the hook's own choice on gloo)
         if label in PER_TENSOR:
             state._powersgd = None          # (the reference composition)
+        if label in ON_CURRENT:
+            state._per_bucket = device.type == "cuda"      # (as on NCCL, without the side
+            state._side_stream = lambda buffer: None        # stream)
         ddp.register_comm_hook(state, grace_ddp.comm_hook)
     return ddp
 
