@@ -269,10 +269,10 @@ class DistCollectives(Collectives):
         else:
             raw, trailing = _as_bytes(moved)
         if counts is None:
-            rows = torch.tensor([raw.shape[0]], dtype=torch.int64, device=raw.device)
+            rows = torch.full((1,), raw.shape[0], dtype=torch.int64, device=raw.device)
             all_rows = [torch.empty_like(rows) for _ in range(size)]
             dist.all_gather(all_rows, rows, group=group)       # waited for: sizes the buffers
-            counts = [int(r.item()) for r in all_rows]
+            counts = torch.cat(all_rows).tolist()      # (one read of them all)
         else:
             counts = _known(counts, size, raw.shape[0], rank, "counts", name)
         width = raw.shape[1]
@@ -392,10 +392,12 @@ class DistCollectives(Collectives):
             raise ValueError(f"alltoall splits must be {size} non-negative row counts summing "
                              f"to {raw.shape[0]} (name {name!r}), got {splits}")
         if matrix is None:
-            mine = torch.tensor(splits, dtype=torch.int64, device=raw.device)
+            mine = torch.tensor(splits, dtype=torch.int64)
+            if raw.is_cuda:     # (a pinned copy waits for nothing)
+                mine = mine.pin_memory().to(raw.device, non_blocking=True)
             every = [torch.empty_like(mine) for _ in range(size)]
             dist.all_gather(every, mine, group=group)          # waited for: sizes the buffers
-            matrix = [list(map(int, row.tolist())) for row in every]   # [from][to] rows
+            matrix = torch.stack(every).tolist()       # [from][to] rows, one read
         else:
             rows, matrix = matrix, []
             for row in rows:
