@@ -359,18 +359,20 @@ def test_the_device_path_trains_two_ranks_as_the_cpu_path_does():
     """2 ranks (torchrun, gloo), the GPU's code on CPU tensors (``emulate_device``, its Triton
     kernels in Triton's interpreter) against the path CPU tensors take, one ~100K-element
     bucket: the ranks agree on either path; signSGD's vote (allgather, and two-phase's server
-    with its error) and top-k give the CPU path's parameters bit for bit and its bytes each
-    step; dgc, whose device path draws its threshold's sample otherwise, sends about as much
+    with its error; also with the sizes on the device held for the step's one read, as on
+    NCCL: ``@bucketwise``) and top-k give the CPU path's parameters bit for bit and its bytes
+    each step; dgc, whose device path draws its threshold's sample otherwise, sends about as much
     and trains to finite parameters."""
     res = mp.run("ddp_check.py", np=N, launcher="torchrun",
-                 args=("device", 3, "signsgd", "signsgd-2phase", "topk", "dgc"), timeout=900,
+                 args=("device", 3, "signsgd", "signsgd-2phase", "signsgd-2phase@bucketwise",
+                       "topk", "dgc"), timeout=900,
                  env={"GLOO_SOCKET_IFNAME": "lo", "TRITON_INTERPRET": "1"})
     assert res[0].pop("kernels") and res[1].pop("kernels")      # (the interpreter ran them)
     for key, got in res[0].items():
         assert got["units"] == 1, key
         for name, value in got["params"].items():
             np.testing.assert_array_equal(value, res[1][key]["params"][name], err_msg=key)
-    for pipeline in ("signsgd", "signsgd-2phase", "topk"):
+    for pipeline in ("signsgd", "signsgd-2phase", "signsgd-2phase@bucketwise", "topk"):
         cpu, device = res[0][f"{pipeline}/cpu"], res[0][f"{pipeline}/device"]
         assert cpu["sent"] == device["sent"], pipeline
         for name, value in cpu["params"].items():
