@@ -154,13 +154,12 @@ class Collectives(ABC):
         parts cut and joined."""
         from grace_dl.backend import ops_for
 
-        cat = ops_for(parts[0]).cat
+        ops = ops_for(parts[0])
+        cat = ops.cat
         pad = [0] * (self.size() - len(parts))
-        if lengths is None:
-            handle = Sized(self, None, None)
-            handle.splits = [ops_for(p).numel(p) for p in parts] + pad
-            handle.handle = self.alltoall_async(cat(parts), handle.splits, name)
-            return handle
+        if lengths is None:     # (sizes known: issued now, its parts uncut)
+            return self.sized([ops.numel(p) for p in parts], lambda counts: (
+                self.alltoall_async(cat(parts), counts + pad, name), counts + pad))
         check_lengths(lengths, parts)
         return self.sized(lengths, lambda counts: (
             self.alltoall_async(cat(cut_parts(parts, counts)), counts + pad, name), counts + pad))

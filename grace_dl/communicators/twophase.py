@@ -72,10 +72,9 @@ class Scattering(InFlight):
     #: whether the payload parts travel packed (``wire.pack``): one collective, not one per part
     packed: bool = False
     #: whether payload sizes differ across ranks: each part's all-to-all says how long it is
+    #: (``handles`` are then its ``Sized`` all-to-alls, one a part, whose ``splits``, once
+    #: issued, are the rows sent to each rank)
     ragged: bool = False
-    #: ragged: per part, its ``Sized`` all-to-all (whose ``splits``, once it is issued, are
-    #: the rows sent to each rank)
-    sent_splits: list | None = None
 
 
 @dataclass
@@ -193,7 +192,7 @@ class TwoPhase(PackingCommunicator):
             exchanges = [coll.alltoall_known_async(ops.cat(buffers), splits, [splits] * size,
                                                    self.wire_name(handle.name, "a2a.p"))]
         else:
-            exchanges, sent_splits = [], []
+            exchanges = []
             # a ragged payload's parts may be longer than sent (``call.exchanges_sizes``):
             # the path's lengths, one a part, of each chunk
             lengths = [self.paths.on(p).sent_lengths(p, c)
@@ -205,18 +204,17 @@ class TwoPhase(PackingCommunicator):
                 pieces = [flat[j][0][i] for j in range(m)]
                 name = self.wire_name(handle.name, f"a2a.p{i}")
                 if ragged:
-                    part_lengths = None if lengths is None else lengths[0] \
-                        if m == 1 and n_parts == 1 else \
-                        ops.cat([ops.slice(lens, i, i + 1) for lens in lengths])   # (part i's)
-                    exchange = coll.alltoall_parts_async(pieces, part_lengths, name)
-                    sent_splits.append(exchange)        # (its splits, once issued)
-                    exchanges.append(exchange)
+                    part_lengths = lengths
+                    if lengths is not None:         # (part i's, one a chunk)
+                        part_lengths = lengths[0] if m == 1 and n_parts == 1 else \
+                            ops.cat([ops.slice(lens, i, i + 1) for lens in lengths])
+                    exchanges.append(coll.alltoall_parts_async(pieces, part_lengths, name))
                     continue
                 splits = [ops.numel(p) for p in pieces] + [0] * (size - m)
                 exchanges.append(coll.alltoall_known_async(ops.cat(pieces), splits,
                                                            [splits] * size, name))
         if ragged:      # counted when the all-to-all is in (``_reduce_and_gather``)
-            return Scattering(exchanges, flat, packed, ragged, sent_splits)
+            return Scattering(exchanges, flat, packed, ragged)
         sent = 0
         for j in range(m):
             if j != me:
@@ -243,7 +241,7 @@ class TwoPhase(PackingCommunicator):
         got = [r[0] for r in results]
         if phase.ragged:        # what went to every other rank, and this rank's own rows
             sent = own_nbytes = 0
-            for i, exchange in enumerate(phase.sent_splits):
+            for i, exchange in enumerate(phase.handles):      # (``Sized``: issued now)
                 splits = exchange.splits
                 width = itemsize(ops.dtype(flat[0][0][i]))
                 own_nbytes += splits[me] * width
