@@ -336,7 +336,6 @@ class GraceState:
         #: completed so
         self._per_bucket = None
         self._finished: list = []
-        self._completed = 0                     # this step's buckets whose futures are set
         self._streams: dict = {}                # device -> its buckets' side stream
         self._buckets: list = []                # this step's (future, buffer)
         self._views: dict = {}                  # name -> its gradient's view of its bucket
@@ -430,8 +429,8 @@ class GraceState:
         parameters it meets by the original's first-met order."""
         self.__dict__.update(state)
         self._process_group, self.collectives = None, None
-        # (and what a state pickled before they existed lacks)
-        self._per_bucket, self._completed, self._streams = None, 0, {}
+        # (the streams are not pickled)
+        self._per_bucket, self._streams = None, {}
         if self._order:
             self._resume = list(self._order)
         self._order, self._index = [], {}
@@ -582,7 +581,7 @@ class GraceState:
                                 layout.pieces, self.collectives)
         self._buckets.append((fut, buffer))
         if self._per_bucket and self._target is None and not self.collectives.holding():
-            self._finish_bucket()
+            self._finish_bucket(fut, buffer)
         return fut
 
     def _views_of(self, bucket, names) -> list:
@@ -591,16 +590,15 @@ class GraceState:
         self._views.update(zip(names, grads))
         return grads
 
-    def _finish_bucket(self) -> None:
-        """Receive the units not received yet now and complete their futures
-        (``_per_bucket``; none is held for the step's read of sizes)."""
+    def _finish_bucket(self, fut, buffer) -> None:
+        """Receive the bucket's units now and complete its future (``_per_bucket``; nothing
+        is held for the step's read of sizes, so no earlier bucket of the step is pending:
+        from the first that holds, all are finished by ``_complete``)."""
         units = self._exchange.finish() if self._powersgd is None else self._powersgd_units()
         if self._views:
             self._write_back(units)
         self._finished.extend(units)
-        for fut, buffer in self._buckets[self._completed:]:
-            fut.set_result(buffer)
-        self._completed = len(self._buckets)
+        fut.set_result(buffer)
 
     def _write_back(self, units) -> None:
         """Copy the results of ``units`` that did not land in the bucket by themselves into
@@ -681,7 +679,6 @@ class GraceState:
         self._layout = list(map(_MEMBERS, units))
         self._target = None  # DDP's own (rebuilt) layout from now on
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
-        self._completed = 0
 
     def _forget_vanished(self, names) -> None:
         """Drop the state of the grace tensors the last step sent and this one did not: DDP's
@@ -715,7 +712,6 @@ class GraceState:
             self.collectives.drop_held()
         self._powersgd_buckets = []
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
-        self._completed = 0
 
     # ------------------------------------------------------------------ checkpoints
     def reset(self, name: str | None = None) -> None:
