@@ -78,6 +78,15 @@ class State:
                          f"serves one framework; use one grace object per framework (or other "
                          f"tensor names)")
 
+    def existing(self, keys) -> list | None:
+        """The slots of ``keys`` where every one exists already (a dict lookup each, for a
+        caller that reads many every step), else None (``slot`` / ``zeros`` create them)."""
+        slots = self._slots
+        try:
+            return [slots[k] for k in keys]
+        except KeyError:
+            return None
+
     def __contains__(self, key: str) -> bool:
         return key in self._slots or key in self._pending
 

@@ -33,6 +33,14 @@ class ByteCounter:
         self.sent[name] += int(sent)
         self.received[name] += int(received)
 
+    def add_each(self, moved) -> None:
+        """``add(name, n, n)`` for each ``(name, n)`` of ``moved`` (an allreduce's share per
+        tensor: as much received as sent)."""
+        sent, received = self.sent, self.received
+        for name, n in moved:
+            sent[name] += n
+            received[name] += n
+
     def end_step(self) -> dict:
         per_tensor = {}
         for name, sent in self.sent.items():

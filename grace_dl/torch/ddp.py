@@ -550,10 +550,10 @@ class GraceState:
         buffer = bucket.buffer()
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         fut = torch.futures.Future(devices=devices)
-        if self._powersgd is not None:
-            self._powersgd_buckets.append(self._powersgd.start(
-                [g.detach() for g in bucket.gradients()], names, self.collectives,
-                f"bucket{bucket.index()}"))
+        started = None if self._powersgd is None else self._powersgd.start(
+            bucket, names, layout.numels, self.collectives, f"bucket{bucket.index()}")
+        if started is not None:
+            self._powersgd_buckets.append(started)
         elif self.per_parameter:
             # one fusion group per bucket: each round of its units goes out in one collective
             # per kind and dtype (as powerSGD_hook batches a bucket's P and Q matrices)
@@ -696,9 +696,11 @@ class GraceState:
 
     def _powersgd_units(self) -> list:
         """Finish the buckets started on PowerSGD's bucket path and not yet finished, in the
-        order started (what ``Exchange.finish`` does for the others); their units."""
+        order started (what ``Exchange.finish`` does for the others), after those its plan
+        left to the reference composition (a ``channels_last`` parameter's); their units."""
         buckets, self._powersgd_buckets = self._powersgd_buckets, []
-        return self._powersgd.exchange(buckets)
+        units = self._exchange.finish() if self._exchange.units else []
+        return units + self._powersgd.exchange(buckets)
 
     def _clear(self, err=None) -> None:
         """Forget a half-started step's units, futures and views; ``err``: the exception its

@@ -1,58 +1,151 @@
 """PowerSGD's bucket path in the DDP hook: a bucket's gradients compensated, compressed,
-reduced and decompressed in one loop per round, with the same calls to the compressor and
-the memory as the reference composition, without its per-tensor plumbing.
+reduced and decompressed a round at a time with a few torch operations per bucket and matrix
+shape, and one product per matrix and round, instead of the reference composition's calls
+per tensor.
 
 The reference (``Allreduce`` carrying each parameter as its own grace tensor, each round of a
 bucket fused into one collective per dtype by ``GroupCollectives``) runs every tensor through
 ``Router.send`` and ``receive_all``: a handle, phases, recorded collective calls, byte counts
-and an average per tensor and round, some 80 Python calls per tensor and step where PowerSGD's
-own work (compensate, P = M Q, orthonormalize, Q^T = P^T M, the product into the gradient, the
-residual) is a third of that. On a GPU that host work is what the step waits for; PyTorch's
-``powerSGD_hook`` loops over a bucket's tensors as this does.
+and an average per tensor and round. On a GPU that host work is what the step waits for (a
+DDP bucket compresses in less time than its Python), so this path does per bucket what
+PyTorch's ``powerSGD_hook`` does, with fewer launches:
+
+- **round 1**: every residual compensated by one ``_foreach_add_``; each compressed tensor's
+  warm-start Q read for all tensors of a matrix shape at once (stacked, its zero columns
+  refilled from the first draw in one ``where``); each P = M Q written by its product straight
+  into the bucket's first-round buffer, the uncompressed tensors copied there by one
+  ``_foreach_copy_``; that buffer summed in place (one allreduce a bucket).
+- **round 2**: the summed Ps orthonormalized together per matrix shape (one batched QR, as
+  ``powerSGD_hook`` with ``batch_tensors_with_same_shape``); each Q_w^T = P_hat^T M written into
+  the second-round buffer, a copy of which is summed while this rank's residuals
+  M - P_hat Q_w^T are written.
+- **results**: the uncompressed tensors' sums copied into DDP's bucket and averaged by two
+  foreach operations; each P_hat Q^T multiplied straight into its gradient (the average folded
+  into Q: one division of the second-round buffer); the reduced Qs kept as the next warm start
+  by one ``_foreach_copy_``.
+
+A bucket's layout (which tensors are matrices, where each sits in the two buffers, its matrix
+shape groups, its byte counts and units) is worked out once per DDP bucket layout (and, with
+``start_step``, per set of tensors compressed that step) and kept (``_Plan``; no tensor in it).
 
 **Chosen once**, when the ``GraceState`` is built (``serves``): per-parameter granularity and
 grace's own ``Allreduce`` (its exact class, no fusion groups) carrying its own
 ``PowerSGDCompressor`` with memory ``powersgd``; anything else (a subclass, another memory)
-takes the reference. **Same bits** as the reference composition: the same compressor and
-memory methods in the same order on the same tensors, the same sums, the same divisions
-(``tests/test_ddp.py`` trains both on 2 ranks and compares every parameter). **Same wire**:
-per bucket one allreduce per dtype of its Ps and uncompressed tensors, then one of its Q^Ts,
-as the reference's fused rounds (and ``powerSGD_hook``) send; the same bytes counted per tensor
-name in ``grc.bytes``. Each fused buffer is a fresh concatenation, summed in place.
+takes the reference. **Same bits** as the reference composition on the CPU: the same products
+(``ops.assign_matmul``, ``ops.assign_sub_matmul``: the reference's), the same sums, divisions
+and QR factorizations per matrix (LAPACK factors a batch one matrix at a time), the same state
+under the same keys (``tests/test_ddp_powersgd.py`` compares every parameter and slot with the
+reference's on a model with repeated shapes, both ops and PowerSGD's options; ``tests/test_ddp.py``
+trains both on 2 ranks). On a GPU a batched QR may round otherwise than one matrix at a time
+(cuSOLVER or cuBLAS's batched kernels). **Same wire**: per bucket one allreduce of its Ps and
+uncompressed tensors in the bucket's order, then one of its Q^Ts, as the reference's fused
+rounds (and ``powerSGD_hook``) send; the same bytes counted per tensor name in ``grc.bytes``.
+A DDP bucket holds gradients of one dtype and device (DDP's reducer groups them so); a
+bucket of mixed dtypes is refused (ValueError naming them).
 """
 
 from __future__ import annotations
+
+import torch
 
 from grace_dl.communicators.allreduce import Allreduce
 from grace_dl.communicators.base import AVERAGE
 from grace_dl.communicators.exchange import Unit
 from grace_dl.communicators.wire import ring_allreduce_bytes
-from grace_dl.compressors.base import Call
-from grace_dl.compressors.powersgd import PowerSGDCompressor
+from grace_dl.compressors.powersgd import EPSILON, PowerSGDCompressor
 from grace_dl.memory.powersgd import PowerSGDFeedback
 from grace_dl.torch import ops
 
+_NARROW = (torch.float16, torch.bfloat16)
+#: plans kept per path: a few DDP layouts (its first iteration's and the rebuilt one's) and,
+#: with ``start_step``, a few sets of compressed tensors
+_PLANS_KEPT = 64
 
-class _Tensor:
-    """One gradient of a bucket in flight: where its result goes (``grad``, DDP's view of the
-    bucket), what was compressed and sent, and PowerSGD's ctx."""
 
-    __slots__ = ("grad", "name", "compensated", "sent", "ctx", "reduced")
+class _Plan:
+    """One bucket layout as the path sends it (module docstring); holds no tensor.
 
-    def __init__(self, grad, name, compensated, sent, ctx):
-        self.grad, self.name, self.compensated = grad, name, compensated
-        self.sent, self.ctx, self.reduced = sent, ctx, None
+    ``low``: positions (in the bucket) of the tensors compressed, ``dense``: of those sent
+    uncompressed, ``slotted``: of those compensated in a residual slot (the compressed, and
+    with ``start_step`` the compressible ones still sent whole); ``shapes``: each compressed
+    tensor's (n, m, r); ``groups``: (indices into ``low``) per matrix shape; ``p_sizes`` /
+    ``q_sizes``: each tensor's length in the first / second round's buffer (bucket order /
+    ``low``'s order). ``row_major``: every gradient is its stretch of DDP's bucket buffer in
+    row-major order (a parameter in another memory format, ``channels_last``, has a strided
+    view there: its bucket takes the reference composition)."""
+
+    __slots__ = ("names", "numels", "low", "dense", "slotted", "shapes", "groups", "p_sizes",
+                 "q_sizes", "p_numel", "q_numel", "res_keys", "q_keys", "q0_keys",
+                 "whole_keys", "tensor_shapes", "units", "moved", "narrow", "row_major")
+
+    def __init__(self, compressor, bucket, names, numels, low):
+        grads = bucket.gradients()
+        self.names, self.numels, self.low = names, list(numels), low
+        dtypes = {g.dtype for g in grads}
+        if len(dtypes) > 1:
+            raise ValueError(f"a DDP bucket holds gradients of one dtype; bucket of "
+                             f"{list(names)} has {sorted(map(str, dtypes))}")
+        buffer = bucket.buffer()
+        base, offset, itemsize = buffer.data_ptr(), 0, grads[0].element_size()
+        self.row_major = True
+        for g in grads:
+            self.row_major &= g.is_contiguous() and g.data_ptr() == base + offset * itemsize
+            offset += g.numel()
+        self.row_major &= offset == buffer.numel() and buffer.is_contiguous()
+        self.narrow = grads[0].dtype in _NARROW
+        self.tensor_shapes = [g.shape for g in grads]
+        low_set = set(low)
+        self.dense = tuple(i for i in range(len(grads)) if i not in low_set)
+        self.shapes = [compressor.matrix_shape(tuple(grads[i].shape)) for i in low]
+        # compressible tensors sent whole this step (start_step) still add into their slots
+        self.slotted = tuple(i for i, g in enumerate(grads) if i in low_set or (
+            g.is_floating_point() and compressor.matrix_shape(tuple(g.shape)) is not None))
+        self.whole_keys = [names[i] for i in self.dense if i in self.slotted]
+        groups: dict = {}
+        for j, shape in enumerate(self.shapes):
+            groups.setdefault(shape, []).append(j)
+        self.groups = [(shape, tuple(js)) for shape, js in groups.items()]
+        p_sizes = list(self.numels)
+        for i, (n, _, r) in zip(low, self.shapes):
+            p_sizes[i] = n * r
+        self.p_sizes, self.q_sizes = p_sizes, [r * m for _, m, r in self.shapes]
+        self.p_numel, self.q_numel = sum(self.p_sizes), sum(self.q_sizes)
+        self.res_keys = [names[i] for i in low]
+        self.q_keys = [f"q/{names[i]}" for i in low]
+        self.q0_keys = [f"q0/{names[i]}" for i in low]
+        self.units = []
+        for name in names:
+            unit = Unit(name, [name], None, None, [], None, None)
+            unit.lands = True       # (its result is written into DDP's bucket)
+            self.units.append(unit)
+        self.moved = None           # (name, bytes) per round, once the engine is known
+
+    def count(self, coll, dtype) -> tuple:
+        """What each round moves per tensor name, as ``Allreduce`` counts it."""
+        if self.moved is None:
+            size = coll.size()
+
+            def moved(numel):
+                return ring_allreduce_bytes(coll.allreduce_nbytes(
+                    torch.empty(numel, dtype=dtype, device="meta")), size)
+            self.moved = ([(n, moved(s)) for n, s in zip(self.names, self.p_sizes)],
+                          [(self.names[i], moved(s)) for i, s in zip(self.low, self.q_sizes)])
+        return self.moved
 
 
 class _Bucket:
-    """A bucket's tensors, its collectives and the round they are in."""
+    """A bucket in flight: its plan, DDP's buffer split into its gradients, and what the
+    rounds keep of each compressed tensor (its M, P_hat, Q_w^T, Q slot, gradient as a
+    matrix)."""
 
-    __slots__ = ("tensors", "coll", "call", "label", "pending", "low_rank")
+    __slots__ = ("plan", "grads", "coll", "size", "label", "pending", "matrices", "outs",
+                 "p_hats", "qt_local", "q_slots")
 
-    def __init__(self, tensors, coll, call, label, pending):
-        self.tensors, self.coll, self.call, self.label = tensors, coll, call, label
-        self.pending = pending
-        self.low_rank = None    # the tensors in the second round
+    def __init__(self, plan, grads, coll, label):
+        self.plan, self.grads, self.coll, self.label = plan, grads, coll, label
+        self.size = coll.size()
+        self.pending = self.matrices = self.outs = self.p_hats = None
+        self.qt_local = self.q_slots = None
 
 
 class PowerSGDBuckets:
@@ -67,89 +160,180 @@ class PowerSGDBuckets:
 
     def __init__(self, grace, op: str):
         self.grace = grace
-        self.compressor, self.feedback = grace.compressor, grace.feedback
+        self.compressor, self.memory = grace.compressor, grace.feedback.memory
         self.average = op == AVERAGE and grace.compressor.caps.average
+        self._plans: dict = {}
 
-    def start(self, grads, names, coll, label: str) -> _Bucket:
-        """Compensate and compress ``grads`` (DDP's views of one bucket, named ``names``) and
-        start the first round's allreduce (``Communicator.encode`` and ``Allreduce.issue``)."""
-        compressor, feedback = self.compressor, self.feedback
-        call = Call(coll.rank(), coll.size())
-        path = None
-        tensors = []
-        for grad, name in zip(grads, names):
-            compensated = feedback.compensate(grad, name, compressor)
-            if path is None:
-                path = self.grace.paths.on(compensated)
-            payload, ctx = path.compress(compensated, name, call)
-            tensors.append(_Tensor(grad, name, compensated, payload[0], ctx))
-        return _Bucket(tensors, coll, call, label,
-                       self._allreduce(tensors, coll, call, label + ".p"))
+    # ------------------------------------------------------------------ the layout
+    def _plan(self, bucket, names, numels) -> _Plan:
+        compressor = self.compressor
+        key = names
+        if compressor.start_step > 0:   # which are compressed this step: their counters
+            low = tuple(i for i, g in enumerate(bucket.gradients()) if g.is_floating_point()
+                        and compressor.matrix_shape(tuple(g.shape)) is not None
+                        and compressor.next_step(names[i], g) > compressor.start_step)
+            key = (names, low)
+        plan = self._plans.get(key)
+        if plan is None:
+            if compressor.start_step == 0:
+                low = tuple(i for i, g in enumerate(bucket.gradients())
+                            if not compressor.never_compresses(ops, g))
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            plan = self._plans[key] = _Plan(compressor, bucket, names, numels, low)
+        return plan
 
+    @staticmethod
+    def _slots(state, keys, make):
+        """The slots of ``keys`` (``make(i)`` creates the i-th where one does not exist yet:
+        the first step, or a restored state)."""
+        slots = state.existing(keys)
+        return slots if slots is not None else [make(i) for i in range(len(keys))]
+
+    # ------------------------------------------------------------------ round 1
+    def start(self, bucket, names, numels, coll, label: str) -> _Bucket | None:
+        """Compensate and compress DDP's ``bucket`` (its gradients named ``names``, of
+        ``numels`` elements) and start the first round's allreduce (``Communicator.encode``
+        and ``Allreduce.issue``). None where its plan is not ``row_major`` (nothing done:
+        the bucket takes the reference composition)."""
+        compressor, state = self.compressor, self.memory.state
+        names = tuple(names)
+        plan = self._plan(bucket, names, numels)
+        if not plan.row_major:
+            return None
+        buffer = bucket.buffer()
+        grads = buffer.split(plan.numels)
+        out = _Bucket(plan, grads, coll, label)
+        flat = torch.empty(plan.p_numel, dtype=buffer.dtype, device=buffer.device)
+        parts = flat.split(plan.p_sizes)
+        if plan.whole_keys:     # (start_step: compressible, sent whole from its slot)
+            whole = [i for i in plan.dense if i in plan.slotted]
+            shaped = plan.tensor_shapes
+            slots = [state.zeros(k, ops, grads[i].view(shaped[i])).view(-1)
+                     for k, i in zip(plan.whole_keys, whole)]
+            torch._foreach_add_(slots, [grads[i] for i in whole])
+            sources = dict(zip(whole, slots))
+            torch._foreach_copy_([parts[i] for i in plan.dense],
+                                 [sources.get(i, grads[i]) for i in plan.dense])
+        elif plan.dense:
+            torch._foreach_copy_([parts[i] for i in plan.dense], [grads[i] for i in plan.dense])
+        if plan.low:
+            low, shapes = plan.low, plan.shapes
+            outs = [grads[i].view(n, m) for i, (n, m, _) in zip(low, shapes)]
+            residuals = self._slots(state, plan.res_keys, lambda j: state.zeros(
+                plan.res_keys[j], ops, grads[low[j]].view(plan.tensor_shapes[low[j]])))
+            matrices = [e.view(n, m) for e, (n, m, _) in zip(residuals, shapes)]
+            torch._foreach_add_(matrices, outs)         # M = g + e, in the residual's slot
+            q_slots = self._slots(compressor.state, plan.q_keys, lambda j: compressor._q_slot(
+                ops, names[low[j]], shapes[j][1:], outs[j]))
+            q0_slots = self._slots(compressor.state, plan.q0_keys, lambda j: self._first_q(
+                plan.q0_keys[j], names[low[j]], shapes[j], outs[j]))
+            for (_, _, r), js in plan.groups:
+                qs = _stacked([q_slots[j] for j in js])
+                warm = torch.where(torch.linalg.vector_norm(qs, dim=-2, keepdim=True) > 0, qs,
+                                   _stacked([q0_slots[j] for j in js]))
+                if plan.narrow:
+                    warm = _orthonormal(warm, r)
+                for j, q in zip(js, _each(warm, js)):
+                    n, _, r = shapes[j]
+                    ops.assign_matmul(parts[low[j]].view(n, r), matrices[j], q)
+            out.matrices, out.outs, out.q_slots = matrices, outs, q_slots
+        out.pending = self._allreduce(flat, plan.count(coll, buffer.dtype)[0], coll,
+                                      label + ".p")
+        return out
+
+    def _first_q(self, key, name, shape, like):
+        """The ``q0`` slot of ``name``: its initial Q, as ``PowerSGDCompressor._warm_q``
+        keeps it (drawn from (seed, name): the same on every rank)."""
+        _, m, r = shape
+        compressor = self.compressor
+        return compressor.state.slot(key, ops, lambda: compressor._initial_q(ops, name, m, r,
+                                                                             like),
+                                     ops.dtype(like), like)
+
+    # ------------------------------------------------------------------ rounds 2 and results
     def exchange(self, buckets) -> list:
         """Finish ``buckets`` (started by ``start``, in the same order on every rank) in
         lockstep, as ``Router.receive_all`` does: every bucket's second round is started
         before any is waited for. Their results are in DDP's buckets; returns the step's
         units (one per gradient, named as the reference names them)."""
-        compressor, feedback, grace = self.compressor, self.feedback, self.grace
         for bucket in buckets:      # first round: the summed Ps (and the uncompressed tensors)
-            divisor = bucket.call.size if self.average else None
-            self._received(bucket)
-            low_rank = []
-            for t in bucket.tensors:
-                step = compressor.next_round([t.reduced], t.ctx)
-                if step is None:    # sent uncompressed: its result is the average
-                    out = grace.paths.on(t.reduced).decompress_into([t.reduced], t.ctx,
-                                                                    t.grad)
-                    feedback.update(t.compensated, t.name, compressor, [t.reduced], t.ctx)
-                    ops.assign_div(t.grad, out, divisor)
-                else:
-                    t.sent = step[0][0]
-                    low_rank.append(t)
-            bucket.low_rank = low_rank
-            bucket.pending = self._allreduce(low_rank, bucket.coll, bucket.call,
-                                             bucket.label + ".q") if low_rank else None
+            plan, grads = bucket.plan, bucket.grads
+            parts = bucket.coll.synchronize(bucket.pending).split(plan.p_sizes)
+            if plan.dense:
+                dense = [grads[i] for i in plan.dense]
+                torch._foreach_copy_(dense, [parts[i] for i in plan.dense])
+                if self.average:
+                    torch._foreach_div_(dense, bucket.size)
+                if plan.whole_keys:     # sent whole (start_step): nothing lost
+                    torch._foreach_zero_(self.memory.state.existing(plan.whole_keys))
+            bucket.pending = None
+            if not plan.low:
+                continue
+            low, shapes = plan.low, plan.shapes
+            p_hats = [None] * len(low)
+            for (n, _, r), js in plan.groups:
+                summed = _stacked([parts[low[j]].view(n, r) for j in js])
+                for j, p_hat in zip(js, _each(_orthonormal(summed, r), js)):
+                    p_hats[j] = p_hat
+            qt_local = torch.empty(plan.q_numel, dtype=grads[0].dtype, device=grads[0].device)
+            q_parts = qt_local.split(plan.q_sizes)
+            qts = [q.view(r, m) for q, (_, m, r) in zip(q_parts, shapes)]
+            for qt, p_hat, matrix in zip(qts, p_hats, bucket.matrices):
+                ops.assign_matmul(qt, p_hat.t(), matrix)    # P^T M (``next_round``: not M^T P)
+            bucket.p_hats, bucket.qt_local = p_hats, qts
+            bucket.pending = self._allreduce(qt_local.clone(),
+                                             plan.count(bucket.coll, grads[0].dtype)[1],
+                                             bucket.coll, bucket.label + ".q")
         for bucket in buckets:      # second round: the summed Q^Ts
-            tensors = bucket.low_rank
-            for t in tensors:       # this rank's share is known: the residual, meanwhile
-                feedback.update(t.compensated, t.name, compressor, [t.sent], t.ctx)
-            if tensors:
-                self._received(bucket)
-            divisor = bucket.call.size if self.average else None
-            for t in tensors:
-                path = grace.paths.on(t.reduced)
-                # the average folded into Q where the path can (then nothing divides after)
-                payload = None if divisor is None else path.divided([t.reduced], divisor)
-                out = path.decompress_into(payload or [t.reduced], t.ctx, t.grad)
-                ops.assign_div(t.grad, out, None if payload is not None else divisor)
-        return [Unit(t.name, [t.name], None, t.grad, [], None, None)
-                for bucket in buckets for t in bucket.tensors]
+            plan = bucket.plan
+            if not plan.low:
+                continue
+            shapes, p_hats, matrices = plan.shapes, bucket.p_hats, bucket.matrices
+            for matrix, p_hat, qt in zip(matrices, p_hats, bucket.qt_local):
+                # this rank's share is known: the residual, meanwhile
+                ops.assign_sub_matmul(matrix, p_hat, qt)
+                ops.assign_finite(matrix)   # (a NaN/Inf is sent once, never kept)
+            summed = bucket.coll.synchronize(bucket.pending)
+            sums = [q.view(r, m) for q, (_, m, r) in zip(summed.split(plan.q_sizes), shapes)]
+            # the reduced Q (the sum) is the next warm start
+            torch._foreach_copy_(bucket.q_slots, [q.t() for q in sums])
+            if self.average:        # the average folded into Q (``PowerSGDPath.divided``)
+                sums = [q.view(r, m) for q, (_, m, r) in
+                        zip((summed / bucket.size).split(plan.q_sizes), shapes)]
+            for out, p_hat, q in zip(bucket.outs, p_hats, sums):
+                ops.assign_matmul(out, p_hat, q)
+            bucket.pending = bucket.matrices = bucket.p_hats = bucket.qt_local = None
+            bucket.outs = bucket.q_slots = None
+        return [unit for bucket in buckets for unit in bucket.plan.units]
 
-    def _allreduce(self, tensors, coll, call, name: str):
-        """Start the sum of every tensor's ``sent`` payload, one in-place allreduce of their
-        concatenation per dtype, and count each one's bytes as ``Allreduce`` counts them."""
-        counter = self.grace.bytes
-        by_dtype: dict = {}
-        for t in tensors:
-            by_dtype.setdefault(t.sent.dtype, []).append(t)
-            moved = ring_allreduce_bytes(coll.allreduce_nbytes(t.sent), call.size)
-            counter.add(t.name, moved, moved)
-        pending = []
-        for dtype, group in by_dtype.items():
-            flat = ops.cat([ops.flatten(t.sent) for t in group])
-            wire = f"grace.ddp.{name}.{str(dtype).removeprefix('torch.')}"
-            handle = coll.allreduce_async_(flat, wire)
-            pending.append((group, handle if handle is not None
-                            else coll.allreduce_async(flat, wire)))
-        return pending
+    def _allreduce(self, flat, moved, coll, name: str):
+        """Start the sum of ``flat`` (one round's buffer of a bucket) in place and count each
+        tensor's bytes (``moved``) as ``Allreduce`` counts them."""
+        self.grace.bytes.add_each(moved)
+        wire = f"grace.ddp.{name}.{str(flat.dtype).removeprefix('torch.')}"
+        handle = coll.allreduce_async_(flat, wire)
+        return handle if handle is not None else coll.allreduce_async(flat, wire)
 
-    @staticmethod
-    def _received(bucket) -> None:
-        """Wait for the bucket's pending allreduces; each tensor's ``reduced``: its part of the
-        sum, shaped as it was sent."""
-        coll = bucket.coll
-        for group, handle in bucket.pending:
-            out = coll.synchronize(handle)
-            parts = ops.split(out, [t.sent.numel() for t in group])
-            for t, part in zip(group, parts):
-                t.reduced = part.reshape(t.sent.shape)
+
+def _stacked(matrices):
+    """``matrices`` (of one shape) as one batch: the one itself, or their stack."""
+    return matrices[0] if len(matrices) == 1 else torch.stack(matrices)
+
+
+def _each(batch, js):
+    """The matrices of ``batch`` (``_stacked``'s, of ``len(js)`` matrices)."""
+    return (batch,) if len(js) == 1 else batch.unbind(0)
+
+
+def _orthonormal(batch, r: int):
+    """``compressors.powersgd.orthonormalize`` of each matrix of ``batch`` (k x r, or a
+    batch B x k x r), in one call: Householder QR's Q, or one column divided by max(its
+    norm, EPSILON); in float32 for 16-bit inputs."""
+    work = batch.float() if batch.dtype in _NARROW else batch
+    if r == 1:
+        out = work / torch.clamp(torch.linalg.vector_norm(work, dim=(-2, -1), keepdim=True),
+                                 min=EPSILON)
+    else:
+        out = torch.linalg.qr(work)[0]
+    return out.to(batch.dtype) if work is not batch else out
