@@ -97,6 +97,26 @@ def report(obj, rank: int | None = None) -> None:
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(obj))
     tmp.rename(out)
+    _shut_down_both_horovods()
+
+
+def _shut_down_both_horovods() -> None:
+    """Where a worker runs torch's and TensorFlow's Horovod in one process, shut them down in
+    order on every rank once it has reported: TF's first (its background thread frees its MPI
+    communicators), then a barrier on torch's, so that no rank exits (and finalizes MPI)
+    while another still frees a communicator. Left to ``atexit``, a rank once segfaulted in
+    TF's ``MPIContext::FinalizeWithoutEnv -> PMPI_Comm_free`` after its peer had exited."""
+    tf_hvd, torch_hvd = (sys.modules.get(m) for m in ("horovod.tensorflow", "horovod.torch"))
+    if tf_hvd is None or torch_hvd is None:
+        return
+    try:
+        torch_hvd.size()
+        tf_hvd.size()
+    except ValueError:      # one of them was never initialised: nothing shared
+        return
+    tf_hvd.shutdown()
+    torch_hvd.allreduce(sys.modules["torch"].zeros(1), name="grace_test.exit_barrier")
+    torch_hvd.shutdown()
 
 
 def _hvd_rank() -> int:

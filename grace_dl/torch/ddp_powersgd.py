@@ -10,14 +10,14 @@ and an average per tensor and round. On a GPU that host work is what the step wa
 DDP bucket compresses in less time than its Python), so this path does per bucket what
 PyTorch's ``powerSGD_hook`` does, with fewer launches:
 
-- **round 1**: every residual compensated by one ``_foreach_add_``; each compressed tensor's
-  warm-start Q read for all tensors of a matrix shape at once (stacked, its zero columns
-  refilled from the first draw in one ``where``); each P = M Q written by its product straight
-  into the bucket's first-round buffer, the uncompressed tensors copied there by one
+- **the first round**: every residual compensated by one ``_foreach_add_``; each compressed
+  tensor's warm-start Q read for all tensors of a matrix shape at once (stacked, its zero
+  columns refilled from the first draw in one ``where``); each P = M Q written by its product
+  straight into the bucket's first-round buffer, the uncompressed tensors copied there by one
   ``_foreach_copy_``; that buffer summed in place (one allreduce a bucket).
-- **round 2**: the summed Ps orthonormalized together per matrix shape (one batched QR, as
-  ``powerSGD_hook`` with ``batch_tensors_with_same_shape``); each Q_w^T = P_hat^T M written into
-  the second-round buffer, a copy of which is summed while this rank's residuals
+- **the second round**: the summed Ps orthonormalized together per matrix shape (one batched
+  QR, as ``powerSGD_hook`` with ``batch_tensors_with_same_shape``); each Q_w^T = P_hat^T M
+  written into the second-round buffer, a copy of which is summed while this rank's residuals
   M - P_hat Q_w^T are written.
 - **results**: the uncompressed tensors' sums copied into DDP's bucket and averaged by two
   foreach operations; each P_hat Q^T multiplied straight into its gradient (the average folded
@@ -163,21 +163,33 @@ class PowerSGDBuckets:
         self.compressor, self.memory = grace.compressor, grace.feedback.memory
         self.average = op == AVERAGE and grace.compressor.caps.average
         self._plans: dict = {}
+        self._compressible: dict = {}   # names -> positions of the tensors ever compressed
+
+    def __getstate__(self) -> dict:
+        """Picklable with its ``GraceState``; the plans (byte counts of this job's size) are
+        worked out again by the copy."""
+        state = dict(self.__dict__)
+        state["_plans"], state["_compressible"] = {}, {}
+        return state
 
     # ------------------------------------------------------------------ the layout
     def _plan(self, bucket, names, numels) -> _Plan:
         compressor = self.compressor
+        low = self._compressible.get(names)
+        if low is None:     # the positions of the tensors PowerSGD compresses once started
+            if len(self._compressible) >= _PLANS_KEPT:
+                self._compressible.clear()
+            low = self._compressible[names] = tuple(
+                i for i, g in enumerate(bucket.gradients())
+                if not compressor.never_compresses(ops, g))
         key = names
         if compressor.start_step > 0:   # which are compressed this step: their counters
-            low = tuple(i for i, g in enumerate(bucket.gradients()) if g.is_floating_point()
-                        and compressor.matrix_shape(tuple(g.shape)) is not None
-                        and compressor.next_step(names[i], g) > compressor.start_step)
+            buffer = bucket.buffer()
+            low = tuple(i for i in low
+                        if compressor.next_step(names[i], buffer) > compressor.start_step)
             key = (names, low)
         plan = self._plans.get(key)
         if plan is None:
-            if compressor.start_step == 0:
-                low = tuple(i for i, g in enumerate(bucket.gradients())
-                            if not compressor.never_compresses(ops, g))
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
             plan = self._plans[key] = _Plan(compressor, bucket, names, numels, low)
@@ -190,7 +202,7 @@ class PowerSGDBuckets:
         slots = state.existing(keys)
         return slots if slots is not None else [make(i) for i in range(len(keys))]
 
-    # ------------------------------------------------------------------ round 1
+    # ------------------------------------------------------------------ the first round
     def start(self, bucket, names, numels, coll, label: str) -> _Bucket | None:
         """Compensate and compress DDP's ``bucket`` (its gradients named ``names``, of
         ``numels`` elements) and start the first round's allreduce (``Communicator.encode``
@@ -251,7 +263,7 @@ class PowerSGDBuckets:
                                                                              like),
                                      ops.dtype(like), like)
 
-    # ------------------------------------------------------------------ rounds 2 and results
+    # ------------------------------------------------------------------ the second round, results
     def exchange(self, buckets) -> list:
         """Finish ``buckets`` (started by ``start``, in the same order on every rank) in
         lockstep, as ``Router.receive_all`` does: every bucket's second round is started
