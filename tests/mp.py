@@ -101,13 +101,19 @@ def report(obj, rank: int | None = None) -> None:
 
 
 def _shut_down_both_horovods() -> None:
-    """Where a worker runs torch's and TensorFlow's Horovod in one process, shut them down in
-    order on every rank once it has reported: TF's first (its background thread frees its MPI
+    """Where a worker runs torch's and TensorFlow's Horovod in one process, torch's imported
+    and initialised first (so it initialised MPI and finalizes it), shut them down in order on
+    every rank once it has reported: TF's first (its background thread frees its MPI
     communicators), then a barrier on torch's, so that no rank exits (and finalizes MPI)
     while another still frees a communicator. Left to ``atexit``, a rank once segfaulted in
     TF's ``MPIContext::FinalizeWithoutEnv -> PMPI_Comm_free`` after its peer had exited."""
     tf_hvd, torch_hvd = (sys.modules.get(m) for m in ("horovod.tensorflow", "horovod.torch"))
     if tf_hvd is None or torch_hvd is None:
+        return
+    imported = list(sys.modules)
+    if imported.index("horovod.torch") > imported.index("horovod.tensorflow"):
+        # TF's Horovod came first (and so, in these workers, initialised MPI: its shutdown
+        # would finalize MPI before the barrier): left to atexit
         return
     try:
         torch_hvd.size()

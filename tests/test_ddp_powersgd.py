@@ -160,7 +160,8 @@ def test_channels_last_parameters_give_the_reference_s_bits():
     slow = grace_ddp.GraceState(grace_from_params(dict(POWERSGD)))
     slow._powersgd = None
     want = _train_convs(slow)
-    assert [p.row_major for p in fast._powersgd._plans.values()] == [True, True]
+    layouts = list(fast._powersgd._layouts.values())
+    assert len(layouts) == 2 and None not in layouts and len(fast._powersgd._plans) == 2
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert fast.grace.bytes.steps == slow.grace.bytes.steps
@@ -182,16 +183,57 @@ class _Bucket:
         return self._grads
 
 
-def test_a_bucket_whose_gradients_are_not_its_buffer_in_row_major_order_is_left_alone():
-    path = PowerSGDBuckets(grace_from_params(dict(POWERSGD)), "average")
+@pytest.mark.parametrize("start_step", [0, 2])
+def test_a_bucket_whose_gradients_are_not_its_buffer_in_row_major_order_is_left_alone(
+        start_step):
+    path = PowerSGDBuckets(grace_from_params({**POWERSGD, "start_step": start_step}),
+                           "average")
     grace = path.grace
     bucket = _Bucket()
     before = bucket.buffer().clone()
-    assert path.start(bucket, ["w", "b"], [256, 3], None, "bucket0") is None
+    for _ in range(2):
+        assert path.start(bucket, ["w", "b"], [256, 3], None, "bucket0") is None
     assert torch.equal(bucket.buffer(), before)
-    assert grace.state_dict()["memory"] == {} and grace.bytes.sent == {}
-    plan, = path._plans.values()
-    assert not plan.row_major and plan.low == (0,)
+    # nothing kept, sent or counted: the reference composition counts its steps itself
+    assert grace.state_dict() == {"compressor": {}, "memory": {}}, grace.state_dict()
+    assert grace.bytes.sent == {} and path._plans == {}
+    assert list(path._layouts.values()) == [None]
+
+
+def _switched(bucket_path, dtype):
+    """Two steps of an MLP under DDP, then two more after it is cast to ``dtype`` (a new DDP,
+    the same ``GraceState``): its parameters and the last step's bytes."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    state = grace_ddp.GraceState(grace_from_params(dict(POWERSGD)))
+    if not bucket_path:
+        state._powersgd = None
+    gen = torch.Generator().manual_seed(1)
+    for phase in range(2):
+        if phase:
+            net.to(dtype)
+        ddp = DDP(net)
+        ddp.register_comm_hook(state, grace_ddp.comm_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            x = torch.randn(4, 16, generator=gen).to(next(net.parameters()).dtype)
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()], state
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_cast_under_the_same_state_goes_on_as_the_reference_does(dtype):
+    """Its slots stay in the first dtype: the bucket path leaves such buckets to the
+    reference composition, which mixes the dtypes (the path's products into its buffers
+    cannot)."""
+    (fast, on_path), (slow, reference) = _switched(True, dtype), _switched(False, dtype)
+    assert all(p.dtype == dtype for p in fast)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+    assert on_path.grace.bytes.steps == reference.grace.bytes.steps
+    assert None in on_path._powersgd._layouts.values()
 
 
 @pytest.mark.parametrize("extra", [{}, {"compress_rank": 1, "start_step": 1}])
@@ -212,3 +254,29 @@ def test_the_bucket_path_gives_the_reference_s_bits_in_bfloat16(extra):
     for x, y in zip(fast, slow):
         assert torch.equal(x, y)
     assert a.grace.bytes.steps == b.grace.bytes.steps
+
+
+class _Group:
+    """Collectives of a group of ``n`` ranks, as far as byte counts go."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+    def allreduce_nbytes(self, tensor):
+        return tensor.numel() * tensor.element_size()
+
+
+def test_a_plans_byte_counts_follow_the_group_it_is_sent_on():
+    """A live ``GraceState`` moved to another process group (``state.process_group = ...``)
+    counts that group's ring bytes, as the reference does for every send."""
+    path = PowerSGDBuckets(grace_from_params(dict(POWERSGD)), "average")
+    bucket = _Bucket()
+    bucket._grads = [bucket._buffer[:256].view(16, 16), bucket._buffer[256:]]
+    plan = path._plan(bucket, ("w", "b"), [256, 3])
+    # rank 2: P is 16 x 2 and Q^T 2 x 16 (32 floats each), the bias 3 floats
+    assert plan.count(_Group(1), torch.float32) == ([("w", 0), ("b", 0)], [("w", 0)])
+    assert plan.count(_Group(2), torch.float32) == ([("w", 128), ("b", 12)], [("w", 128)])
+    assert plan.count(_Group(4), torch.float32) == ([("w", 192), ("b", 18)], [("w", 192)])

@@ -31,17 +31,19 @@ shape groups, its byte counts and units) is worked out once per DDP bucket layou
 **Chosen once**, when the ``GraceState`` is built (``serves``): per-parameter granularity and
 grace's own ``Allreduce`` (its exact class, no fusion groups) carrying its own
 ``PowerSGDCompressor`` with memory ``powersgd``; anything else (a subclass, another memory)
-takes the reference. **Same bits** as the reference composition on the CPU: the same products
+takes the reference; so does, bucket by bucket, a bucket whose gradients are not its buffer in
+row-major order or whose state is in another dtype or on another device (``_layout``).
+**Same bits** as the reference composition on the CPU: the same products
 (``ops.assign_matmul``, ``ops.assign_sub_matmul``: the reference's), the same sums, divisions
 and QR factorizations per matrix (LAPACK factors a batch one matrix at a time), the same state
 under the same keys (``tests/test_ddp_powersgd.py`` compares every parameter and slot with the
-reference's on a model with repeated shapes, both ops and PowerSGD's options; ``tests/test_ddp.py``
-trains both on 2 ranks). On a GPU a batched QR may round otherwise than one matrix at a time
-(cuSOLVER or cuBLAS's batched kernels). **Same wire**: per bucket one allreduce of its Ps and
-uncompressed tensors in the bucket's order, then one of its Q^Ts, as the reference's fused
-rounds (and ``powerSGD_hook``) send; the same bytes counted per tensor name in ``grc.bytes``.
-A DDP bucket holds gradients of one dtype and device (DDP's reducer groups them so); a
-bucket of mixed dtypes is refused (ValueError naming them).
+reference's on a model with repeated shapes, both ops and PowerSGD's options;
+``tests/test_ddp.py`` trains both on 3 ranks). On a GPU a batched QR may round otherwise than
+one matrix at a time (cuSOLVER or cuBLAS's batched kernels). **Same wire**: per bucket one
+allreduce of its Ps and uncompressed tensors in the bucket's order, then one of its Q^Ts, as
+the reference's fused rounds (and ``powerSGD_hook``) send; the same bytes counted per tensor
+name in ``grc.bytes``. A DDP bucket holds gradients of one dtype and device (DDP's reducer
+groups them so); a bucket of mixed dtypes is refused (ValueError naming them).
 """
 
 from __future__ import annotations
@@ -70,28 +72,15 @@ class _Plan:
     with ``start_step`` the compressible ones still sent whole); ``shapes``: each compressed
     tensor's (n, m, r); ``groups``: (indices into ``low``) per matrix shape; ``p_sizes`` /
     ``q_sizes``: each tensor's length in the first / second round's buffer (bucket order /
-    ``low``'s order). ``row_major``: every gradient is its stretch of DDP's bucket buffer in
-    row-major order (a parameter in another memory format, ``channels_last``, has a strided
-    view there: its bucket takes the reference composition)."""
+    ``low``'s order)."""
 
     __slots__ = ("names", "numels", "low", "dense", "slotted", "shapes", "groups", "p_sizes",
                  "q_sizes", "p_numel", "q_numel", "res_keys", "q_keys", "q0_keys",
-                 "whole_keys", "tensor_shapes", "units", "moved", "narrow", "row_major")
+                 "whole_keys", "tensor_shapes", "units", "moved", "narrow")
 
     def __init__(self, compressor, bucket, names, numels, low):
         grads = bucket.gradients()
         self.names, self.numels, self.low = names, list(numels), low
-        dtypes = {g.dtype for g in grads}
-        if len(dtypes) > 1:
-            raise ValueError(f"a DDP bucket holds gradients of one dtype; bucket of "
-                             f"{list(names)} has {sorted(map(str, dtypes))}")
-        buffer = bucket.buffer()
-        base, offset, itemsize = buffer.data_ptr(), 0, grads[0].element_size()
-        self.row_major = True
-        for g in grads:
-            self.row_major &= g.is_contiguous() and g.data_ptr() == base + offset * itemsize
-            offset += g.numel()
-        self.row_major &= offset == buffer.numel() and buffer.is_contiguous()
         self.narrow = grads[0].dtype in _NARROW
         self.tensor_shapes = [g.shape for g in grads]
         low_set = set(low)
@@ -118,19 +107,20 @@ class _Plan:
             unit = Unit(name, [name], None, None, [], None, None)
             unit.lands = True       # (its result is written into DDP's bucket)
             self.units.append(unit)
-        self.moved = None           # (name, bytes) per round, once the engine is known
+        self.moved = None           # (size, (name, bytes) per round) for the group's size
 
     def count(self, coll, dtype) -> tuple:
-        """What each round moves per tensor name, as ``Allreduce`` counts it."""
-        if self.moved is None:
-            size = coll.size()
+        """What each round moves per tensor name, as ``Allreduce`` counts it (worked out
+        again when the hook's group has another size)."""
+        size = coll.size()
+        if self.moved is None or self.moved[0] != size:
 
             def moved(numel):
                 return ring_allreduce_bytes(coll.allreduce_nbytes(
                     torch.empty(numel, dtype=dtype, device="meta")), size)
-            self.moved = ([(n, moved(s)) for n, s in zip(self.names, self.p_sizes)],
+            self.moved = (size, [(n, moved(s)) for n, s in zip(self.names, self.p_sizes)],
                           [(self.names[i], moved(s)) for i, s in zip(self.low, self.q_sizes)])
-        return self.moved
+        return self.moved[1:]
 
 
 class _Bucket:
@@ -163,37 +153,69 @@ class PowerSGDBuckets:
         self.compressor, self.memory = grace.compressor, grace.feedback.memory
         self.average = op == AVERAGE and grace.compressor.caps.average
         self._plans: dict = {}
-        self._compressible: dict = {}   # names -> positions of the tensors ever compressed
+        self._layouts: dict = {}    # (names, dtype, device) -> ``_layout``
 
     def __getstate__(self) -> dict:
         """Picklable with its ``GraceState``; the plans (byte counts of this job's size) are
         worked out again by the copy."""
         state = dict(self.__dict__)
-        state["_plans"], state["_compressible"] = {}, {}
+        state["_plans"], state["_layouts"] = {}, {}
         return state
 
     # ------------------------------------------------------------------ the layout
-    def _plan(self, bucket, names, numels) -> _Plan:
+    def _plan(self, bucket, names, numels) -> _Plan | None:
+        """The bucket's plan for this step; None where the bucket takes the reference
+        (``_layout``)."""
         compressor = self.compressor
-        low = self._compressible.get(names)
-        if low is None:     # the positions of the tensors PowerSGD compresses once started
-            if len(self._compressible) >= _PLANS_KEPT:
-                self._compressible.clear()
-            low = self._compressible[names] = tuple(
-                i for i, g in enumerate(bucket.gradients())
-                if not compressor.never_compresses(ops, g))
-        key = names
+        buffer = bucket.buffer()
+        key = (names, buffer.dtype, buffer.device)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= _PLANS_KEPT:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._layout(bucket, names)
+        if layout is None:
+            return None
+        low = layout
         if compressor.start_step > 0:   # which are compressed this step: their counters
-            buffer = bucket.buffer()
             low = tuple(i for i in low
                         if compressor.next_step(names[i], buffer) > compressor.start_step)
-            key = (names, low)
+            key = (key, low)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
             plan = self._plans[key] = _Plan(compressor, bucket, names, numels, low)
         return plan
+
+    def _layout(self, bucket, names) -> tuple | None:
+        """The positions of the bucket's tensors PowerSGD compresses (once started); None
+        where the bucket takes the reference composition: a gradient that is not its stretch
+        of DDP's buffer in row-major order (DDP's hook views always are, ``channels_last``
+        parameters' too), or state kept in another dtype or on another device than the
+        bucket's (a model moved or cast under the same ``GraceState``: the reference's
+        operations mix them, the path's products into its buffers cannot)."""
+        grads, buffer = bucket.gradients(), bucket.buffer()
+        dtypes = {g.dtype for g in grads}
+        if len(dtypes) > 1:
+            raise ValueError(f"a DDP bucket holds gradients of one dtype; bucket of "
+                             f"{list(names)} has {sorted(map(str, dtypes))}")
+        base, offset, itemsize = buffer.data_ptr(), 0, buffer.element_size()
+        for g in grads:
+            if not g.is_contiguous() or g.data_ptr() != base + offset * itemsize:
+                return None
+            offset += g.numel()
+        if offset != buffer.numel() or not buffer.is_contiguous():
+            return None
+        low = tuple(i for i, g in enumerate(grads)
+                    if not self.compressor.never_compresses(ops, g))
+        kept = [self.memory.state.existing([names[i]]) for i in low] + \
+            [self.compressor.state.existing([f"{p}/{names[i]}"]) for i in low
+             for p in ("q", "q0")]
+        if any(k is not None and (k[0].dtype != buffer.dtype or k[0].device != buffer.device)
+               for k in kept):
+            return None
+        return low
 
     @staticmethod
     def _slots(state, keys, make):
@@ -206,12 +228,12 @@ class PowerSGDBuckets:
     def start(self, bucket, names, numels, coll, label: str) -> _Bucket | None:
         """Compensate and compress DDP's ``bucket`` (its gradients named ``names``, of
         ``numels`` elements) and start the first round's allreduce (``Communicator.encode``
-        and ``Allreduce.issue``). None where its plan is not ``row_major`` (nothing done:
-        the bucket takes the reference composition)."""
+        and ``Allreduce.issue``). None where the bucket takes the reference composition
+        (``_layout``; nothing done, no step counted)."""
         compressor, state = self.compressor, self.memory.state
         names = tuple(names)
         plan = self._plan(bucket, names, numels)
-        if not plan.row_major:
+        if plan is None:
             return None
         buffer = bucket.buffer()
         grads = buffer.split(plan.numels)
