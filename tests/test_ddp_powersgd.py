@@ -262,9 +262,6 @@ class _Group:
     def __init__(self, n):
         self.n = n
 
-    def size(self):
-        return self.n
-
     def allreduce_nbytes(self, tensor):
         return tensor.numel() * tensor.element_size()
 
@@ -277,6 +274,6 @@ def test_a_plans_byte_counts_follow_the_group_it_is_sent_on():
     bucket._grads = [bucket._buffer[:256].view(16, 16), bucket._buffer[256:]]
     plan = path._plan(bucket, ("w", "b"), [256, 3])
     # rank 2: P is 16 x 2 and Q^T 2 x 16 (32 floats each), the bias 3 floats
-    assert plan.count(_Group(1), torch.float32) == ([("w", 0), ("b", 0)], [("w", 0)])
-    assert plan.count(_Group(2), torch.float32) == ([("w", 128), ("b", 12)], [("w", 128)])
-    assert plan.count(_Group(4), torch.float32) == ([("w", 192), ("b", 18)], [("w", 192)])
+    assert plan.count(_Group(1), 1, torch.float32) == ([("w", 0), ("b", 0)], [("w", 0)])
+    assert plan.count(_Group(2), 2, torch.float32) == ([("w", 128), ("b", 12)], [("w", 128)])
+    assert plan.count(_Group(4), 4, torch.float32) == ([("w", 192), ("b", 18)], [("w", 192)])

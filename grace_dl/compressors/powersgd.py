@@ -224,9 +224,12 @@ class PowerSGDCompressor(Compressor):
         return True
 
     # ------------------------------------------------------------------ helpers
-    def _q_slot(self, ops, name, shape, like):
+    def _q_slot(self, ops, name, shape, like, key="q"):
+        """The slot ``<key>/<name>`` (m x r): the warm start ``q``, or ``q0``, the initial
+        draw kept to refill zero columns; both start from the initial draw."""
         m, r = shape
-        return self.state.slot(f"q/{name}", ops, lambda: self._initial_q(ops, name, m, r, like),
+        return self.state.slot(f"{key}/{name}", ops,
+                               lambda: self._initial_q(ops, name, m, r, like),
                                ops.dtype(like), like)
 
     def _initial_q(self, ops, name, m, r, like):
@@ -242,9 +245,7 @@ class PowerSGDCompressor(Compressor):
         16-bit tensors are the exception: there Q is orthonormalized (in float32) so that
         M Q stays in range for a loss-scaled gradient."""
         q = ops.read(self._q_slot(ops, name, (m, r), like))
-        q0 = ops.read(self.state.slot(f"q0/{name}", ops,
-                                      lambda: self._initial_q(ops, name, m, r, like),
-                                      ops.dtype(like), like))
+        q0 = ops.read(self._q_slot(ops, name, (m, r), like, "q0"))
         q = ops.where(ops.norm(q, axis=0) > 0, q, q0)
         return orthonormalize(ops, q) if ops.dtype(q) in ("float16", "bfloat16") else q
 

@@ -696,8 +696,8 @@ class GraceState:
 
     def _powersgd_units(self) -> list:
         """Finish the buckets started on PowerSGD's bucket path and not yet finished, in the
-        order started (what ``Exchange.finish`` does for the others), after those its plan
-        left to the reference composition (a ``channels_last`` parameter's); their units."""
+        order started (what ``Exchange.finish`` does for the others), after those it left to
+        the reference composition (``PowerSGDBuckets._layout``); their units."""
         buckets, self._powersgd_buckets = self._powersgd_buckets, []
         units = self._exchange.finish() if self._exchange.units else []
         return units + self._powersgd.exchange(buckets)

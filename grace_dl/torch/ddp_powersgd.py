@@ -68,17 +68,17 @@ class _Plan:
     """One bucket layout as the path sends it (module docstring); holds no tensor.
 
     ``low``: positions (in the bucket) of the tensors compressed, ``dense``: of those sent
-    uncompressed, ``slotted``: of those compensated in a residual slot (the compressed, and
-    with ``start_step`` the compressible ones still sent whole); ``shapes``: each compressed
+    uncompressed, ``whole``: of those among them compensated in a residual slot all the same
+    (with ``start_step``, the compressible ones still sent whole); ``shapes``: each compressed
     tensor's (n, m, r); ``groups``: (indices into ``low``) per matrix shape; ``p_sizes`` /
     ``q_sizes``: each tensor's length in the first / second round's buffer (bucket order /
     ``low``'s order)."""
 
-    __slots__ = ("names", "numels", "low", "dense", "slotted", "shapes", "groups", "p_sizes",
+    __slots__ = ("names", "numels", "low", "dense", "whole", "shapes", "groups", "p_sizes",
                  "q_sizes", "p_numel", "q_numel", "res_keys", "q_keys", "q0_keys",
                  "whole_keys", "tensor_shapes", "units", "moved", "narrow")
 
-    def __init__(self, compressor, bucket, names, numels, low):
+    def __init__(self, compressor, bucket, names, numels, compressible, low):
         grads = bucket.gradients()
         self.names, self.numels, self.low = names, list(numels), low
         self.narrow = grads[0].dtype in _NARROW
@@ -87,9 +87,8 @@ class _Plan:
         self.dense = tuple(i for i in range(len(grads)) if i not in low_set)
         self.shapes = [compressor.matrix_shape(tuple(grads[i].shape)) for i in low]
         # compressible tensors sent whole this step (start_step) still add into their slots
-        self.slotted = tuple(i for i, g in enumerate(grads) if i in low_set or (
-            g.is_floating_point() and compressor.matrix_shape(tuple(g.shape)) is not None))
-        self.whole_keys = [names[i] for i in self.dense if i in self.slotted]
+        self.whole = tuple(i for i in compressible if i not in low_set)
+        self.whole_keys = [names[i] for i in self.whole]
         groups: dict = {}
         for j, shape in enumerate(self.shapes):
             groups.setdefault(shape, []).append(j)
@@ -109,10 +108,9 @@ class _Plan:
             self.units.append(unit)
         self.moved = None           # (size, (name, bytes) per round) for the group's size
 
-    def count(self, coll, dtype) -> tuple:
-        """What each round moves per tensor name, as ``Allreduce`` counts it (worked out
-        again when the hook's group has another size)."""
-        size = coll.size()
+    def count(self, coll, size: int, dtype) -> tuple:
+        """What each round moves per tensor name over ``size`` ranks, as ``Allreduce`` counts
+        it (worked out again when the hook's group has another size)."""
         if self.moved is None or self.moved[0] != size:
 
             def moved(numel):
@@ -176,7 +174,7 @@ class PowerSGDBuckets:
             layout = self._layouts[key] = self._layout(bucket, names)
         if layout is None:
             return None
-        low = layout
+        low = compressible = layout
         if compressor.start_step > 0:   # which are compressed this step: their counters
             low = tuple(i for i in low
                         if compressor.next_step(names[i], buffer) > compressor.start_step)
@@ -185,7 +183,8 @@ class PowerSGDBuckets:
         if plan is None:
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
-            plan = self._plans[key] = _Plan(compressor, bucket, names, numels, low)
+            plan = self._plans[key] = _Plan(compressor, bucket, names, numels, compressible,
+                                            low)
         return plan
 
     def _layout(self, bucket, names) -> tuple | None:
@@ -241,8 +240,7 @@ class PowerSGDBuckets:
         flat = torch.empty(plan.p_numel, dtype=buffer.dtype, device=buffer.device)
         parts = flat.split(plan.p_sizes)
         if plan.whole_keys:     # (start_step: compressible, sent whole from its slot)
-            whole = [i for i in plan.dense if i in plan.slotted]
-            shaped = plan.tensor_shapes
+            whole, shaped = plan.whole, plan.tensor_shapes
             slots = [state.zeros(k, ops, grads[i].view(shaped[i])).view(-1)
                      for k, i in zip(plan.whole_keys, whole)]
             torch._foreach_add_(slots, [grads[i] for i in whole])
@@ -260,8 +258,8 @@ class PowerSGDBuckets:
             torch._foreach_add_(matrices, outs)         # M = g + e, in the residual's slot
             q_slots = self._slots(compressor.state, plan.q_keys, lambda j: compressor._q_slot(
                 ops, names[low[j]], shapes[j][1:], outs[j]))
-            q0_slots = self._slots(compressor.state, plan.q0_keys, lambda j: self._first_q(
-                plan.q0_keys[j], names[low[j]], shapes[j], outs[j]))
+            q0_slots = self._slots(compressor.state, plan.q0_keys, lambda j: compressor._q_slot(
+                ops, names[low[j]], shapes[j][1:], outs[j], "q0"))
             for (_, _, r), js in plan.groups:
                 qs = _stacked([q_slots[j] for j in js])
                 warm = torch.where(torch.linalg.vector_norm(qs, dim=-2, keepdim=True) > 0, qs,
@@ -272,18 +270,9 @@ class PowerSGDBuckets:
                     n, _, r = shapes[j]
                     ops.assign_matmul(parts[low[j]].view(n, r), matrices[j], q)
             out.matrices, out.outs, out.q_slots = matrices, outs, q_slots
-        out.pending = self._allreduce(flat, plan.count(coll, buffer.dtype)[0], coll,
+        out.pending = self._allreduce(flat, plan.count(coll, out.size, buffer.dtype)[0], coll,
                                       label + ".p")
         return out
-
-    def _first_q(self, key, name, shape, like):
-        """The ``q0`` slot of ``name``: its initial Q, as ``PowerSGDCompressor._warm_q``
-        keeps it (drawn from (seed, name): the same on every rank)."""
-        _, m, r = shape
-        compressor = self.compressor
-        return compressor.state.slot(key, ops, lambda: compressor._initial_q(ops, name, m, r,
-                                                                             like),
-                                     ops.dtype(like), like)
 
     # ------------------------------------------------------------------ the second round, results
     def exchange(self, buckets) -> list:
@@ -317,7 +306,8 @@ class PowerSGDBuckets:
                 ops.assign_matmul(qt, p_hat.t(), matrix)    # P^T M (``next_round``: not M^T P)
             bucket.p_hats, bucket.qt_local = p_hats, qts
             bucket.pending = self._allreduce(qt_local.clone(),
-                                             plan.count(bucket.coll, grads[0].dtype)[1],
+                                             plan.count(bucket.coll, bucket.size,
+                                                        grads[0].dtype)[1],
                                              bucket.coll, bucket.label + ".q")
         for bucket in buckets:      # second round: the summed Q^Ts
             plan = bucket.plan
