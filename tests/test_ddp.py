@@ -435,6 +435,36 @@ def test_ddps_speed_and_memory_options():
 
 
 @pytest.mark.multiproc
+def test_static_graphs_delayed_allreduce_of_several_dtypes():
+    """Under ``static_graph`` DDP ends its first iteration by a delayed allreduce: every bucket
+    (one a dtype: float32, float64, a complex parameter's real view) handed over at the end of
+    the backward pass as bucket 0, none as the last, all awaited before the pass ends. The
+    hook finishes each in its own call and ends the step with the pass: every pipeline trains
+    with its ranks in step, one hook step a backward pass, every dtype's bucket a unit of
+    the first step; where state does not depend on the layout, the same bits as without
+    ``static_graph``, and ``none`` equal to DDP's own averaging."""
+    pipelines = ["ddp", "none", "none@parameter", "fp16", "powersgd", "topk", "qsgd-2phase",
+                 "signsgd", "topk@bucketwise"]
+    res = torchrun("delayed", 4, *pipelines, timeout=400)
+    for out in res:
+        for label in ("default", "static"):
+            for none in ("none", "none@parameter"):    # (a complex gradient's real view whole)
+                assert_equal_dicts(out[f"{none}/{label}"]["params"],
+                                   out[f"ddp/{label}"]["params"])
+        for p in pipelines[1:]:
+            static, default = out[f"{p}/static"], out[f"{p}/default"]
+            assert static["iteration"] == static["steps"] == 4, (p, static)
+            assert static["units"][0] >= 3, (p, static["units"])     # a bucket a dtype
+            assert all(np.isfinite(v).all() for v in static["params"].values()), p
+            assert_dicts_differ(static["params"], out["ddp/static"]["params"]) \
+                if p not in ("none", "none@parameter", "fp16") else None
+            if p in ("none", "none@parameter", "fp16", "powersgd"):
+                assert_equal_dicts(static["params"], default["params"])
+    for key in res[0]:
+        assert_equal_dicts(res[0][key]["params"], res[1][key]["params"])
+
+
+@pytest.mark.multiproc
 def test_uneven_inputs_under_ddps_join():
     """Rank 1 runs out of batches two steps before rank 0; under ``model.join()`` its DDP runs
     the hook on zero buckets for rank 0's last steps, so every pipeline's collectives stay

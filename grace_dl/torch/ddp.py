@@ -109,12 +109,16 @@ same on every rank (DDP takes rank 0's) and in every step after the first.
   first; the hook follows (the first layout's state is dropped then). Pipelines whose state
   is per bucket (error feedback in ``"bucket"`` granularity) thus restart it one step later
   than without the option (other bits than DDP's default from there on, the same names,
-  bytes and state keys); the others give the same bits.
+  bytes and state keys); the others give the same bits. Its first iteration DDP ends by a
+  *delayed allreduce*: every bucket (one a dtype there) handed over at the end of the
+  backward pass as bucket 0, none as the last, all awaited before the pass ends; the hook
+  then finishes each bucket in its own call and ends its step at the end of the pass.
+* A model in bfloat16 or float16: the buckets are in its dtype and each compressor sends
+  what it sends for that dtype. A complex parameter's gradient is sent as its real view
+  (``torch.view_as_real``, shape ``(*shape, 2)``): DDP's bucket holds it so.
 * ``join()`` (uneven inputs): for each step the other ranks still take, DDP runs the hook of a
   rank that ran out of batches on zero buckets; the hook sends them as any gradient (its
   error feedback goes on as for a zero gradient), so the collectives stay matched.
-* A model in bfloat16 or float16: the buckets are in its dtype and each compressor sends
-  what it sends for that dtype.
 
 **Averaging.** ``op="average"`` (default) gives DDP's result: the sum over ranks divided by the
 group size (compressors that already normalise, like signSGD's majority vote, are not
@@ -172,6 +176,7 @@ DDP checks the hook's annotations, so this module does not use postponed evaluat
 
 import contextlib
 import datetime
+import math
 import operator
 from dataclasses import dataclass
 
@@ -251,8 +256,29 @@ class _BucketLayout:
 
     names: list             # the parameters' names, in the bucket's order
     name: str               # the grace tensor's name when the bucket goes as one
-    numels: list            # the parameters' numels, in the bucket's order
+    numels: list            # the gradients' numels in DDP's buffer, in the bucket's order
     pieces: list | None     # the lengths of the pieces its buffer goes in (None: whole)
+    #: a bucket of complex parameters: their gradients' shapes as real views (else None)
+    real_shapes: list | None = None
+
+
+class _RealViews:
+    """A DDP bucket of complex parameters with ``gradients()`` that are their stretches of
+    its buffer: DDP keeps a complex gradient in the buffer as its real view
+    (``torch.view_as_real``: 2 numbers an element), but hands the hook views of the
+    parameters' shapes over the buffer's real dtype, which cover the first half of each
+    stretch only. Anything else is the bucket's own."""
+
+    def __init__(self, bucket, shapes):
+        self._bucket = bucket
+        numels = [math.prod(shape) for shape in shapes]
+        self._grads = [g.view(shape) for g, shape in zip(bucket.buffer().split(numels), shapes)]
+
+    def gradients(self) -> list:
+        return list(self._grads)
+
+    def __getattr__(self, name):
+        return getattr(self._bucket, name)
 
 
 class GraceState:
@@ -338,13 +364,15 @@ class GraceState:
         self._finished: list = []
         self._streams: dict = {}                # device -> its buckets' side stream
         self._buckets: list = []                # this step's (future, buffer)
+        #: in a step of DDP's delayed allreduce (``_delays``), its buckets' parameter ids
+        self._delayed: set | None = None
         self._views: dict = {}                  # name -> its gradient's view of its bucket
         self._deferred: dict = {}               # name -> gradient held for _start_deferred
         self._target = None                     # a loaded checkpoint's grouping (bucket mode)
         self._layout: list = []                 # the grouping of the last completed step
         self._checked = False
-        # bucket index -> (its parameters' ids, _BucketLayout): what _send works out of a
-        # bucket's parameters once, not every step
+        # a bucket's position in the step (its index, but in DDP's delayed allreduce) -> (its
+        # parameters' ids, _BucketLayout): what _send works out of its parameters once
         self._bucket_layouts: dict = {}
         self.last_step_names: list[str] = []    # the grace tensors of the last step, in order
 
@@ -430,7 +458,7 @@ class GraceState:
         self.__dict__.update(state)
         self._process_group, self.collectives = None, None
         # (the streams are not pickled)
-        self._per_bucket, self._streams = None, {}
+        self._per_bucket, self._streams, self._delayed = None, {}, None
         if self._order:
             self._resume = list(self._order)
         self._order, self._index = [], {}
@@ -508,7 +536,7 @@ class GraceState:
         its parameters are new (the first step, DDP's rebuilt buckets), else the kept one."""
         params = bucket.parameters()
         ids = list(map(id, params))
-        kept = self._bucket_layouts.get(bucket.index())
+        kept = self._bucket_layouts.get(len(self._buckets))
         if kept is not None and kept[0] == ids and not bucket.buffer().is_sparse:
             return kept[1]
         names = [self._name_of(p) for p in params]
@@ -518,9 +546,12 @@ class GraceState:
                              f"(nn.Embedding(sparse=True)?); grace compresses dense tensors: "
                              f"build the module with dense gradients (sparse=False), as the "
                              f"Horovod optimizer's sparse_as_dense=True does")
-        layout = _BucketLayout(names, self.bucket_name(names), [p.numel() for p in params],
-                               self._piece_sizes(bucket.buffer()))
-        self._bucket_layouts[bucket.index()] = (ids, layout)
+        real = [(*p.shape, 2) for p in params] if params and params[0].is_complex() else None
+        layout = _BucketLayout(names, self.bucket_name(names),
+                               [math.prod(s) for s in real] if real else
+                               [p.numel() for p in params],
+                               self._piece_sizes(bucket.buffer()), real)
+        self._bucket_layouts[len(self._buckets)] = (ids, layout)
         return layout
 
     def _side_stream(self, buffer):
@@ -544,6 +575,8 @@ class GraceState:
 
     def _send(self, bucket):
         layout = self._layout_of(bucket)
+        if layout.real_shapes is not None:
+            bucket = _RealViews(bucket, layout.real_shapes)
         names = layout.names
         if not self._checked:
             self._check_ranks_agree(bucket, names)
@@ -551,14 +584,14 @@ class GraceState:
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         fut = torch.futures.Future(devices=devices)
         started = None if self._powersgd is None else self._powersgd.start(
-            bucket, names, layout.numels, self.collectives, f"bucket{bucket.index()}")
+            bucket, names, layout.numels, self.collectives, f"bucket{len(self._buckets)}")
         if started is not None:
             self._powersgd_buckets.append(started)
         elif self.per_parameter:
             # one fusion group per bucket: each round of its units goes out in one collective
             # per kind and dtype (as powerSGD_hook batches a bucket's P and Q matrices)
             grads = self._views_of(bucket, names)
-            group = GroupCollectives(self.collectives, f"ddp.bucket{bucket.index()}",
+            group = GroupCollectives(self.collectives, f"ddp.bucket{len(self._buckets)}",
                                      collecting=True, equal_sizes=self._equal_sizes,
                                      counter=self.grace.bytes)
             for g, n in zip(grads, names):
@@ -583,6 +616,53 @@ class GraceState:
         if self._per_bucket and self._target is None and not self.collectives.holding():
             self._finish_bucket(fut, buffer)
         return fut
+
+    def _delays(self, bucket) -> bool:
+        """Whether ``bucket``, handed over as ``index() == 0`` while this step holds buckets,
+        is the next bucket of DDP's *delayed allreduce*: under ``static_graph=True`` DDP's
+        first iteration hands every bucket over at the end of the backward pass, each as index
+        0 and none as the last (several buckets there only where the parameters have several
+        dtypes: a complex or float64 parameter beside float32 ones), and waits for all of them
+        before it ends the pass. Each such bucket is therefore finished in its own hook call
+        (those held so far now), and the step ends in a callback at the end of the backward
+        pass. False (an earlier step left unfinished) where the bucket's parameters were
+        handed over already this step (the same bucket 0 again), or outside a backward
+        pass."""
+        ids = set(map(id, bucket.parameters()))
+        if self._delayed is None:
+            held = {i for p in range(len(self._buckets)) for i in self._bucket_layouts[p][0]}
+            if ids & held:
+                return False
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_delayed)
+            except RuntimeError:    # not in a backward pass
+                return False
+            self._delayed = held
+            self._finish_held()
+        elif ids & self._delayed:
+            return False
+        self._delayed |= ids
+        return True
+
+    def _finish_held(self) -> None:
+        """Receive every unit this step has started and complete its buckets' futures, the
+        step left open (DDP's delayed allreduce: ``_delays``)."""
+        if self._deferred:          # a resumed run's regrouping needs the whole step: not here
+            self._start_deferred()
+        self._target = None
+        units = self._exchange.finish() if self._powersgd is None else self._powersgd_units()
+        if self._views:
+            self._write_back(units)
+        self._finished.extend(units)
+        for fut, buffer in self._buckets:
+            if not fut.done():
+                fut.set_result(buffer)
+
+    def _end_delayed(self) -> None:
+        """The end of a step of DDP's delayed allreduce, at the end of its backward pass
+        (unless the step failed and was cleared)."""
+        if self._delayed is not None:
+            self._complete()
 
     def _views_of(self, bucket, names) -> list:
         """The bucket's gradients, views into its buffer, kept by name for ``_write_back``."""
@@ -679,6 +759,7 @@ class GraceState:
         self._layout = list(map(_MEMBERS, units))
         self._target = None  # DDP's own (rebuilt) layout from now on
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
+        self._delayed = None
 
     def _forget_vanished(self, names) -> None:
         """Drop the state of the grace tensors the last step sent and this one did not: DDP's
@@ -714,6 +795,7 @@ class GraceState:
             self.collectives.drop_held()
         self._powersgd_buckets = []
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
+        self._delayed = None
 
     # ------------------------------------------------------------------ checkpoints
     def reset(self, name: str | None = None) -> None:
@@ -779,7 +861,7 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
     if not isinstance(state, GraceState):
         raise ValueError(f"comm_hook's state must be a grace_dl.torch.ddp.GraceState, got "
                          f"{type(state).__name__}")
-    if bucket.index() == 0 and state._buckets:
+    if bucket.index() == 0 and state._buckets and not state._delays(bucket):
         state._clear()
         raise RuntimeError("a DDP step started before the previous one handed over its last "
                            "bucket; the grace hook expects every bucket of a step in order")
@@ -795,6 +877,8 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
             raise
         if bucket.is_last():
             state._complete()
+        elif state._delayed is not None:
+            state._finish_held()
     return fut
 
 

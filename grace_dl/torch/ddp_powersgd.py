@@ -17,8 +17,9 @@ PyTorch's ``powerSGD_hook`` does, with fewer launches:
   ``_foreach_copy_``; that buffer summed in place (one allreduce a bucket).
 - **the second round**: the summed Ps orthonormalized together per matrix shape (one batched
   QR, as ``powerSGD_hook`` with ``batch_tensors_with_same_shape``); each Q_w^T = P_hat^T M
-  written into the second-round buffer, a copy of which is summed while this rank's residuals
-  M - P_hat Q_w^T are written.
+  a tensor of its own (a CPU BLAS may round a product by its output's alignment: so it is the
+  reference's), joined into the second-round buffer, which is summed while this rank's
+  residuals M - P_hat Q_w^T are written.
 - **results**: the uncompressed tensors' sums copied into DDP's bucket and averaged by two
   foreach operations; each P_hat Q^T multiplied straight into its gradient (the average folded
   into Q: one division of the second-round buffer); the reduced Qs kept as the next warm start
@@ -75,7 +76,7 @@ class _Plan:
     ``low``'s order)."""
 
     __slots__ = ("names", "numels", "low", "dense", "whole", "shapes", "groups", "p_sizes",
-                 "q_sizes", "p_numel", "q_numel", "res_keys", "q_keys", "q0_keys",
+                 "q_sizes", "p_numel", "res_keys", "q_keys", "q0_keys",
                  "whole_keys", "tensor_shapes", "units", "moved", "narrow")
 
     def __init__(self, compressor, bucket, names, numels, compressible, low):
@@ -97,7 +98,7 @@ class _Plan:
         for i, (n, _, r) in zip(low, self.shapes):
             p_sizes[i] = n * r
         self.p_sizes, self.q_sizes = p_sizes, [r * m for _, m, r in self.shapes]
-        self.p_numel, self.q_numel = sum(self.p_sizes), sum(self.q_sizes)
+        self.p_numel = sum(self.p_sizes)
         self.res_keys = [names[i] for i in low]
         self.q_keys = [f"q/{names[i]}" for i in low]
         self.q0_keys = [f"q0/{names[i]}" for i in low]
@@ -299,13 +300,13 @@ class PowerSGDBuckets:
                 summed = _stacked([parts[low[j]].view(n, r) for j in js])
                 for j, p_hat in zip(js, _each(_orthonormal(summed, r), js)):
                     p_hats[j] = p_hat
-            qt_local = torch.empty(plan.q_numel, dtype=grads[0].dtype, device=grads[0].device)
-            q_parts = qt_local.split(plan.q_sizes)
-            qts = [q.view(r, m) for q, (_, m, r) in zip(q_parts, shapes)]
-            for qt, p_hat, matrix in zip(qts, p_hats, bucket.matrices):
-                ops.assign_matmul(qt, p_hat.t(), matrix)    # P^T M (``next_round``: not M^T P)
+            # P^T M (``next_round``: not M^T P), each a tensor of its own as the reference's:
+            # a CPU BLAS may round a product by where its output lies (MKL: by the output's
+            # 16-byte alignment), so written into the round's buffer it would not be the
+            # reference's; then joined into that buffer (which the sum overwrites)
+            qts = [ops.matmul(p_hat.t(), matrix) for p_hat, matrix in zip(p_hats, bucket.matrices)]
             bucket.p_hats, bucket.qt_local = p_hats, qts
-            bucket.pending = self._allreduce(qt_local.clone(),
+            bucket.pending = self._allreduce(torch.cat([qt.view(-1) for qt in qts]),
                                              plan.count(bucket.coll, bucket.size,
                                                         grads[0].dtype)[1],
                                              bucket.coll, bucket.label + ".q")

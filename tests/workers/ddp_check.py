@@ -25,6 +25,9 @@ Modes:
 - ``device <steps> <pipeline>...``: each pipeline on the CPU path and on the device path
   (``emulate_device``; Triton's interpreter under ``TRITON_INTERPRET=1``), one ~100K-element
   bucket: parameters and bytes per step of each.
+- ``delayed <steps> <pipeline>...``: each pipeline on a model with float32, float64 and
+  complex64 parameters, with and without ``static_graph`` (whose first iteration is DDP's
+  delayed allreduce): parameters, the hook's steps and units per step.
 - ``options <steps> <pipeline>...``: each pipeline under DDP's other options
   (``gradient_as_bucket_view``, ``static_graph``, both) and on a half-precision model: parameters
   after the steps, bytes per step, the hook's state keys.
@@ -63,8 +66,10 @@ PIPELINES = {
 
 
 def params_of(model) -> dict:
-    """The model's state as float32 arrays (a half-precision model's widened exactly)."""
-    return {k: v.detach().float().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    """The model's state as float32 arrays (a half-precision model's widened exactly, a
+    complex one as its real view)."""
+    return {k: (torch.view_as_real(v) if v.is_complex() else v).detach().float().cpu().numpy()
+            .copy() for k, v in model.state_dict().items()}
 
 
 # ---------------------------------------------------------------- digits
@@ -93,12 +98,16 @@ PIECES = "@pieces"
 #: collectives of data-dependent size held for one read of the step's sizes, as on NCCL
 #: (``Collectives.holds_sizes``)
 BUCKETWISE = "@bucketwise"
+#: ``<pipeline>@parameter``: the hook in ``"parameter"`` granularity (a unit a gradient)
+PARAMETER = "@parameter"
 
 
 def hook_state(pipeline, **kwargs):
     base, *flags = pipeline.split("@")
     if PIECES[1:] in flags:
         kwargs["piece_bytes"] = 4096
+    if PARAMETER[1:] in flags:
+        kwargs["granularity"] = "parameter"
     state = grace_ddp.GraceState(grace_from_params(dict(PIPELINES[base])), **kwargs)
     if BUCKETWISE[1:] in flags:
         state._per_bucket = True
@@ -528,6 +537,49 @@ def mode_options(steps: int, pipelines) -> dict:
     return out
 
 
+class Mixed(nn.Module):
+    """The MLP with parameters of two more dtypes: a float64 scale and a complex64 phase of
+    the logits (DDP keeps a bucket per dtype, a complex one as its real view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = mlp()
+        self.scale = nn.Parameter(torch.ones(10, dtype=torch.float64))
+        self.phase = nn.Parameter(torch.full((10,), 1 + 0j, dtype=torch.complex64))
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale.float() * self.phase.abs()
+
+
+def mode_delayed(steps: int, pipelines) -> dict:
+    """Each pipeline (``ddp``: no hook) ``steps`` steps on ``Mixed`` with and without
+    ``static_graph``, whose first iteration DDP ends by its *delayed allreduce* (every bucket
+    handed over at the end of the pass as bucket 0, none as the last): the parameters, and the
+    hook's completed steps, byte-counted steps and units per step."""
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    out = {}
+    for pipeline in pipelines:
+        for label, options in (("default", {}), ("static", {"static_graph": True})):
+            model = DDP(Mixed(), bucket_cap_mb=0.02, **options)
+            state = None
+            if pipeline != "ddp":
+                state = hook_state(pipeline)
+                model.register_comm_hook(state, grace_ddp.comm_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            units = []
+            for _, (x, y) in zip(range(steps), batches(data, 1)):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                if state is not None:
+                    units.append(len(state.last_step_names))
+            out[f"{pipeline}/{label}"] = {"params": params_of(model), **({} if state is None else {
+                "iteration": state.iteration, "steps": len(state.grace.bytes.steps),
+                "units": units})}
+    return out
+
+
 def mode_device(steps: int, pipelines) -> dict:
     """Each pipeline ``steps`` steps on the path CPU tensors take and on the device path (a
     GPU's code on CPU tensors: ``emulate_device``, its Triton kernels in Triton's interpreter
@@ -620,6 +672,8 @@ def main() -> None:
         result = mode_join(sys.argv[2:])
     elif mode == "options":
         result = mode_options(int(sys.argv[2]), sys.argv[3:])
+    elif mode == "delayed":
+        result = mode_delayed(int(sys.argv[2]), sys.argv[3:])
     elif mode == "device":
         result = mode_device(int(sys.argv[2]), sys.argv[3:])
     elif mode == "disagree":
