@@ -624,8 +624,8 @@ class GraceState:
         0 and none as the last (several buckets there only where the parameters have several
         dtypes: a complex or float64 parameter beside float32 ones), and waits for all of them
         before it ends the pass. Each such bucket is therefore finished in its own hook call
-        (those held so far now), and the step ends in a callback at the end of the backward
-        pass. False (an earlier step left unfinished) where the bucket's parameters were
+        (with those held so far, on the stream they were started on), and the step ends in a
+        callback at the end of the backward pass. False (an earlier step left unfinished) where the bucket's parameters were
         handed over already this step (the same bucket 0 again), or outside a backward
         pass."""
         ids = set(map(id, bucket.parameters()))
@@ -638,7 +638,6 @@ class GraceState:
             except RuntimeError:    # not in a backward pass
                 return False
             self._delayed = held
-            self._finish_held()
         elif ids & self._delayed:
             return False
         self._delayed |= ids

@@ -68,6 +68,21 @@ def repeated(device):
                          nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).to(device)
 
 
+class Mixed(nn.Module):
+    """``model`` with a float64 scale and a complex64 phase of its logits: DDP keeps a bucket
+    a dtype (a complex one as its real view)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.mlp = model(device)
+        self.scale = nn.Parameter(torch.ones(10, dtype=torch.float64, device=device))
+        self.phase = nn.Parameter(torch.full((10,), 1 + 0j, dtype=torch.complex64,
+                                             device=device))
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale.float() * self.phase.abs()
+
+
 def train(pipeline, device, steps=5, per_bucket=None, reference=False, net=model,
           bucket_cap_mb=0.5, **options):
     """``per_bucket``: force completing each bucket in its hook call (True) or the step's
@@ -232,6 +247,24 @@ def main() -> int:
         return f"gradient_as_bucket_view=True == default: {done}"
 
     check(f"{backend} hook with gradient_as_bucket_view", bucket_views_change_nothing)
+
+    def delayed_allreduce_of_several_dtypes():
+        """``static_graph``'s first iteration on a model of three dtypes: DDP's delayed
+        allreduce hands every bucket over as bucket 0, none as the last, and waits for all:
+        each pipeline's steps all complete (one hook step a backward pass), ``none`` equal to
+        DDP's own reduction."""
+        ref, _ = train(None, device, steps=3, net=Mixed, static_graph=True)
+        done = {}
+        for pipeline in ("none", "fp16", "topk", "qsgd-2phase", "powersgd"):
+            net, state = train(pipeline, device, steps=3, net=Mixed, static_graph=True)
+            assert state.iteration == len(state.grace.bytes.steps) == 3, (pipeline, state.iteration)
+            if pipeline == "none":
+                assert_same_parameters(ref, net, pipeline)
+            done[pipeline] = len(state.last_step_names)
+        return f"grace tensors in the last step: {done}"
+
+    check(f"{backend} static_graph's delayed allreduce, three dtypes",
+          delayed_allreduce_of_several_dtypes)
 
     for pipeline in PIPELINES:
         def one(pipeline=pipeline):
