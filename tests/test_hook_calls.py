@@ -11,7 +11,9 @@ from benchmarks import hook_calls, records, tables
 
 #: measured on the CPU path (small MLP, one bucket, default hook options; the committed
 #: results file): (calls, files) per step; the bounds allow 10% more, so a regression fails
-MEASURED = {"none": (22, 6), "topk": (91, 17), "qsgd-2phase": (330, 19)}
+#: (qsgd two-phase: 330 with the reference's compress around the kernels, 193 on the CPU
+#: path's own, ``grace_dl.native.paths.QSGDOnCpu``)
+MEASURED = {"none": (22, 6), "topk": (91, 17), "qsgd-2phase": (193, 20)}
 MARGIN = 1.10
 #: pipelines without a target, their calls per step as measured (PowerSGD on the hook's bucket
 #: path, ``grace_dl.torch.ddp_powersgd``: 684 when every tensor took the send path, 323 with
@@ -75,6 +77,7 @@ def test_counts_do_not_grow(pipeline):
     assert got["calls"] <= int(calls * MARGIN), (got["calls"], got["top_functions"])
     assert got["files"] <= int(files * MARGIN), (got["files"], got["top_files"])
     assert got["target_calls"] == hook_calls.TARGETS[pipeline][0]
+    assert got["calls"] <= got["target_calls"], got["top_functions"]   # issue 42's, on the CPU
 
 
 @pytest.mark.parametrize("pipeline", sorted(UNTARGETED))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from grace_dl import native
@@ -22,8 +23,9 @@ from grace_dl.compressors import signbits, signsgd, sparse
 from grace_dl.compressors.adaq import AdaqCompressor
 from grace_dl.compressors.base import error_views
 from grace_dl.compressors.dgc import DgcCompressor
+from grace_dl.compressors.flat import Layout, dither_bits, pack, unpack
 from grace_dl.compressors.paths import Reference, register
-from grace_dl.compressors.qsgd import QSGDCompressor, QSGDPath
+from grace_dl.compressors.qsgd import QSGDCompressor, QSGDPath, _bucket_norms
 from grace_dl.compressors.randomk import RandomKCompressor, RandomKPath
 from grace_dl.compressors.signum import SignumCompressor
 from grace_dl.compressors.threshold import ThresholdCompressor
@@ -186,11 +188,15 @@ def _qsgd_values(codes, step, s, out, accumulate=False):
 
 @register(QSGDCompressor, KIND)
 class QSGDOnCpu(QSGDPath):
-    """qsgd: the whole buckets' levels (with the error and decoding) and their values each in
-    one compiled pass (``native.qsgd_levels``, ``native.qsgd_values``)."""
+    """qsgd: every bucket's levels (with the error and decoding) in one compiled pass
+    (``native.qsgd_levels``) and its values in another (``native.qsgd_values``), the short last
+    bucket padded to a row of its own, plain torch views around them: the reference's float
+    operations in its order, so its bits, in a few Python calls. A float32 contiguous tensor
+    (and outputs) only; any other goes the reference's way, its whole buckets by the same
+    kernels where they apply."""
 
     def compress(self, tensor, name, call):
-        return self.compressor._compress(tensor, name, call, fast_levels=_qsgd_levels)
+        return self._compress(tensor, name, call, ())
 
     def error_finite(self, payload):
         """From the bucket norms, read on the host (one float per bucket): where all are
@@ -200,19 +206,105 @@ class QSGDOnCpu(QSGDPath):
         return norms.numel() == 0 or bool(norms.abs().max() < 1e38)
 
     def compress_with_error(self, tensor, name, call, error, decoded=None):
-        outs = self.compressor._error_outs(tensor, error, decoded)
-        if outs is None:
+        if tensor.dtype != torch.float32:
             return None
-        return self.compressor._compress(tensor, name, call, outs, fast_levels=_qsgd_levels)
+        outs = error_views(tensor, error, decoded, "float32")
+        return None if outs is None else self._compress(tensor, name, call, outs)
+
+    def _compress(self, tensor, name, call, outs):
+        c = self.compressor
+        n = tensor.numel()
+        if not (native._enabled and n and tensor.dtype == torch.float32
+                and tensor.device.type == "cpu" and tensor.is_contiguous()):
+            return c._compress(tensor, name, call, outs, fast_levels=_qsgd_levels)
+        q, b = c.quantum_num, c.bucket_size
+        s, hi = float(q), 2 * q
+        nb, full = -(-n // b), n // b
+        body, tail = full * b, n - full * b
+        x = tensor.detach().reshape(-1)
+        k = ops.dither(c.seed, name, c.next_step(name, tensor), nb * b, dither_bits(q), like=x,
+                       stream=call.rank)
+        # (rows of x, of the dither, of each output, the rows' buckets): the whole buckets and
+        # the short last one (its x copied before any output, which may be x's memory, is
+        # written; its outputs rows of their own). Loops, not comprehensions: a frame each.
+        parts, norms = [], []
+        if full:
+            written = []
+            for o in outs:
+                written.append(o[:body].view(full, b))
+            parts.append((x[:body].view(full, b), k[:body].view(full, b), written,
+                          slice(0, full)))
+        if tail:
+            short = x.new_zeros(1, b)
+            short[0, :tail] = x[body:]
+            rows = []
+            for _ in outs:
+                rows.append(x.new_empty(1, b))
+            parts.append((short, k[body:].view(1, b), rows, slice(full, nb)))
+        for rows, _, _, at in parts:
+            m = torch.linalg.vector_norm(rows, dim=1)
+            norms.append(m if bool(torch.isfinite(torch.sum(m))) else
+                         _bucket_norms(ops, rows, at.stop - at.start))
+        norms = norms[0] if len(norms) == 1 else torch.cat(norms)
+        scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms)).numpy()
+        step = (norms / s).numpy()
+        codes = []
+        for rows, dither, written, at in parts:
+            codes.append(native.qsgd_levels(rows.numpy(), scale[at], step[at], dither.numpy(),
+                                            s, hi, *map(torch.Tensor.numpy, written)))
+        if tail:
+            for o, row in zip(outs, parts[-1][2]):
+                o[body:] = row[0, :tail]
+        codes = torch.from_numpy(codes[0] if len(codes) == 1 else
+                                 np.concatenate(codes).reshape(-1)).view(-1)[:n]
+        return [pack(ops, codes, c._bits), norms], Layout(tuple(tensor.shape), "float32", n)
 
     def decompress(self, payload, ctx):
-        return self.compressor._decode(payload, ctx, fast_values=_qsgd_values)
+        return self._decode(payload, ctx)
 
     def decompress_into(self, payload, ctx, out=None):
-        return self.compressor._decode(payload, ctx, out, fast_values=_qsgd_values)
+        return self._decode(payload, ctx, out)
 
     def combine(self, payloads, ctx, out=None):
-        return self.compressor._combine(payloads, ctx, out, fast_values=_qsgd_values)
+        """``QSGDCompressor._combine`` by this path's decoding: the first payload decoded into
+        ``out``, each other one added to it."""
+        total = self._decode(payloads[0], ctx, out)
+        if len(payloads) == 1 or ctx.dtype != "float32" or not total.is_contiguous():
+            return self.compressor.aggregate(
+                [total, *(self.decompress(p, ctx) for p in payloads[1:])])
+        for payload in payloads[1:]:
+            self._decode(payload, ctx, total, accumulate=True)
+        return total
+
+    def _decode(self, payload, ctx, out=None, accumulate=False):
+        """``QSGDCompressor._decode`` (into ``out`` where it is a float32 contiguous CPU
+        tensor, else a new one), by the kernel on every bucket."""
+        c = self.compressor
+        packed, norms = payload
+        n = ctx.numel
+        if out is None and ctx.dtype == "float32" and not accumulate:
+            out = torch.empty(ctx.shape)
+        if not (native._enabled and n and ctx.dtype == "float32" and out is not None
+                and out.dtype == torch.float32 and out.device.type == "cpu"
+                and out.is_contiguous() and packed.device.type == "cpu"):
+            return c._decode(payload, ctx, out, accumulate, fast_values=_qsgd_values)
+        b, s = c.bucket_size, float(c.quantum_num)
+        nb, full = -(-n // b), n // b
+        body, tail = full * b, n - full * b
+        codes = unpack(ops, packed, c._bits, n)
+        step = (norms / s).numpy()
+        flat = out.view(-1)
+        if full:
+            native.qsgd_values(codes[:body].view(full, b).numpy(), step[:full], s,
+                               flat[:body].view(full, b).numpy(), accumulate)
+        if tail:
+            short, into = codes.new_zeros(1, b), flat.new_zeros(1, b)
+            short[0, :tail] = codes[body:]
+            if accumulate:
+                into[0, :tail] = flat[body:]
+            native.qsgd_values(short.numpy(), step[full:nb], s, into.numpy(), accumulate)
+            flat[body:] = into[0, :tail]
+        return out
 
 
 # ------------------------------------------------------------------ sparsifiers
