@@ -625,9 +625,9 @@ class GraceState:
         dtypes: a complex or float64 parameter beside float32 ones), and waits for all of them
         before it ends the pass. Each such bucket is therefore finished in its own hook call
         (with those held so far, on the stream they were started on), and the step ends in a
-        callback at the end of the backward pass. False (an earlier step left unfinished) where the bucket's parameters were
-        handed over already this step (the same bucket 0 again), or outside a backward
-        pass."""
+        callback at the end of the backward pass. False (an earlier step left unfinished)
+        where the bucket's parameters were handed over already this step (the same bucket 0
+        again), or outside a backward pass."""
         ids = set(map(id, bucket.parameters()))
         if self._delayed is None:
             held = {i for p in range(len(self._buckets)) for i in self._bucket_layouts[p][0]}
