@@ -24,10 +24,11 @@ HALVES = ("bfloat16", "float16")
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
-def torchrun(*args, timeout: float = 300) -> list:
-    """``torchrun --standalone --nproc-per-node 2 tests/workers/ddp_check.py ARGS``; each
-    rank's reported object, by rank. A hung collective fails the test after ``timeout``."""
-    return mp.run("ddp_check.py", np=N, launcher="torchrun", args=args, timeout=timeout,
+def torchrun(*args, timeout: float = 300, ranks: int = N) -> list:
+    """``torchrun --standalone --nproc-per-node <ranks> tests/workers/ddp_check.py ARGS``;
+    each rank's reported object, by rank. A hung collective fails the test after
+    ``timeout``."""
+    return mp.run("ddp_check.py", np=ranks, launcher="torchrun", args=args, timeout=timeout,
                   env={"GLOO_SOCKET_IFNAME": "lo"})
 
 
@@ -432,6 +433,25 @@ def test_ddps_speed_and_memory_options():
         assert out["topk/default"]["names"][0] != out["topk/default"]["names"][1]
     for key in res[0]:
         assert_equal_dicts(res[0][key]["params"], res[1][key]["params"])
+
+
+@pytest.mark.multiproc
+def test_ranks_agree_at_a_world_size_that_is_not_a_power_of_two():
+    """Three ranks: an average's division by 3 rounds (by 2 or 4 it is exact), so every rank
+    must divide the same numbers the same way. Two-phase qsgd folds the average into the
+    payloads' norms (``divided_payloads``): its server rank once wrote its own chunk as its
+    decoding divided by 3, the others that chunk's divided payload decoded, and the ranks
+    drifted apart in the last bits. Every pipeline, under each DDP option and on half-precision
+    models: the same parameters on every rank."""
+    pipelines = ["none", "fp16", "topk", "randomk", "qsgd-2phase", "powersgd", "signsgd",
+                 "signsgd-2phase", "dgc", "threshold-bcast", "qsgd-2phase@bucketwise"]
+    res = torchrun("options", 3, *pipelines, timeout=600, ranks=3)
+    assert len(res) == 3 and set(res[0]) == {f"{p}/{label}" for p in pipelines
+                                             for label in (*DDP_LABELS, *HALVES)}
+    for key in res[0]:
+        assert len(res[0][key]["sent"]) == 3, key
+        for other in res[1:]:
+            assert_equal_dicts(res[0][key]["params"], other[key]["params"])
 
 
 @pytest.mark.multiproc

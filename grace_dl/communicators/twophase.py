@@ -337,24 +337,23 @@ class TwoPhase(PackingCommunicator):
             for i in range(n_parts):
                 column.append([pieces[i][j]])
             payloads.append(ops.shaped_parts(column, flat[j][1], 1, equal)[0])
-        known = {} if phase.own is None else {me: phase.own}
-        done = {me} if phase.own_in_place else set()
-        divisor = None
         if handle.into is not None and ops.flat_view(handle.into) is not None:
             # decoded straight into ``into``: the average may be folded into the payloads
             payloads = divided_payloads(handle, payloads)
-            if handle.finished_in_place:
-                divisor = average_divisor(handle)
+        # this rank's own chunk as it decoded it, unless the payloads were divided: then from
+        # its divided payload, as every other rank decodes it (a decoding divided by N and
+        # the decoding of a payload divided by N differ in rounding unless N is a power of
+        # two, and the ranks would disagree on the chunk)
+        known = {} if phase.own is None or handle.finished_in_place else {me: phase.own}
+        done = {me} if phase.own_in_place else set()
         return self._decompress_chunks(payloads, ctxs, handle.into, handle.encoded.compensated,
-                                       known, divisor, done)
+                                       known, done)
 
-    def _decompress_chunks(self, payloads, ctxs, out, like=None, known=None, divisor=None,
-                           done=()):
+    def _decompress_chunks(self, payloads, ctxs, out, like=None, known=None, done=()):
         """Every chunk's payload decompressed and joined in the tensor's shape: each straight
         into its slice of ``out`` where ``out`` has a flat view (torch), else joined by a
-        concatenation shaped like ``like``. ``known``: chunks already decoded, by index
-        (written divided by ``divisor`` when given: the payloads were divided); ``done``:
-        chunks already in their slice of ``out``."""
+        concatenation shaped like ``like``. ``known``: chunks already decoded, by index;
+        ``done``: chunks already in their slice of ``out``."""
         ops = ops_for(payloads[0][0])
         known = known or {}
         flat = None if out is None else ops.flat_view(out)
@@ -372,7 +371,7 @@ class TwoPhase(PackingCommunicator):
             if j in done:
                 continue
             if j in known:
-                ops.assign_div(piece, ops.flatten(known[j]), divisor)
+                ops.assign_div(piece, ops.flatten(known[j]))
             else:
                 chunk = self.paths.on(payload).decompress_into(payload, ctx, piece)
                 if not ops.aliases(chunk, piece):
