@@ -332,8 +332,12 @@ def test_resume_from_a_checkpoint_continues_bit_for_bit():
     completed together (gloo's): the same bits."""
     bucketwise = ["topk@bucketwise", "powersgd@bucketwise", "qsgd-2phase@pieces@bucketwise",
                   "none@bucketwise", "signsgd-2phase@bucketwise", "dgc@bucketwise"]
+    # ``@static``: DDP keeps its first layout (a bucket a dtype) two iterations, the first its
+    # delayed allreduce, each bucket finished in its own hook call: both are regrouped as
+    # the saved run grouped its gradients, every bucket of them
+    static = ["topk@static", "qsgd-2phase@static"]
     pipelines = ["topk", "powersgd", "qsgd-2phase", "randomk", "threshold-bcast",
-                 "qsgd-2phase@pieces", "none", "signsgd-2phase", "dgc", *bucketwise]
+                 "qsgd-2phase@pieces", "none", "signsgd-2phase", "dgc", *bucketwise, *static]
     res = torchrun("resume", 6, *pipelines, timeout=600)
     for out in res:
         for p in pipelines:
@@ -452,6 +456,30 @@ def test_ranks_agree_at_a_world_size_that_is_not_a_power_of_two():
         assert len(res[0][key]["sent"]) == 3, key
         for other in res[1:]:
             assert_equal_dicts(res[0][key]["params"], other[key]["params"])
+
+
+@pytest.mark.multiproc
+def test_a_state_goes_on_after_a_backward_pass_failed_in_the_delayed_allreduce():
+    """A backward pass that fails in DDP's delayed allreduce (after two of three buckets)
+    never runs the end-of-pass callback that ends the hook's step; DDP refuses to go on, and
+    the same ``GraceState`` registered on a new DDP of the module must take the new pass's
+    buckets as a new step (they came in another autograd graph task), not as more of the
+    failed one (it raised "a DDP step started before the previous one handed over its last
+    bucket"). Every step after it completes; ``none`` gives the clean run's bits (the failed
+    pass's compressed buckets are in a stateful pipeline's error feedback, as they would be
+    had the pass failed after them)."""
+    pipelines = ["none", "topk", "qsgd-2phase"]
+    res = torchrun("aborted", 4, *pipelines, timeout=300)
+    for out in res:
+        for p in pipelines:
+            failed, clean = out[f"{p}/failed"], out[f"{p}/clean"]
+            assert failed["error"] == "injected after the second bucket", failed["error"]
+            assert failed["iteration"] == clean["iteration"] == 4, p
+            assert failed["units"] == clean["units"], p
+            assert all(np.isfinite(v).all() for v in failed["params"].values()), p
+        assert_equal_dicts(out["none/failed"]["params"], out["none/clean"]["params"])
+    for p in pipelines:
+        assert_equal_dicts(res[0][f"{p}/failed"]["params"], res[1][f"{p}/failed"]["params"])
 
 
 @pytest.mark.multiproc

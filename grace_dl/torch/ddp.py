@@ -141,7 +141,11 @@ first-iteration layout, so in ``"bucket"`` granularity the hook's first iteratio
 ``load_state_dict`` groups gradients as the saved run last did: buckets that match a saved
 group are sent at once, the others are held until DDP hands over the last bucket, then cut into
 the saved groups (that one iteration overlaps less); from the second iteration on it follows
-DDP's (rebuilt) buckets again.
+DDP's (rebuilt) buckets again. Under ``static_graph=True`` DDP keeps its first layout two
+iterations (the first its delayed allreduce), and the hook regroups both. A checkpoint written
+after the first iteration under ``static_graph`` holds the first layout's state, which the
+original run drops at DDP's rebuild, its third step, and the resumed one a step later: that
+resume is not bit for bit (one written at any later step is).
 
 **Agreement.** The first hook call of a ``GraceState`` all-gathers a digest of the grace
 configuration, the granularity, the op and the bucket's layout; ranks that differ raise
@@ -369,6 +373,13 @@ class GraceState:
         self._views: dict = {}                  # name -> its gradient's view of its bucket
         self._deferred: dict = {}               # name -> gradient held for _start_deferred
         self._target = None                     # a loaded checkpoint's grouping (bucket mode)
+        #: DDP's bucket layout (names per bucket) in the first step regrouped to ``_target``:
+        #: the regrouping goes on while DDP hands that layout over (``_end_regrouping``);
+        #: ``_regrouped``: this step sent gradients regrouped
+        self._resumed_on: list | None = None
+        self._regrouped = False
+        #: the autograd graph task this step's first bucket was handed over in (``_delays``)
+        self._task = None
         self._layout: list = []                 # the grouping of the last completed step
         self._checked = False
         # a bucket's position in the step (its index, but in DDP's delayed allreduce) -> (its
@@ -465,6 +476,7 @@ class GraceState:
         self._checked = False   # a new DDP: ranks compare again
         if not self.per_parameter and self._layout:
             self._target = [list(g) for g in self._layout]
+        self._resumed_on, self._regrouped, self._task = None, False, None
 
     bucket_name = staticmethod(bucket_name)
 
@@ -578,6 +590,8 @@ class GraceState:
         if layout.real_shapes is not None:
             bucket = _RealViews(bucket, layout.real_shapes)
         names = layout.names
+        if not self._buckets:
+            self._task = torch._C._current_graph_task_id()
         if not self._checked:
             self._check_ranks_agree(bucket, names)
         buffer = bucket.buffer()
@@ -643,12 +657,18 @@ class GraceState:
         self._delayed |= ids
         return True
 
+    def _stale(self) -> bool:
+        """Whether the buckets this step holds were handed over in an earlier backward pass
+        (another autograd graph task) than the bucket now handed over: that pass failed
+        before its end (a step of DDP's delayed allreduce whose end-of-pass callback never
+        ran, or a step that never handed its last bucket), and its step is to be dropped."""
+        return torch._C._current_graph_task_id() != self._task
+
     def _finish_held(self) -> None:
         """Receive every unit this step has started and complete its buckets' futures, the
         step left open (DDP's delayed allreduce: ``_delays``)."""
-        if self._deferred:          # a resumed run's regrouping needs the whole step: not here
+        if self._deferred:          # a resumed run's regrouping: the buckets handed over so far
             self._start_deferred()
-        self._target = None
         units = self._exchange.finish() if self._powersgd is None else self._powersgd_units()
         if self._views:
             self._write_back(units)
@@ -723,6 +743,7 @@ class GraceState:
         """Send the deferred gradients grouped as the saved layout groups them (in its order);
         any left over (parameters the checkpoint did not know) go as one unit."""
         deferred, self._deferred = self._deferred, {}
+        self._regrouped = True
         groups = [g for g in self._target if g and all(n in deferred for n in g)]
         rest = sorted(set(deferred) - {n for g in groups for n in g},
                       key=lambda n: -self._index[n])
@@ -756,9 +777,23 @@ class GraceState:
             self._forget_vanished(names)
         self.last_step_names = names
         self._layout = list(map(_MEMBERS, units))
-        self._target = None  # DDP's own (rebuilt) layout from now on
+        if self._target is not None:
+            self._end_regrouping()
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
-        self._delayed = None
+        self._delayed, self._regrouped = None, False
+
+    def _end_regrouping(self) -> None:
+        """After a step of a resumed run: whether its next steps still regroup DDP's buckets
+        as the checkpointed run grouped them (``_target``). They do while DDP hands over the
+        layout of the first regrouped step: DDP rebuilds its buckets after its first
+        iteration, but after its second under ``static_graph`` (whose first iteration is the
+        delayed allreduce). A step that needed no regrouping (DDP's layout is the saved one), or
+        one of another layout than the first regrouped one (DDP's rebuilt one), ends it."""
+        handed = [self._bucket_layouts[p][1].names for p in range(len(self._buckets))]
+        if self._regrouped and self._resumed_on in (None, handed):
+            self._resumed_on = handed
+        else:
+            self._target = self._resumed_on = None  # DDP's own (rebuilt) layout from now on
 
     def _forget_vanished(self, names) -> None:
         """Drop the state of the grace tensors the last step sent and this one did not: DDP's
@@ -794,7 +829,7 @@ class GraceState:
             self.collectives.drop_held()
         self._powersgd_buckets = []
         self._buckets, self._deferred, self._views, self._finished = [], {}, {}, []
-        self._delayed = None
+        self._delayed, self._regrouped = None, False
 
     # ------------------------------------------------------------------ checkpoints
     def reset(self, name: str | None = None) -> None:
@@ -852,6 +887,7 @@ class GraceState:
         layout = state.get("layout") or None
         self._target = None if self.per_parameter or layout is None else \
             [list(g) for g in layout]
+        self._resumed_on = None
 
 
 def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -860,7 +896,9 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
     if not isinstance(state, GraceState):
         raise ValueError(f"comm_hook's state must be a grace_dl.torch.ddp.GraceState, got "
                          f"{type(state).__name__}")
-    if bucket.index() == 0 and state._buckets and not state._delays(bucket):
+    if bucket.index() == 0 and state._buckets and state._stale():
+        state._clear()      # (DDP dropped that step's futures with its failed pass)
+    elif bucket.index() == 0 and state._buckets and not state._delays(bucket):
         state._clear()
         raise RuntimeError("a DDP step started before the previous one handed over its last "
                            "bucket; the grace hook expects every bucket of a step in order")
@@ -877,7 +915,11 @@ def comm_hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Futur
         if bucket.is_last():
             state._complete()
         elif state._delayed is not None:
-            state._finish_held()
+            try:
+                state._finish_held()
+            except BaseException as err:
+                state._clear(err)
+                raise
     return fut
 
 

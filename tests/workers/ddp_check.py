@@ -98,6 +98,10 @@ PIECES = "@pieces"
 #: collectives of data-dependent size held for one read of the step's sizes, as on NCCL
 #: (``Collectives.holds_sizes``)
 BUCKETWISE = "@bucketwise"
+#: ``<pipeline>@static``: on ``Mixed`` (buckets of three dtypes) under ``static_graph=True``,
+#: whose first iteration is DDP's delayed allreduce and whose buckets DDP rebuilds after its
+#: second (``make``)
+STATIC = "@static"
 #: ``<pipeline>@parameter``: the hook in ``"parameter"`` granularity (a unit a gradient)
 PARAMETER = "@parameter"
 
@@ -118,8 +122,11 @@ def hook_state(pipeline, **kwargs):
 def make(pipeline, bucket_cap_mb=0.02, granularity="auto", dtype=torch.float32, width=128,
          **options):
     """The MLP in ``dtype`` under DDP (``options``: DDP's), the hook of ``pipeline`` (None:
-    none), SGD with momentum."""
-    model = DDP(mlp(width).to(dtype), bucket_cap_mb=bucket_cap_mb, **options)
+    none), SGD with momentum; ``Mixed`` under ``static_graph`` for ``@static``."""
+    if pipeline is not None and STATIC[1:] in pipeline.split("@"):
+        model = DDP(Mixed(), bucket_cap_mb=bucket_cap_mb, static_graph=True, **options)
+    else:
+        model = DDP(mlp(width).to(dtype), bucket_cap_mb=bucket_cap_mb, **options)
     state = None
     if pipeline is not None:
         state = hook_state(pipeline, granularity=granularity)
@@ -580,6 +587,61 @@ def mode_delayed(steps: int, pipelines) -> dict:
     return out
 
 
+def mode_aborted(steps: int, pipelines) -> dict:
+    """Each pipeline's ``GraceState`` on ``Mixed`` under ``static_graph``, the first backward
+    pass failed in DDP's delayed allreduce after two of its three buckets were handed over (a
+    hook around grace's raises there; DDP refuses to go on after it), then registered on a new
+    DDP of the same module for ``steps`` steps: the parameters, the failed pass's error, the
+    hook's completed steps and units per step; and the same ``steps`` steps of a new DDP and
+    state without the failed pass before them (``<pipeline>/clean``)."""
+    data = digits()
+    loss_fn = nn.CrossEntropyLoss()
+    out = {}
+
+    def wrapped(fail):
+        calls = []
+
+        def hook(state, bucket):
+            fut = grace_ddp.comm_hook(state, bucket)
+            calls.append(bucket.index())
+            if fail and len(calls) == 2:
+                raise RuntimeError("injected after the second bucket")
+            return fut
+        return hook
+
+    for pipeline in pipelines:
+        for label, fail in (("failed", True), ("clean", False)):
+            module = Mixed()
+            state = hook_state(pipeline)
+            batch = iter(batches(data, 2))
+            x, y = next(batch)      # (the failed pass's batch, skipped by the clean run)
+            error = None
+            if fail:
+                model = DDP(module, bucket_cap_mb=0.02, static_graph=True)
+                model.register_comm_hook(state, wrapped(True))
+                try:
+                    loss_fn(model(x), y).backward()
+                except RuntimeError as err:
+                    error = str(err)
+                del model
+                gc.collect()
+                module.zero_grad()
+            model = DDP(module, bucket_cap_mb=0.02, static_graph=True)
+            model.register_comm_hook(state, wrapped(False))
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            units = []
+            for _, (x, y) in zip(range(steps), batch):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                units.append(len(state.last_step_names))
+            out[f"{pipeline}/{label}"] = {"params": params_of(model), "error": error,
+                                          "iteration": state.iteration, "units": units}
+            del model
+            gc.collect()
+    return out
+
+
 def mode_device(steps: int, pipelines) -> dict:
     """Each pipeline ``steps`` steps on the path CPU tensors take and on the device path (a
     GPU's code on CPU tensors: ``emulate_device``, its Triton kernels in Triton's interpreter
@@ -674,6 +736,8 @@ def main() -> None:
         result = mode_options(int(sys.argv[2]), sys.argv[3:])
     elif mode == "delayed":
         result = mode_delayed(int(sys.argv[2]), sys.argv[3:])
+    elif mode == "aborted":
+        result = mode_aborted(int(sys.argv[2]), sys.argv[3:])
     elif mode == "device":
         result = mode_device(int(sys.argv[2]), sys.argv[3:])
     elif mode == "disagree":
