@@ -237,8 +237,10 @@ class TwoPhase(PackingCommunicator):
         ops = ops_for(flat[0][0][0])
         mine = own = None
         own_in_place = False
-        results = [coll.synchronize(issued(h)) for h in phase.handles]
-        got = [r[0] for r in results]
+        results, got = [], []       # (loops, not comprehensions: a frame each on 3.11)
+        for h in phase.handles:
+            results.append(coll.synchronize(issued(h)))
+            got.append(results[-1][0])
         if phase.ragged:        # what went to every other rank, and this rank's own rows
             sent = own_nbytes = 0
             for i, exchange in enumerate(phase.handles):      # (``Sized``: issued now)
@@ -318,7 +320,9 @@ class TwoPhase(PackingCommunicator):
             wire.count(self, ops, handle.name, sent=wire.ragged_sent(pieces, me),
                        received=wire.ragged_received(pieces, me))
         elif phase.packed:
-            gathered = [coll.synchronize(h) for h in phase.handles]
+            gathered = []
+            for h in phase.handles:
+                gathered.append(coll.synchronize(h))
             ops = ops_for(gathered[0])
             layouts = []
             for j in range(m):
