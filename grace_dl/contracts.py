@@ -12,6 +12,7 @@ itself just made (torch's ``+=`` mutates in place, TF's rebinds the name).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 GRACE_MEMBERS = ("send", "receive", "synchronize", "end_step", "check_op", "fuse", "state_dict",
@@ -60,6 +61,36 @@ def check_grace(obj) -> None:
     missing = [m for m in GRACE_MEMBERS if not hasattr(obj, m)]
     raise ValueError(f"grace must be a grace_dl communicator (grace_from_params) or a strategy "
                      f"dispatcher (from_strategy); {type(obj).__name__} lacks {missing}")
+
+
+#: id(grace object) -> (a reference to it, a weak reference to the glue object carrying it)
+_CARRIERS: dict = {}
+
+
+def check_uncarried(grace, what: str) -> None:
+    """``ValueError`` where another live glue object (an optimizer, a DDP hook's state) carries
+    ``grace`` already: its state (residuals, momenta, step counters) is keyed by tensor names,
+    which two carriers share (Horovod's and the DDP hook's default names always do), so one
+    would feed the other's state into its tensors and save it in its checkpoint. ``what``:
+    the new carrier, for the message. Raised at construction, on every rank."""
+    for key, (held, carrier) in list(_CARRIERS.items()):
+        if held() is None or carrier() is None:
+            del _CARRIERS[key]
+    entry = _CARRIERS.get(id(grace))
+    if entry is not None and entry[0]() is grace:
+        raise ValueError(f"this grace object ({type(grace).__name__}) is already carried by a "
+                         f"{type(entry[1]()).__name__} still in use: its error-feedback state "
+                         f"is keyed by tensor names and would mix with the new {what}'s; build "
+                         f"one grace object per {what} (grace_from_params(params) for each)")
+
+
+def carried_by(grace, carrier) -> None:
+    """Record that ``carrier`` (held weakly) carries ``grace`` (``check_uncarried``)."""
+    try:
+        held = weakref.ref(grace)
+    except TypeError:           # (no weak references: held as long as its carrier lives)
+        held = (lambda g: lambda: g)(grace)
+    _CARRIERS[id(grace)] = (held, weakref.ref(carrier))
 
 
 class OpsBackend(Protocol):

@@ -70,6 +70,27 @@ def test_state_rejects_bad_arguments_naming_them():
         grace_ddp.comm_hook(object(), None)
 
 
+def test_a_grace_object_carries_one_state_at_a_time():
+    """Two DDP models' hooks on one grace object would key both models' residuals by the same
+    default names (``param<i>``): the second state is refused, naming the fix; one that is
+    gone frees the object."""
+    import gc
+
+    from grace_dl.torch import ddp as grace_ddp
+
+    grc = grace_from_params({"compressor": "topk", "memory": "residual",
+                             "communicator": "allgather"})
+    first = grace_ddp.GraceState(grc)
+    with pytest.raises(ValueError, match=r"already carried by a GraceState still in use.*"
+                                         r"one grace object per GraceState"):
+        grace_ddp.GraceState(grc)
+    grace_ddp.GraceState(grace_from_params({"compressor": "topk", "memory": "residual",
+                                            "communicator": "allgather"}))     # one each
+    del first
+    gc.collect()
+    assert grace_ddp.GraceState(grc).grace is grc
+
+
 def test_auto_granularity_follows_the_compressor():
     from grace_dl.torch import ddp as grace_ddp
 

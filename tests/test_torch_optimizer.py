@@ -113,6 +113,46 @@ def test_grace_needs_a_communicator_and_no_horovod_compression():
                                  compression=hvd.Compression.fp16)
 
 
+def test_a_grace_object_carries_one_optimizer_at_a_time():
+    """Its state is keyed by parameter names: a second live optimizer would feed the first's
+    residuals into its own tensors (Horovod's default names always meet) and save them in its
+    checkpoint; one that is gone frees the object."""
+    import gc
+
+    import grace_dl.torch.horovod as hvd
+
+    hvd.init()      # a one-process job
+    grc = grace_from_params(dict(TOPK))
+    first = hvd.DistributedOptimizer(_sgd(), grace=grc)
+    with pytest.raises(ValueError) as err:
+        hvd.DistributedOptimizer(_sgd(), grace=grc)
+    for word in ("already carried by a SGD still in use", "DistributedOptimizer",
+                 "one grace object per DistributedOptimizer", "grace_from_params"):
+        assert word in str(err.value)
+    hvd.DistributedOptimizer(_sgd(), grace=grace_from_params(dict(TOPK)))     # one each
+    del first
+    gc.collect()
+    assert hvd.DistributedOptimizer(_sgd(), grace=grc).grace is grc
+
+
+def test_groups_keep_only_the_tensors_the_optimizer_trains_as_horovod_does():
+    """Fine-tuning: ``groups`` may name every model parameter for an optimizer of a few, or a
+    frozen one; those are left out of the fusion groups (Horovod's ``_register_hooks``)."""
+    import grace_dl.torch.horovod as hvd
+
+    hvd.init()
+    model = C.make_model()
+    named = dict(model.named_parameters())
+    head, frozen = list(named)[-2:], list(named)[0]
+    named[frozen].requires_grad_(False)
+    trained = [named[frozen]] + [named[k] for k in head]
+    grc = grace_from_params(dict(NONE))
+    hvd.DistributedOptimizer(torch.optim.SGD(trained, lr=0.1), grace=grc,
+                             named_parameters=model.named_parameters(),
+                             groups=[[named[frozen]], [named[k] for k in list(named)[1:]]])
+    assert sorted(map(sorted, grc.fusion.groups.values())) == [sorted(head)]
+
+
 def test_topk_over_allreduce_is_refused_at_construction():
     with pytest.raises(ValueError) as err:
         grace_from_params({**TOPK, "communicator": "allreduce"})

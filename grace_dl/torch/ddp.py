@@ -87,7 +87,9 @@ bucket is sent as DDP lays it out (its buffer is the grace tensor: no copy in or
 order DDP gives its gradients, as a transformer's graph order) and the grace tensor is named
 ``bucket<n>:<digest>`` of its members' names in that order, so state (a residual's element
 layout) follows the bucket's content and order, not its index. DDP's rebuilt buckets are the
-same on every rank (DDP takes rank 0's) and in every step after the first.
+same on every rank (DDP takes rank 0's) and in every step after the first. So one grace
+object serves one ``GraceState``: a second one made on it while the first lives (two DDP
+models: their names meet) raises ``ValueError``; build a grace object for each.
 
 **DDP's behaviours.**
 
@@ -203,7 +205,7 @@ from grace_dl.communicators.pieces import (
 from grace_dl.communicators.wire import ring_allreduce_bytes
 from grace_dl.compressors.fp16 import FP16Compressor
 from grace_dl.compressors.none import NoneCompressor
-from grace_dl.contracts import check_grace
+from grace_dl.contracts import carried_by, check_grace, check_uncarried
 from grace_dl.state import unclaimed_keys, without_slots
 from grace_dl.torch.ddp_powersgd import PowerSGDBuckets
 from grace_dl.torch.distributed import DistCollectives
@@ -306,6 +308,7 @@ class GraceState:
                  piece_bytes: int | str | None = AUTO,
                  agreement_timeout: float = DEFAULT_AGREEMENT_TIMEOUT):
         check_grace(grace)
+        check_uncarried(grace, "GraceState")
         self.piece_bytes = check_piece_bytes(piece_bytes)
         if isinstance(agreement_timeout, bool) or \
                 not isinstance(agreement_timeout, (int, float)) or not agreement_timeout > 0:
@@ -360,6 +363,7 @@ class GraceState:
         self._named_unmet = False   # pickled with named_parameters before meeting any
         #: this step's grace tensors (units: ``grace_dl.communicators.exchange``)
         self._exchange = Exchange(grace, self.op)
+        carried_by(grace, self)
         #: complete each bucket in its own hook call where waiting for a collective holds the
         #: device's stream, not the host (NCCL; module docstring, *What the hook sends*);
         #: None until the first bucket asks the collectives. ``_finished``: this step's units

@@ -34,7 +34,11 @@ What differs from Horovod, and why:
   own (error feedback and compressor statistics stay per tensor), and the payloads of a group
   travel in one collective per kind and dtype. ``groups=n`` splits the parameters, in name
   order, into ``n`` groups as even as possible; a list of lists of parameters names them
-  (parameters in no list travel alone). A strategy sets its groups per node instead.
+  (parameters in no list travel alone; tensors the optimizer does not hold, or that take no
+  gradient, are left out, as Horovod leaves them). A strategy sets its groups per node instead.
+* A grace object carries one optimizer: its state is keyed by parameter names, so passing
+  one that another live ``DistributedOptimizer`` carries raises ``ValueError`` (Horovod's
+  ``compression=`` holds no state and may be shared; build a grace object per optimizer).
 * A ``UserWarning`` at construction names a pipeline known to diverge under the wrapped
   optimizer's ``momentum`` (random-k with error feedback, momentum applied twice, ...; see
   ``grace_dl.recipes``), with the recipe that works.
@@ -88,7 +92,7 @@ from grace_dl.communicators.pieces import (
     piece_name,
     piece_sizes,
 )
-from grace_dl.contracts import check_grace
+from grace_dl.contracts import carried_by, check_grace, check_uncarried
 from grace_dl.state import unclaimed_keys
 from grace_dl.torch.buckets import Bucket, given, plan
 from grace_dl.torch.trees import to_numpy, to_torch
@@ -140,6 +144,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
         return horovod_optimizer
 
     check_grace(grace)
+    check_uncarried(grace, "DistributedOptimizer")
     check_piece_bytes(piece_bytes)
     validate.boolean("early_rounds", early_rounds)
     if compression is not hvd.Compression.none:
@@ -176,9 +181,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,  # 
 
     cls = type(optimizer.__class__.__name__, (_GraceDistributedOptimizer, optimizer.__class__),
                {})
-    return cls(optimizer.param_groups, named_parameters, grace, backward_passes_per_step,
-               grace_op, factor, groups, sparse_as_dense, process_set, piece_bytes,
-               bucket_bytes, early_rounds)
+    wrapped = cls(optimizer.param_groups, named_parameters, grace, backward_passes_per_step,
+                  grace_op, factor, groups, sparse_as_dense, process_set, piece_bytes,
+                  bucket_bytes, early_rounds)
+    carried_by(grace, wrapped)
+    return wrapped
 
 
 def _grace_op(op, hvd) -> str:
@@ -338,11 +345,11 @@ class _GraceDistributedOptimizer:
         if isinstance(groups, int):
             return split_evenly(sorted(name for p, name in self._parameter_names.items()
                                        if p.requires_grad), groups)
-        unknown = [p for group in groups for p in group if p not in self._parameter_names]
-        if unknown:
-            raise ValueError(f"groups holds {len(unknown)} tensor(s) that are not parameters of "
-                             f"this optimizer")
-        return [[self._parameter_names[p] for p in group] for group in groups if group]
+        # as Horovod forms them: of the optimizer's parameters that take gradients (a list
+        # naming every model parameter, for an optimizer of some of them, fine-tunes those)
+        fusion = [[self._parameter_names[p] for p in group
+                   if p in self._parameter_names and p.requires_grad] for group in groups]
+        return [group for group in fusion if group]
 
     def _check_ranks_agree(self) -> None:
         """Every rank must run the same pipelines on the same tensors, or collectives hang."""
