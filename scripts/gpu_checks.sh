@@ -2,7 +2,9 @@
 # The GPU checks of a session, in one call on a lent GPU machine (the device tool runs it from
 # the repository root with OUT set): Triton kernels against their twins, the compressor table,
 # every pipeline's device path under CUDA's sync debug mode, and the DDP step table. Each part
-# has a time limit, so the whole fits one 10-minute call; each writes into $OUT as it goes.
+# has a time limit and writes into $OUT as it goes; the default five parts' limits add up to
+# 870 s, more than one 10-minute call of the device tool, so run them as two calls:
+# `kernels ddp sync compressors` (570 s at most), then `STEPS_LIMIT=<seconds left> steps`.
 #
 #   bash scripts/gpu_checks.sh [kernels] [compressors] [sync] [ddp] [steps] [profile] [calls]
 #                              [stepprofile] [selection]
