@@ -383,3 +383,55 @@ def test_momentum_memory_same_in_torch_and_tf(fw):
         np.testing.assert_allclose(outs[False][0][step][kept], 4 * u[kept], rtol=1e-5)
     assert set(outs[False][1]) == {"momentum/a"}
     assert set(outs[True][1]) == {"momentum/a", "velocity/a"}
+
+
+@pytest.mark.parametrize("case", ["twophase", "twophase-early", "pieces", "twophase-pieces",
+                                  "buckets"])
+def test_a_schedule_of_one_pipeline_trains_as_that_pipeline_on_two_ranks(case):
+    """Nothing is lost at a switch to the same pipeline and no glue option is dropped under a
+    Schedule: two-phase's server residuals are handed to the next stage (they were dropped:
+    0.012 off a step after the switch), and ``piece_bytes`` cuts as it does for the plain
+    communicator (it was ignored: the whole tensors sent), ``bucket_bytes`` packs (it was
+    refused)."""
+    ranks = mp.run("schedule_same.py", np=2, args=[case], timeout=240)
+    for res in ranks:
+        plain, scheduled = res["plain"], res["schedule"]
+        assert scheduled["sent"] == plain["sent"]
+        assert scheduled["pieces"] == plain["pieces"]
+        assert scheduled["buckets"] == plain["buckets"]
+        assert (plain["buckets"] != {}) == (case == "buckets")
+        assert (plain["pieces"] != {}) == case.endswith("pieces")
+        for step, (want, got) in enumerate(zip(plain["params"], scheduled["params"])):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} {step}")
+
+
+def test_a_switch_that_drops_two_phase_server_residuals_warns_at_construction():
+    twophase = {"compressor": "onebit", "memory": "residual", "communicator": "twophase"}
+    with pytest.warns(UserWarning, match=r"step 0: its two-phase server residuals .* at step 5 "
+                                         r"the others are dropped"):
+        Schedule({0: dict(twophase), 5: {"compressor": "topk", "memory": "residual",
+                                         "communicator": "allgather"}})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Schedule({0: dict(twophase), 5: {**twophase, "compressor": "qsgd"}})   # handed over
+
+
+def test_a_strategy_with_buckets_is_refused_as_a_stage():
+    """The glue lays a step's buckets out once (the torch optimizer asks ``grace.buckets``),
+    so a bucketed strategy inside a Schedule sent each parameter alone, silently."""
+    from grace_dl.strategy import Pipeline, from_strategy
+    from grace_dl.strategy.builders import assemble
+    from grace_dl.strategy.variables import variables_of
+
+    variables = variables_of({"a": (4, 4), "b": (4,), "c": (8,)})
+    topk = Pipeline.from_params({"compressor": "topk", "memory": "residual",
+                                 "communicator": "allgather", "compress_ratio": 0.25})
+    with pytest.raises(ValueError, match=r"stage at step 3 is a strategy that packs variables "
+                                         r"into buckets \(1: .*bucket_bytes=None"):
+        Schedule({0: {"compressor": "none", "communicator": "allreduce"},
+                  3: from_strategy(assemble(variables, [topk] * 3, buckets=[[2, 1], [0]]))})
+    Schedule({0: {"compressor": "none", "communicator": "allreduce"},
+              3: from_strategy(assemble(variables, [topk] * 3))})

@@ -39,7 +39,12 @@ def bucket_name(names) -> str:
 
 def needs_shapes(grace) -> bool:
     """Whether ``grace`` must see each gradient with its own shape: a strategy dispatcher
-    (routes per name) or a compressor with ``needs_shape``."""
+    (routes per name), a compressor with ``needs_shape``, or a ``Schedule`` with a stage of
+    either (a bucket's layout is one for every stage)."""
+    from grace_dl.communicators.schedule import Schedule
+
+    if isinstance(grace, Schedule):
+        return any(map(needs_shapes, grace.parts()))
     return not isinstance(grace, Communicator) or grace.compressor.caps.needs_shape
 
 
@@ -63,6 +68,8 @@ def check_bucket_bytes(bucket_bytes, grace, groups=None):
     if needs_shapes(grace):
         what = (f"compressor {type(grace.compressor).__name__} needs each parameter's shape"
                 if isinstance(grace, Communicator) else
+                "a Schedule stage's pipeline needs each parameter's shape, or routes it by "
+                "its name (a strategy)" if hasattr(grace, "stages") else
                 f"{type(grace).__name__} routes each parameter by its name (a strategy "
                 f"names its buckets per node: AllReduceSynchronizer.bucket)")
         raise ValueError(f"bucket_bytes={bucket_bytes!r} cannot be used with this grace: {what}; "

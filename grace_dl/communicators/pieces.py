@@ -7,16 +7,17 @@ on the wire while piece i+1 is compressed; ``Router.receive_all`` then reduces p
 the later pieces' exchanges are still in flight. The whole tensor's compression and exchange
 no longer run one after the other.
 
-Only for what a piece does not change, and where there is work to overlap: a
-``Communicator`` (not a strategy dispatcher, which routes by the tensor's own name) whose
-compressor compresses any 1-D chunk on its own (``two_phase_safe``: quantizers, signs, fp16)
-and does compress (not ``sends_tensor``: ``none`` sends the tensor itself, and its pieces
-would only add collectives). Sparsifiers keep their tensors whole, since their k is a
-fraction of the whole tensor. The bits on the wire are the whole tensor's,
-give or take one chunk header per piece (a quantizer's last partial bucket norm). Each piece
-has its own state (residual, server residual, step counter), keyed by its name, so the piece
-size is part of a checkpoint: the framework glue records it and refuses a checkpoint written
-with another.
+Only for what a piece does not change, and where there is work to overlap: a ``Communicator``
+(not a strategy dispatcher, which routes by the tensor's own name) whose compressor compresses
+any 1-D chunk on its own (``two_phase_safe``: quantizers, signs, fp16) and does compress (not
+``sends_tensor``: ``none`` sends the tensor itself, and its pieces would only add collectives),
+or a ``Schedule`` whose every stage is one (a tensor's pieces, and the residuals handed over at
+a switch by their names, are then the same in every stage). Sparsifiers keep their tensors
+whole, since their k is a fraction of the whole tensor. The bits on the wire are the whole
+tensor's, give or take one chunk header per piece (a quantizer's last partial bucket norm).
+Each piece has its own state (residual, server residual, step counter), keyed by its name, so
+the piece size is part of a checkpoint: the framework glue records it and refuses a checkpoint
+written with another.
 
 Pieces exist to overlap the host's work with the wire. A GPU compresses a whole bucket in less
 time than one piece's round of Python and collectives, so the glue's default, ``"auto"``
@@ -66,10 +67,17 @@ def effective_piece_bytes(grace, piece_bytes):
     chunk-independent compressor), else None: what a checkpoint records (``"auto"``, until a
     tensor's device resolves it: ``device_piece_bytes``)."""
     check_piece_bytes(piece_bytes)
-    if piece_bytes is None or not isinstance(grace, Communicator) or \
-            not grace.compressor.caps.two_phase_safe or grace.compressor.caps.sends_tensor:
-        return None
-    return piece_bytes
+    return piece_bytes if piece_bytes is not None and _cuts(grace) else None
+
+
+def _cuts(grace) -> bool:
+    """Whether ``grace`` sends tensors in pieces (the module docstring)."""
+    from grace_dl.communicators.schedule import Schedule
+
+    if isinstance(grace, Schedule):
+        return all(map(_cuts, grace.parts()))
+    return isinstance(grace, Communicator) and grace.compressor.caps.two_phase_safe and \
+        not grace.compressor.caps.sends_tensor
 
 
 def piece_sizes(numel: int, element_size: int, piece_bytes):

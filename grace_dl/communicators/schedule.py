@@ -37,7 +37,11 @@ from the stage that ends to the one that starts, so nothing the old stage left u
   momentum); otherwise it is dropped, a smoothing of gradients already sent;
 * the old stage's memory is then zeroed. A memory of another class may take part by defining
   ``residuals() -> {name: array}`` and ``add_residuals({name: array})``; any other memory's
-  state stays where it is (and a ``UserWarning`` says so at construction).
+  state stays where it is (and a ``UserWarning`` says so at construction);
+* a two-phase communicator's server residuals (the aggregate's error on the chunk this rank
+  serves) go to the communicator that carries the tensor next where that is two-phase with
+  server error feedback too (same keys: the ranks serve the same chunks); elsewhere they are
+  dropped, and a ``UserWarning`` at construction says so.
 
 Compressor state (randomk's step counters, PowerSGD's warm-start Q) belongs to its stage and
 is kept in the stage's ``state_dict``. A stage that is a strategy dispatcher (several
@@ -75,6 +79,7 @@ from grace_dl.communicators.base import (
     fingerprint_of,
     receive_each,
 )
+from grace_dl.communicators.twophase import TwoPhase
 from grace_dl.contracts import check_grace
 from grace_dl.params import grace_from_params
 from grace_dl.recipes import communicators
@@ -160,8 +165,16 @@ class Schedule(FanOut):
                                      f"and byte counters must not be shared)")
                 seen[id(spec)] = step
                 stage = spec
+            if getattr(stage, "buckets", None):
+                raise ValueError(f"Schedule stage at step {step} is a strategy that packs "
+                                 f"variables into buckets ({len(stage.buckets)}: "
+                                 f"AllReduceSynchronizer.bucket, as Auto writes them); the "
+                                 f"framework glue lays out a step's buckets once, not per stage, "
+                                 f"so a Schedule cannot carry them: build the strategy without "
+                                 f"(Auto(..., bucket_bytes=None))")
             built.append((step, stage))
-            _warn_if_not_carried(step, stage)
+        for i, (step, stage) in enumerate(built):
+            _warn_if_not_carried(step, stage, built[i + 1] if i + 1 < len(built) else None)
         self.stages: list[tuple[int, object]] = built
         self.step = 0
         self._index = 0
@@ -287,6 +300,9 @@ class Schedule(FanOut):
         for memory in _memories(old):
             momenta.update(_take_momenta(memory))
             carried.update(_take_residuals(memory))
+        servers = {}
+        for comm in communicators(old):
+            servers.update(_take_server_residuals(comm))
         for name, value in self._carry.items():        # not yet flushed: keep it
             carried[name] = carried.get(name, 0) + value
         # each tensor's residual and momentum go to the memory that carries it in the new stage
@@ -302,6 +318,10 @@ class Schedule(FanOut):
         for memory, residuals, moms in owners.values():
             self._carry.update(_give_residuals(memory, residuals))
             _give_momenta(memory, moms)
+        for key, value in servers.items():      # a two-phase server's, to the next one's
+            comm = _communicator_for(new, key.rsplit("/chunk", 1)[0])
+            if _keeps_server_residuals(comm):
+                comm.server.load_state_dict({key: value})
         self._index = index
 
     def reset(self, name: str | None = None) -> None:
@@ -383,12 +403,45 @@ def _memory_for(stage, name: str):
     return getattr(stage, "memory", None)
 
 
-def _warn_if_not_carried(step, stage) -> None:
+def _communicator_for(stage, name: str):
+    """The communicator that carries tensor ``name`` in ``stage`` (None if none names it)."""
+    if callable(getattr(stage, "communicator", None)):      # a strategy dispatcher
+        try:
+            return stage.communicator(name)
+        except ValueError:
+            return None
+    return stage
+
+
+def _keeps_server_residuals(comm) -> bool:
+    """Whether ``comm`` is a two-phase communicator with server-side error feedback."""
+    return isinstance(comm, TwoPhase) and comm.server_error_feedback
+
+
+def _take_server_residuals(comm) -> dict:
+    """A two-phase communicator's server residuals (``<name>/chunk<j>``: the aggregate's
+    error, in gradient units, of the chunk this rank serves), its slots zeroed."""
+    if not _keeps_server_residuals(comm):
+        return {}
+    state = comm.server.state_dict()
+    comm.server.load_state_dict({k: np.zeros_like(v) for k, v in state.items()})
+    return state
+
+
+def _warn_if_not_carried(step, stage, following=None) -> None:
+    """A ``UserWarning`` for state of ``stage`` that the switch to ``following`` (the
+    ``(step, stage)`` after it, if any) drops."""
     for memory in _memories(stage):
         if not _knows(memory):
             warnings.warn(f"Schedule stage at step {step}: memory {type(memory).__name__} "
                           f"defines no residuals()/add_residuals(); its error-feedback state is "
                           f"not handed to the next stage", UserWarning, stacklevel=3)
+    if following is not None and any(map(_keeps_server_residuals, communicators(stage))) and \
+            not all(map(_keeps_server_residuals, communicators(following[1]))):
+        warnings.warn(f"Schedule stage at step {step}: its two-phase server residuals go to "
+                      f"the next stage only where that is two-phase with server error "
+                      f"feedback too; at step {following[0]} the others are dropped",
+                      UserWarning, stacklevel=3)
 
 
 def _has_momentum(memory) -> bool:

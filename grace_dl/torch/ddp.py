@@ -62,8 +62,9 @@ is then a fraction of the bucket, not of each layer). ``"parameter"``: one grace
 parameter, in the bucket's order, shaped like the parameter (DDP's views into the bucket); the
 result is concatenated back into the bucket's layout. ``"auto"`` (default): ``"parameter"``
 for compressors that need layer shapes (PowerSGD's matrices: compressors with a
-``matrix_shape`` method) and for ``grace`` objects without a single ``compressor`` (strategy
-dispatchers, which route per parameter name); ``"bucket"`` otherwise.
+``matrix_shape`` method), for strategy dispatchers (they route per parameter name) and for a
+``Schedule`` with a stage of either; ``"bucket"`` otherwise (a ``Schedule`` of such stages
+too: its layout is one for every stage).
 
 **Pieces.** In ``"bucket"`` granularity, for compressors that compress any 1-D chunk on its
 own and do compress (quantizers, signs, fp16; not ``none``), a bucket larger than
@@ -191,7 +192,7 @@ import torch.distributed as dist
 
 from grace_dl.communicators import agreement
 from grace_dl.communicators.allreduce import Allreduce
-from grace_dl.communicators.base import AVERAGE, Communicator, check_op
+from grace_dl.communicators.base import AVERAGE, check_op
 from grace_dl.communicators.buckets import bucket_name, needs_shapes
 from grace_dl.communicators.exchange import Exchange, check_saved
 from grace_dl.communicators.fusion import GroupCollectives
@@ -206,6 +207,7 @@ from grace_dl.communicators.wire import ring_allreduce_bytes
 from grace_dl.compressors.fp16 import FP16Compressor
 from grace_dl.compressors.none import NoneCompressor
 from grace_dl.contracts import carried_by, check_grace, check_uncarried
+from grace_dl.recipes import communicators
 from grace_dl.state import unclaimed_keys, without_slots
 from grace_dl.torch.ddp_powersgd import PowerSGDBuckets
 from grace_dl.torch.distributed import DistCollectives
@@ -327,7 +329,9 @@ class GraceState:
         self.per_parameter = granularity == "parameter" or (
             granularity == "auto" and needs_shapes(grace))
         # a fused allgather of a bucket's units needs no lengths when sizes are equal
-        self._equal_sizes = isinstance(grace, Communicator) and grace.compressor.caps.equal_sizes
+        # (of every communicator behind a Schedule or a strategy: every stage and pipeline)
+        comms = communicators(grace)
+        self._equal_sizes = bool(comms) and all(c.compressor.caps.equal_sizes for c in comms)
         #: the bucket summed in place as PyTorch's allreduce hook does (``sums_in_place``)
         self._sums_in_place = sums_in_place(grace)
         #: the bucket cast, summed and cast back as PyTorch's fp16 hook does (``sums_in_half``)
@@ -343,6 +347,17 @@ class GraceState:
             effective_piece_bytes(grace, piece_bytes)
         self.iteration = 0          # synchronised backward passes completed
         self._given_names: dict[int, str] | None = None
+        if _routes_by_name(grace) and granularity == "bucket":
+            raise ValueError("granularity='bucket' sends DDP's buckets as grace tensors named "
+                             "bucket<n>:<digest>, which a strategy (it routes each gradient by "
+                             "its parameter's name) has no node for: pass granularity="
+                             "'parameter' or 'auto' (the default)")
+        if getattr(grace, "buckets", None):
+            raise ValueError(f"the strategy packs variables into buckets "
+                             f"({len(grace.buckets)}: AllReduceSynchronizer.bucket, as Auto "
+                             f"writes them), which the DDP hook cannot carry: DDP lays out its "
+                             f"own buckets, and each parameter goes by its strategy node; build "
+                             f"it without (Auto(..., bucket_bytes=None))")
         if named_parameters is None and _routes_by_name(grace):
             raise ValueError("a strategy routes gradients by their parameters' names: pass "
                              "GraceState(..., named_parameters=model.named_parameters()) of "
