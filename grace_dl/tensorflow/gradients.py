@@ -379,16 +379,32 @@ def _warn_unused_restored_state(grace, names) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+#: (process set, labels) the ranks agreed on while tracing (``_check_agreement``)
+_AGREED_IN_TRACES: set = set()
+
+
 def _check_agreement(grace, signature, process_set) -> None:
     """Ranks compare ``grace.fingerprint()`` (``None`` for ``grace=None``) and the gradients
-    they send; ``ValueError`` on every rank if any differ (``grace_dl.communicators.agreement``)."""
+    they send; ``ValueError`` on every rank if any differ (``grace_dl.communicators.agreement``).
+
+    Eagerly on every call (every rank makes each call). While a ``tf.function`` is traced, only
+    labels not agreed on before: a trace is not a step, and one rank may retrace alone (its
+    uneven last batch, a new static shape) where the others run the graph they have; the check,
+    an eager allgather, would wait there for ranks that never join it."""
     labels = {"grace configuration": None if grace is None else {
         "fingerprint": grace.fingerprint(), "config": _config(grace)}}
     if signature is not None:
         labels["gradients (name, shape, dtype)"] = [[n, list(s), d] for n, s, d in signature]
+    key = None
+    if not tf.executing_eagerly():
+        key = (getattr(process_set, "process_set_id", id(process_set)), repr(labels))
+        if key in _AGREED_IN_TRACES:
+            return
     rank = process_set.rank() if process_set.rank() is not None else hvd.rank()
     agreement.check(labels, agreement.allgather_for("tensorflow", process_set),
                     "grace.tensorflow.agreement", rank)
+    if key is not None:
+        _AGREED_IN_TRACES.add(key)
 
 
 def _config(grace):
