@@ -230,3 +230,22 @@ def test_the_send_path_runs_as_written_inside_tf_function():
     other = grace_from_params(dict(params))
     traced = tf.function(lambda t: step(other, t))(x).numpy()
     np.testing.assert_array_equal(eager, traced)
+
+
+def test_the_tapes_gradient_takes_horovods_positional_arguments():
+    """``gradient(target, sources, output_gradients, use_generic_names)`` as Horovod's tape
+    takes them (``unconnected_gradients`` came fourth: a positional ``True`` meant it)."""
+    import inspect
+
+    import horovod.tensorflow as stock
+
+    hvd.init()  # a one-process job
+    w = tf.Variable(tf.ones((3,)))
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(w * w)
+    theirs = inspect.signature(stock.DistributedGradientTape(tape).gradient).parameters
+    none = grace_from_params({"compressor": "none", "communicator": "allreduce"})
+    for ours in (hvd.DistributedGradientTape(tape), hvd.DistributedGradientTape(tape, grace=none)):
+        assert list(inspect.signature(ours.gradient).parameters)[:4] == list(theirs)
+        np.testing.assert_array_equal(ours.gradient(loss, [w], None, True)[0].numpy(),
+                                      [2.0, 2.0, 2.0])

@@ -32,10 +32,12 @@ class _ReducingTape:
         """Gradients of ``source`` are not reduced (as in Horovod)."""
         self._reducer.register_local(source)
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
         """The local gradients reduced across ranks (``use_generic_names``: Horovod's, for
-        ``grace=None``; with ``grace`` names always come from the variables)."""
+        ``grace=None``; with ``grace`` names always come from the variables). Positional
+        arguments as Horovod's ``gradient`` takes them; ``unconnected_gradients`` (TF's, which
+        Horovod's does not pass on) after them."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_grads = tf.nest.flatten(grads)
         flat_sources = tf.nest.flatten(sources)
