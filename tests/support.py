@@ -118,3 +118,17 @@ def state_finite(grace) -> bool:
         else:
             yield np.asarray(tree)
     return all(np.isfinite(v).all() for v in leaves(grace.state_dict()))
+
+
+def topk_strategy(bucketed: bool = False):
+    """A topk strategy dispatcher over three variables (``a`` 4x4, ``b`` 4, ``c`` 8), ``b``
+    and ``c`` in one bucket when ``bucketed``."""
+    from grace_dl.strategy import Pipeline, from_strategy
+    from grace_dl.strategy.builders import assemble
+    from grace_dl.strategy.variables import variables_of
+
+    variables = variables_of({"a": (4, 4), "b": (4,), "c": (8,)})
+    topk = Pipeline.from_params({"compressor": "topk", "memory": "residual",
+                                 "communicator": "allgather", "compress_ratio": 0.25})
+    return from_strategy(assemble(variables, [topk] * 3,
+                                  buckets=[[2, 1], [0]] if bucketed else None))

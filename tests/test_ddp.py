@@ -14,7 +14,7 @@ import pytest
 
 import mp
 from grace_dl import grace_from_params
-from support import assert_dicts_differ, assert_equal_dicts
+from support import assert_dicts_differ, assert_equal_dicts, topk_strategy
 
 N = 2
 #: ``ddp_check.DDP_OPTIONS``'s labels
@@ -91,19 +91,6 @@ def test_a_grace_object_carries_one_state_at_a_time():
     assert grace_ddp.GraceState(grc).grace is grc
 
 
-def _strategy(bucketed: bool):
-    """A topk strategy over three variables, the last two in one bucket when ``bucketed``."""
-    from grace_dl.strategy import Pipeline, from_strategy
-    from grace_dl.strategy.builders import assemble
-    from grace_dl.strategy.variables import variables_of
-
-    variables = variables_of({"a": (4, 4), "b": (4,), "c": (8,)})
-    topk = Pipeline.from_params({"compressor": "topk", "memory": "residual",
-                                 "communicator": "allgather", "compress_ratio": 0.25})
-    return from_strategy(assemble(variables, [topk] * 3,
-                                  buckets=[[2, 1], [0]] if bucketed else None))
-
-
 def test_a_strategy_the_hook_cannot_carry_is_refused_at_construction():
     """A strategy's nodes are parameters: DDP's buckets as grace tensors match none of them
     (that failed at the first step, naming no option), and a strategy's own buckets were
@@ -111,14 +98,14 @@ def test_a_strategy_the_hook_cannot_carry_is_refused_at_construction():
     from grace_dl import Schedule
     from grace_dl.torch import ddp as grace_ddp
 
-    for grc in (_strategy(False), Schedule({0: _strategy(False)})):
+    for grc in (topk_strategy(), Schedule({0: topk_strategy()})):
         with pytest.raises(ValueError, match=r"granularity='bucket' .* pass granularity="
                                              r"'parameter' or 'auto'"):
             grace_ddp.GraceState(grc, granularity="bucket", named_parameters=[])
     with pytest.raises(ValueError, match=r"packs variables into buckets \(1: .*"
                                          r"Auto\(\.\.\., bucket_bytes=None\)"):
-        grace_ddp.GraceState(_strategy(True), named_parameters=[])
-    assert grace_ddp.GraceState(_strategy(False), named_parameters=[]).per_parameter
+        grace_ddp.GraceState(topk_strategy(bucketed=True), named_parameters=[])
+    assert grace_ddp.GraceState(topk_strategy(), named_parameters=[]).per_parameter
 
 
 def test_auto_granularity_follows_the_compressor():

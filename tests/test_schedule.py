@@ -14,7 +14,7 @@ import torch
 import mp
 from grace_dl import Schedule, grace_from_params
 from grace_dl.state import config_of
-from support import OneRank
+from support import OneRank, topk_strategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 
@@ -422,16 +422,8 @@ def test_a_switch_that_drops_two_phase_server_residuals_warns_at_construction():
 def test_a_strategy_with_buckets_is_refused_as_a_stage():
     """The glue lays a step's buckets out once (the torch optimizer asks ``grace.buckets``),
     so a bucketed strategy inside a Schedule sent each parameter alone, silently."""
-    from grace_dl.strategy import Pipeline, from_strategy
-    from grace_dl.strategy.builders import assemble
-    from grace_dl.strategy.variables import variables_of
-
-    variables = variables_of({"a": (4, 4), "b": (4,), "c": (8,)})
-    topk = Pipeline.from_params({"compressor": "topk", "memory": "residual",
-                                 "communicator": "allgather", "compress_ratio": 0.25})
     with pytest.raises(ValueError, match=r"stage at step 3 is a strategy that packs variables "
                                          r"into buckets \(1: .*bucket_bytes=None"):
         Schedule({0: {"compressor": "none", "communicator": "allreduce"},
-                  3: from_strategy(assemble(variables, [topk] * 3, buckets=[[2, 1], [0]]))})
-    Schedule({0: {"compressor": "none", "communicator": "allreduce"},
-              3: from_strategy(assemble(variables, [topk] * 3))})
+                  3: topk_strategy(bucketed=True)})
+    Schedule({0: {"compressor": "none", "communicator": "allreduce"}, 3: topk_strategy()})

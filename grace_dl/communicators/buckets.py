@@ -66,10 +66,12 @@ def check_bucket_bytes(bucket_bytes, grace, groups=None):
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
     if needs_shapes(grace):
+        from grace_dl.communicators.schedule import Schedule
+
         what = (f"compressor {type(grace.compressor).__name__} needs each parameter's shape"
                 if isinstance(grace, Communicator) else
                 "a Schedule stage's pipeline needs each parameter's shape, or routes it by "
-                "its name (a strategy)" if hasattr(grace, "stages") else
+                "its name (a strategy)" if isinstance(grace, Schedule) else
                 f"{type(grace).__name__} routes each parameter by its name (a strategy "
                 f"names its buckets per node: AllReduceSynchronizer.bucket)")
         raise ValueError(f"bucket_bytes={bucket_bytes!r} cannot be used with this grace: {what}; "

@@ -395,12 +395,7 @@ def _memories(stage) -> list:
 
 def _memory_for(stage, name: str):
     """The memory that carries tensor ``name`` in ``stage`` (None if no pipeline names it)."""
-    if callable(getattr(stage, "communicator", None)):      # a strategy dispatcher
-        try:
-            return stage.communicator(name).memory
-        except ValueError:
-            return None
-    return getattr(stage, "memory", None)
+    return getattr(_communicator_for(stage, name), "memory", None)
 
 
 def _communicator_for(stage, name: str):

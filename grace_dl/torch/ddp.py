@@ -347,7 +347,8 @@ class GraceState:
             effective_piece_bytes(grace, piece_bytes)
         self.iteration = 0          # synchronised backward passes completed
         self._given_names: dict[int, str] | None = None
-        if _routes_by_name(grace) and granularity == "bucket":
+        routes_by_name = _routes_by_name(grace)
+        if routes_by_name and granularity == "bucket":
             raise ValueError("granularity='bucket' sends DDP's buckets as grace tensors named "
                              "bucket<n>:<digest>, which a strategy (it routes each gradient by "
                              "its parameter's name) has no node for: pass granularity="
@@ -358,7 +359,7 @@ class GraceState:
                              f"writes them), which the DDP hook cannot carry: DDP lays out its "
                              f"own buckets, and each parameter goes by its strategy node; build "
                              f"it without (Auto(..., bucket_bytes=None))")
-        if named_parameters is None and _routes_by_name(grace):
+        if named_parameters is None and routes_by_name:
             raise ValueError("a strategy routes gradients by their parameters' names: pass "
                              "GraceState(..., named_parameters=model.named_parameters()) of "
                              "the module DDP wraps (without it they are named param<i>)")
